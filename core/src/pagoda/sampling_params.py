@@ -1,0 +1,89 @@
+"""Per-request sampling settings, with vLLM's names and meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the output of one prompt.
+
+    Field names and meanings follow vLLM (and, through it, the OpenAI API). Invalid values raise
+    ``ValueError`` naming the field at construction.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: Any = None
+    # Filled in by the engine: the model's EOS ids, so the scheduler can stop without a tokenizer.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0  # vLLM spells "no top-k" both as 0 and -1
+        self._verify()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if self.n < 1:
+            bad("n", "must be at least 1")
+        if self.temperature < 0.0:
+            bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", "must be positive")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be non-negative")
+        if any(not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
