@@ -1,0 +1,37 @@
+"""Pagoda: an LLM inference and serving engine with a plugin at every seam."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.plugins.hookspecs import hookimpl
+from pagoda.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+    from pagoda.entrypoints.llm import LLM
+
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "hookimpl",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import pagoda` (and plugin discovery) must not pull in torch.
+    if name == "LLM":
+        from pagoda.entrypoints.llm import LLM
+
+        return LLM
+    if name == "EngineConfig":
+        from pagoda.config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

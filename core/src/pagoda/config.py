@@ -47,8 +47,10 @@ class CacheConfig(_Section):
 class SchedulerConfig(_Section):
     max_num_seqs: int = Field(128, ge=1)
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="token budget per step; default 2048 (or max_model_len if larger"
-        " and chunked prefill is off)"
+        None,
+        ge=1,
+        description="token budget per step; default 2048 (or max_model_len if larger"
+        " and chunked prefill is off)",
     )
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"

@@ -1,0 +1,91 @@
+"""The attention backend interface: what a backend plugin implements.
+
+A backend is a class registered by name through the ``register_attention_backends`` hook. The
+model runner builds one :class:`CommonAttentionMetadata` per step (never per layer); the backend
+turns it into its own metadata once, and each layer's :class:`AttentionImpl` reads that.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """The flat batch of one step, as every backend receives it.
+
+    Tokens of request ``i`` are ``query_start_loc[i]:query_start_loc[i + 1]`` of the flat batch;
+    the request's context holds ``seq_lens[i]`` tokens including them, so its first query token sits
+    at position ``seq_lens[i] - query_len[i]``. ``slot_mapping[t]`` is the KV cache slot
+    (``block_id * block_size + offset``) where token ``t`` is written; ``block_table[i]`` lists the
+    request's blocks, padded with block 0 (a block the pool never hands out).
+    """
+
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
+    seq_lens: torch.Tensor  # [num_reqs] int32, on the device
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, on the device
+    query_start_loc_cpu: np.ndarray  # the same, host copies for planning without a sync
+    seq_lens_cpu: np.ndarray
+    block_size: int
+
+
+class AttentionImpl(ABC):
+    """One attention layer's computation over the paged KV cache."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # the shape get_kv_cache_shape returned
+        attn_metadata: Any,  # what build_metadata returned for this step
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Write this step's keys and values into the cache, then attend over each request's
+        context (causal within the step's tokens)."""
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels. Subclasses are classes, not instances: the runner calls
+    the class methods, and builds one impl per layer."""
+
+    name: ClassVar[str]
+    #: Higher wins when ``attention.backend`` is ``auto`` and several support the model.
+    priority: ClassVar[int] = 0
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+        """Whether this backend runs on ``device`` with this dtype and head size."""
+
+    @classmethod
+    def get_kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor. The default holds keys at [0] and values at [1]."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    @abstractmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]: ...
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """Per-step planning (for example splitting decodes from prefills); once per step."""
+        return common

@@ -1,0 +1,139 @@
+"""The reference attention backend: plain torch over the paged cache, on any device.
+
+Decoding requests (one query token) are attended in one batched call over their gathered,
+padded contexts; requests with several query tokens (prefill chunks) one call each. All
+per-step planning happens in ``build_metadata``, once per step, not in the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagoda.attention.backend import AttentionBackend, AttentionImpl, CommonAttentionMetadata
+
+
+@dataclass
+class _Prefill:
+    start: int  # first token in the flat batch
+    end: int
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks] block ids covering the context
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plain causal (no context)
+
+
+@dataclass
+class TorchNativeMetadata:
+    common: CommonAttentionMetadata
+    all_decode: bool
+    decode_tokens: torch.Tensor | None  # flat-batch indices of decode tokens
+    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block ids
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[_Prefill]
+
+
+class TorchNativeBackend(AttentionBackend):
+    name = "torch_native"
+    priority = 0
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+        return dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return TorchNativeImpl
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> TorchNativeMetadata:
+        n = common.num_reqs
+        qsl = common.query_start_loc_cpu[: n + 1]
+        seq_lens = common.seq_lens_cpu[:n]
+        q_lens = np.diff(qsl)
+        bs = common.block_size
+        device = common.block_table.device
+        decode_rows = np.nonzero(q_lens == 1)[0]
+        all_decode = len(decode_rows) == n
+        decode_tokens = decode_blocks = decode_mask = None
+        if len(decode_rows):
+            lens = seq_lens[decode_rows]
+            max_blocks = int(-(-int(lens.max()) // bs))
+            rows_t = torch.from_numpy(decode_rows).to(device)
+            decode_blocks = common.block_table[rows_t, :max_blocks]
+            if not all_decode:
+                decode_tokens = torch.from_numpy(qsl[decode_rows]).to(device)
+            arange = torch.arange(max_blocks * bs, device=device)
+            lens_t = torch.from_numpy(lens.astype(np.int64)).to(device)
+            decode_mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]
+        prefills = []
+        for i in np.nonzero(q_lens > 1)[0]:
+            start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+            q_len = end - start
+            blocks = common.block_table[int(i), : -(-seq_len // bs)]
+            mask = None
+            if seq_len > q_len:
+                ctx = seq_len - q_len
+                q_pos = torch.arange(q_len, device=device)[:, None] + ctx
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
+            prefills.append(_Prefill(start, end, seq_len, blocks, mask))
+        return TorchNativeMetadata(
+            common, all_decode, decode_tokens, decode_blocks, decode_mask, prefills
+        )
+
+
+class TorchNativeImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TorchNativeMetadata,
+    ) -> torch.Tensor:
+        md = attn_metadata
+        num_tokens = md.common.num_actual_tokens
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        h, d = self.num_kv_heads, self.head_size
+        slots = md.common.slot_mapping[:num_tokens]
+        key_cache.view(-1, h, d).index_copy_(0, slots, key[:num_tokens])
+        value_cache.view(-1, h, d).index_copy_(0, slots, value[:num_tokens])
+        gqa = self.num_heads != self.num_kv_heads
+
+        if md.all_decode:
+            return self._decode(query[:num_tokens], key_cache, value_cache, md, gqa)
+        out = torch.empty_like(query)
+        if md.decode_blocks is not None:
+            q = query.index_select(0, md.decode_tokens)
+            out.index_copy_(0, md.decode_tokens, self._decode(q, key_cache, value_cache, md, gqa))
+        for p in md.prefills:
+            k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            o = F.scaled_dot_product_attention(
+                query[p.start : p.end].transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=self.scale,
+                enable_gqa=gqa,
+            )
+            out[p.start : p.end] = o.transpose(0, 1)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [num_decodes, num_heads, head_size]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: TorchNativeMetadata,
+        gqa: bool,
+    ) -> torch.Tensor:
+        k = key_cache[md.decode_blocks].flatten(1, 2).transpose(1, 2)  # [B, H_kv, L, D]
+        v = value_cache[md.decode_blocks].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa
+        )
+        return o.squeeze(2)

@@ -1,0 +1,51 @@
+"""Incremental detokenization: text grows token by token, never with half a character."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as left context, so the first output token decodes with the right spacing.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Decodes a small window that ends at the newest token and emits only the new, complete text.
+
+    NOTE: a byte-level token may hold part of a UTF-8 character; the window then decodes to text
+    ending in U+FFFD, and the delta waits until the next tokens complete the character.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+
+def find_stop_string(
+    text: str, new_len: int, stops: list[str], include: bool
+) -> tuple[str, int] | None:
+    """Look for a stop string in the last ``new_len`` characters of ``text`` (and the few before
+    them that a stop string could straddle). Returns (stop string, where to cut the text)."""
+    found: tuple[int, str] | None = None
+    for stop in stops:
+        idx = text.find(stop, max(0, len(text) - new_len - len(stop) + 1))
+        if idx != -1 and (found is None or idx < found[0]):
+            found = (idx, stop)
+    if found is None:
+        return None
+    idx, stop = found
+    return stop, idx + len(stop) if include else idx

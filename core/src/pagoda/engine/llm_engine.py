@@ -1,0 +1,107 @@
+"""The synchronous engine: input processing, the engine core, output processing."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.engine.core import EngineCore
+from pagoda.engine.input_processor import InputProcessor, PromptType
+from pagoda.engine.model_info import ModelInfo
+from pagoda.engine.output_processor import OutputProcessor
+from pagoda.loader import load_tokenizer
+from pagoda.outputs import RequestOutput
+from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info = ModelInfo.from_config(config)
+        self.tokenizer = load_tokenizer(self.info.tokenizer, config.model.trust_remote_code)
+        self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config, self.info)
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        processed = self.input_processor.process(prompt)
+        self.add_processed(
+            request_id, processed.prompt, processed.prompt_token_ids, params, priority
+        )
+
+    def add_processed(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already running")
+        seqs = []
+        for i in range(params.n):
+            child = (
+                params
+                if params.n == 1
+                else dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + i
+                )
+            )
+            seqs.append((request_id if params.n == 1 else f"{i}_{request_id}", child))
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
+        for seq_id, child in seqs:
+            self.engine_core.add_request(
+                Request(
+                    request_id=seq_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=child,
+                    eos_token_id=self.eos_token_id,
+                    priority=priority,
+                )
+            )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        seq_ids = []
+        for rid in request_ids:
+            seq_ids += self.output_processor.abort(rid)
+        self.engine_core.abort_requests(seq_ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+        """The prompt text and token ids of a conversation, through the model's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {self.info.name!r} has no chat template; use generate()"
+            )
+        kwargs.setdefault("add_generation_prompt", True)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        # The template already holds the special tokens it wants.
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,144 @@
+"""Turns the engine core's token ids into ``RequestOutput``s: text, stop strings, n > 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduler.output import EngineCoreOutput
+
+
+@dataclass
+class _SeqState:
+    """One sequence the core runs (a request, or one of the n samples of a request)."""
+
+    parent: _RequestState
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            self.index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason
+        )
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_SeqState] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.completion() for s in self.seqs],
+            self.finished,
+            self.num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._seqs: dict[str, _SeqState] = {}  # core request id -> sequence
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        seq_ids_and_params: list[tuple[str, SamplingParams]],
+    ) -> None:
+        state = _RequestState(request_id, prompt, prompt_token_ids)
+        for index, (seq_id, params) in enumerate(seq_ids_and_params):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
+            seq = _SeqState(state, index, params, detok)
+            state.seqs.append(seq)
+            self._seqs[seq_id] = seq
+        self._requests[request_id] = state
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def seq_ids(self, request_id: str) -> list[str]:
+        state = self._requests.get(request_id)
+        return [] if state is None else [k for k, s in self._seqs.items() if s.parent is state]
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs that changed, and the core sequences to abort because a
+        stop string ended them here."""
+        changed: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            seq = self._seqs.get(out.request_id)
+            if seq is None or seq.finish_reason is not None:
+                continue
+            seq.parent.num_cached_tokens = max(seq.parent.num_cached_tokens, out.num_cached_tokens)
+            stops = seq.params.stop
+            stopped_here = False
+            for token in out.new_token_ids:
+                seq.token_ids.append(token)
+                delta = seq.detok.add_token(token)
+                if not delta:
+                    continue
+                seq.text += delta
+                hit = (
+                    find_stop_string(
+                        seq.text, len(delta), stops, seq.params.include_stop_str_in_output
+                    )
+                    if stops
+                    else None
+                )
+                if hit is not None:
+                    seq.stop_reason, cut = hit
+                    seq.text = seq.text[:cut]
+                    seq.finish_reason = "stop"
+                    stopped_here = True
+                    break
+            if stopped_here:
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+            elif out.finish_reason is not None and seq.finish_reason is None:
+                seq.finish_reason = out.finish_reason
+                seq.stop_reason = out.stop_reason
+            if seq.finish_reason is not None:
+                del self._seqs[out.request_id]
+            changed[seq.parent.request_id] = seq.parent
+        results = []
+        for rid, state in changed.items():
+            results.append(state.output())
+            if state.finished:
+                del self._requests[rid]
+        return results, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its core sequence ids (for the core to abort)."""
+        ids = self.seq_ids(request_id)
+        for seq_id in ids:
+            del self._seqs[seq_id]
+        self._requests.pop(request_id, None)
+        return ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)

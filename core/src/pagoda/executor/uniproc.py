@@ -1,0 +1,22 @@
+"""The in-process executor: one worker in the engine's own process."""
+
+from __future__ import annotations
+
+from pagoda.executor.base import Executor
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def initialize(self) -> int:
+        self.worker = Worker(self.config, self.info)
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker = None  # type: ignore[assignment]

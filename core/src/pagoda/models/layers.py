@@ -1,0 +1,117 @@
+"""Building blocks shared by the model families: norms, rotary embeddings, fused linears."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x``; with ``residual``, normalise ``x + residual`` and also return the sum
+        (the next layer's residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), as Llama and Qwen use; cos/sin precomputed."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, scaling: dict | None = None
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type != "default":
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported; supported: default, linear, "
+                "llama3"
+            )
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``: [tokens, heads, dim], ``k``: [tokens, kv_heads, dim]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of one input fused into one matmul (q/k/v, or gate/up).
+
+    ``shard_sizes`` gives each part's output rows in order; weights load part by part under their
+    own names. Tensor parallelism will split each part across ranks the same way.
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: list[int], shard_names: list[str], bias: bool
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_names = shard_names
+        self.shard_offsets = {}
+        off = 0
+        for name, size in zip(shard_names, shard_sizes):
+            self.shard_offsets[name] = (off, size)
+            off += size
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        off, size = self.shard_offsets[shard]
+        param = getattr(self, param_name)
+        if tensor.shape[0] != size:
+            raise ValueError(
+                f"weight for {shard}.{param_name} has {tensor.shape[0]} rows, expected {size}"
+            )
+        with torch.no_grad():
+            param[off : off + size].copy_(tensor)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,194 @@
+"""The Llama family: Llama, Mistral, SmolLM2 (a Llama), Qwen2 (QKV bias), Qwen3 (q/k RMSNorm).
+
+Written for the paged KV cache: the forward pass takes the flat batch of the step (token ids and
+positions of every scheduled token of every request) and attention reads the step's metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.layer import Attention
+from pagoda.loader.arch import ModelArchConfig
+from pagoda.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: type[AttentionBackend],
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size,
+            [self.q_size, self.kv_size, self.kv_size],
+            ["q_proj", "k_proj", "v_proj"],
+            bias=cfg.attention_bias,
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            backend,
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            layer_idx,
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size,
+            [cfg.intermediate_size] * 2,
+            ["gate_proj", "up_proj"],
+            bias=False,
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: type[AttentionBackend],
+        rotary_emb: RotaryEmbedding,
+        layer_idx: int,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, rotary_emb, layer_idx)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # One rotary table for all layers (it is a buffer, not a weight).
+        rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, rotary_emb, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral, Qwen2 and Qwen3: their differences are flags in the config."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states of every token of the flat batch: [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named weights; returns the names of the parameters that were set.
+
+        Raises when a parameter stays unset or a weight has no home, naming it.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        merged = {
+            "q_proj": "qkv_proj",
+            "k_proj": "qkv_proj",
+            "v_proj": "qkv_proj",
+            "gate_proj": "gate_up_proj",
+            "up_proj": "gate_up_proj",
+        }
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            shard = parts[-2] if len(parts) >= 2 else ""
+            if shard in merged:
+                module_name = ".".join(parts[:-2] + [merged[shard]])
+                module = self.get_submodule(module_name)
+                module.load_shard(shard, parts[-1], tensor)
+                loaded.add(f"{module_name}.{parts[-1]}")
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint weight {name!r} has no parameter in the model")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+        return loaded

@@ -1,0 +1,41 @@
+"""A worker owns one device: it loads the model there, holds the KV cache, and runs steps."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.engine.model_info import ModelInfo
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.worker.model_runner import ModelRunner
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+        self.config = config
+        self.info = info
+        torch.manual_seed(config.model.seed)
+        if info.device.type == "cuda":
+            torch.cuda.set_device(info.device)
+        self.model_runner = ModelRunner(
+            config,
+            info.arch,
+            info.hf_dir,
+            info.load_format,
+            info.device,
+            info.dtype,
+            info.max_model_len,
+            info.max_num_batched_tokens,
+        )
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.model_runner.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up (or bring up to date) the project's virtual environment in .venv: torch, the core and
+# its test extras, the example plugin, and the default model (downloaded once into the user's
+# cache, outside the repository). Safe to run again: it skips what is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${PAGODA_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+stamp="$VENV/.pagoda-setup"
+want=$(cat core/pyproject.toml $(ls examples/*/pyproject.toml 2>/dev/null) scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  # torch first: a pinned CPU build where one is at hand, else the registry's build.
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0" || "${pip[@]}" torch
+  "${pip[@]}" -e "core[test]"
+  for ex in examples/*/; do
+    [ -f "$ex/pyproject.toml" ] && "${pip[@]}" --no-deps -e "$ex"
+  done
+  echo "$want" > "$stamp"
+fi
+# The default model (SmolLM2-135M-Instruct, GGUF), fetched and converted once.
+"$VENV/bin/python" -c "from pagoda.loader import default_model_path, convert_gguf; convert_gguf(default_model_path())"
