@@ -1,0 +1,55 @@
+"""Chained hashes of full KV cache blocks, the keys of the prefix cache.
+
+A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt, on the
+first block only), so equal hashes mean equal KV for the whole prefix, not just the block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from pagoda.request import Request
+
+ExtraKey = str | int | bytes
+
+
+def _encode_extra_key(key: ExtraKey) -> bytes:
+    if isinstance(key, bytes):
+        tag, data = b"b", key
+    elif isinstance(key, str):
+        tag, data = b"s", key.encode()
+    elif isinstance(key, int):
+        tag, data = b"i", str(key).encode()
+    else:
+        raise TypeError(f"unsupported block hash extra key {key!r}")
+    return tag + struct.pack("<Q", len(data)) + data
+
+
+def hash_block_tokens(
+    parent_hash: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[ExtraKey] = (),
+) -> bytes:
+    """SHA-256 over a length-prefixed encoding of (parent hash, token ids, extra keys)."""
+    h = hashlib.sha256()
+    h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash)
+    h.update(struct.pack(f"<Q{len(token_ids)}q", len(token_ids), *token_ids))
+    h.update(struct.pack("<Q", len(extra_keys)))
+    for key in extra_keys:
+        h.update(_encode_extra_key(key))
+    return h.digest()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
+    """Extend ``request.block_hashes`` to cover every full block of its tokens; returns it."""
+    hashes = request.block_hashes
+    num_full = request.num_tokens // block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        tokens = request.token_slice(i * block_size, (i + 1) * block_size)
+        extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+        parent = hash_block_tokens(parent, tokens, extra)
+        hashes.append(parent)
+    return hashes

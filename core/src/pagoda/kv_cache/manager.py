@@ -1,0 +1,181 @@
+"""The KV cache manager: which blocks each request holds, and prefix-cache lookups.
+
+NOTE: a block enters the prefix cache only once its KV has been computed in an earlier step
+(its tokens are below ``request.num_computed_tokens`` when the manager looks). A block filled in
+the current step is never shared within that step, so correctness does not depend on the order
+in which an attention backend writes and reads the cache inside one forward pass, and a request
+preempted before its step runs leaves no uncomputed block behind in the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagoda.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pagoda.kv_cache.hashing import update_block_hashes
+from pagoda.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted once per admission (first or after preemption) of a request."""
+
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be at least 1")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len if max_model_len is not None else num_blocks * block_size
+        self.max_num_blocks_per_req = cdiv(self.max_model_len, block_size)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request have been offered to the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's full blocks, and how many tokens it covers.
+
+        NOTE: the hit stops short of the last token even when everything is cached: the model
+        must still run on that token to produce the logits for the next one.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for h in hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Give the request slots for ``num_new_tokens`` more tokens; None if blocks run short.
+
+        Layout of the request's tokens::
+
+            -----------------------------------------------------------------------
+            | < computed > | < new computed > |    < new >    | < lookahead > |
+            -----------------------------------------------------------------------
+                           |   < to be computed this step >   |
+            -----------------------------------------------------------------------
+                           | < prefix-cache hit > |
+            -----------------------------------------------------------------------
+            | <            blocks the request holds after this call             > |
+
+        computed: ``request.num_computed_tokens``, already in the request's blocks.
+        new computed: ``num_new_computed_tokens``, the hit from ``get_computed_blocks``, held in
+            ``new_computed_blocks``; taken over without computing.
+        new: ``num_new_tokens``, to be computed this step.
+        lookahead: ``num_lookahead_tokens`` more slots for speculative tokens.
+
+        On None nothing has changed. Cached blocks with no other user count as not free here,
+        since taking them removes them from the free queue. On success the request's full
+        blocks already computed are added to the prefix cache.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"request {request.request_id}: num_new_tokens must be positive")
+        req_id = request.request_id
+        held = self.req_to_blocks.get(req_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if num_computed + num_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req_id}: {num_computed + num_new_tokens} tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        num_new_blocks = cdiv(num_slots, self.block_size) - len(held) - len(new_computed_blocks)
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_evictable > self.block_pool.get_num_free_blocks():
+            return None
+
+        if request.num_computed_tokens == 0 and self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_new_computed_tokens
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        held = self.req_to_blocks.setdefault(req_id, held)
+        held.extend(new_computed_blocks)
+        held.extend(new_blocks)
+        self._cache_computed_blocks(request, num_computed)
+        return new_blocks
+
+    def _cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
+        done = self.num_cached_blocks.get(req_id, 0)
+        if num_full <= done:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], hashes, done, num_full)
+        self.num_cached_blocks[req_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return every block the request holds; its computed full blocks stay in the prefix
+        cache. The tail of the sequence is freed first, so it is evicted first. Idempotent."""
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        if blocks is None:
+            return
+        self._cache_computed_blocks(request, request.num_computed_tokens)
+        del self.req_to_blocks[req_id]
+        self.num_cached_blocks.pop(req_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached blocks. Blocks of running requests are offered to the cache again
+        at their next allocation."""
+        self.block_pool.reset_prefix_cache()
+        for req_id in self.num_cached_blocks:
+            self.num_cached_blocks[req_id] = 0
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The stats gathered since the last call (for per-step metrics), then reset."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats

@@ -1,0 +1,393 @@
+"""The scheduler: each step, every request's computed tokens catch up with its known tokens.
+
+There are no prefill and decode phases. A request with many uncomputed tokens (a new prompt, a
+resumed one) gets as many as the token budget allows, possibly over several steps (chunked
+prefill); a request with one (the token sampled last step) is decoding. Prefix-cache hits and
+preemption (recompute from scratch) only move ``num_computed_tokens``.
+
+NOTE: ``num_computed_tokens`` is advanced at the end of ``schedule()``, by the tokens scheduled
+in that step; the request data sent to the runner carries the value from before the step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.kv_cache.block_pool import KVCacheBlock
+from pagoda.kv_cache.manager import KVCacheManager, cdiv
+from pagoda.request import Request, RequestStatus
+from pagoda.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Smaller is served first and preempted last."""
+    return request.priority, request.arrival_time
+
+
+class _FCFSQueue:
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+
+    def add_preempted(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._q.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class _PriorityQueue:
+    """Ordered by (priority, arrival_time); a preempted request returns to its own place."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (*_priority_key(request), next(self._seq), request))
+
+    add_preempted = add
+
+    def peek(self) -> Request:
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [e for e in self._heap if e[-1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[-1] for e in sorted(self._heap))
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+    def add(self, req: Request, n: int, blocks: list[KVCacheBlock], is_new: bool) -> None:
+        (self.new_reqs if is_new else self.cached_reqs).append(req)
+        self.num_scheduled[req.request_id] = n
+        self.new_blocks[req.request_id] = blocks
+        self.budget -= n
+
+    def drop(self, req: Request) -> None:
+        n = self.num_scheduled.pop(req.request_id, None)
+        if n is None:
+            return
+        self.budget += n
+        del self.new_blocks[req.request_id]
+        (self.new_reqs if req in self.new_reqs else self.cached_reqs).remove(req)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        chunked = scheduler_config.enable_chunked_prefill
+        budget = scheduler_config.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if chunked else max(2048, max_model_len)
+        if not chunked and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is smaller than max_model_len={max_model_len}"
+                " with chunked prefill disabled: long prompts could never be scheduled; raise"
+                " max_num_batched_tokens or enable chunked prefill"
+            )
+        if cache_config.block_size != kv_cache_manager.block_size:
+            raise ValueError(
+                f"cache block_size={cache_config.block_size} differs from the KV cache"
+                f" manager's {kv_cache_manager.block_size}"
+            )
+        usable = kv_cache_manager.num_blocks - 1
+        if cdiv(max_model_len, kv_cache_manager.block_size) > usable:
+            raise ValueError(
+                f"the KV cache holds {usable * kv_cache_manager.block_size} tokens, fewer than"
+                f" max_model_len={max_model_len}: one long request could never finish; lower"
+                " max_model_len or give the KV cache more memory"
+            )
+        self.max_model_len = max_model_len
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = budget
+        self.enable_chunked_prefill = chunked
+        self.policy = scheduler_config.policy
+        self.kv_cache_manager = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = _PriorityQueue() if self.policy == "priority" else _FCFSQueue()
+        self.running: list[Request] = []
+        # Sent with the next SchedulerOutput so the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already scheduled; request ids must be unique")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty; it needs at least one token")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens, max_model_len={self.max_model_len}"
+                " leaves no room for output; the prompt must be shorter than max_model_len"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        step = _Step(budget=self.max_num_batched_tokens)
+
+        i = 0
+        while i < len(self.running) and step.budget > 0:
+            req = self.running[i]
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens,
+                step.budget,
+                self.max_model_len - req.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            blocks = kv.allocate_slots(req, num_new)
+            while blocks is None:
+                victim = self._pick_victim()
+                pos = self.running.index(victim)
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+                if pos < i:
+                    i -= 1
+                blocks = kv.allocate_slots(req, num_new)
+            if blocks is None:
+                break
+            step.add(req, num_new, blocks, is_new=False)
+            i += 1
+
+        if not step.preempted:
+            self._schedule_waiting(step)
+
+        new_data = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=list(r.output_token_ids),
+                sampling_params=r.sampling_params,
+                block_ids=kv.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.new_reqs
+        ]
+        cached_data = [
+            CachedRequestData(
+                req_id=r.request_id,
+                new_block_ids=[b.block_id for b in step.new_blocks[r.request_id]],
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in step.cached_reqs
+        ]
+        finished, self.finished_req_ids = self.finished_req_ids | step.preempted, set()
+        for r in itertools.chain(step.new_reqs, step.cached_reqs):
+            r.num_computed_tokens += step.num_scheduled[r.request_id]
+        return SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached_data,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=sum(step.num_scheduled.values()),
+            finished_req_ids=finished,
+        )
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and step.budget > 0:
+            req = self.waiting.peek()
+            if req.request_id in step.preempted:
+                break  # pushed out by a better request this step; not back in the same step
+            if len(self.running) >= self.max_num_seqs:
+                if self._preempt_worse_than(req, step):
+                    continue
+                break
+            hit_blocks: list[KVCacheBlock] = []
+            num_hit = 0
+            if req.num_computed_tokens == 0:
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = req.num_tokens - req.num_computed_tokens - num_hit
+            if not self.enable_chunked_prefill and num_new > step.budget:
+                break
+            num_new = min(num_new, step.budget)
+            blocks = kv.allocate_slots(req, num_new, hit_blocks, num_hit)
+            while blocks is None and self._preempt_worse_than(req, step):
+                blocks = kv.allocate_slots(req, num_new, hit_blocks, num_hit)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens += num_hit
+            self.running.append(req)
+            step.add(req, num_new, blocks, is_new=True)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt_worse_than(self, req: Request, step: _Step) -> bool:
+        """Under the priority policy, preempt the worst running request if it ranks strictly
+        below ``req``; say whether one was preempted."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=_priority_key)
+        if _priority_key(victim) <= _priority_key(req):
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        self.running.remove(req)
+        step.drop(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.add_preempted(req)
+        step.preempted.add(req.request_id)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted since it was scheduled
+            new_token_ids: list[int] = []
+            for token in sampled.get(req_id, ()):
+                req.output_token_ids.append(token)
+                new_token_ids.append(token)
+                if self._check_stop(req, token):
+                    break
+            if req.is_finished:
+                any_finished = True
+                self._release(req)
+            if new_token_ids or req.is_finished:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        finish_reason=req.status.finish_reason,
+                        stop_reason=req.stop_reason,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                    )
+                )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        """Set the finished status if ``token``, just appended, ends the request."""
+        sp = req.sampling_params
+        stop_ids = sp.stop_token_ids or ()
+        if req.num_output_tokens >= sp.min_tokens:
+            # all_stop_token_ids holds the model's EOS ids besides the user's stop tokens.
+            is_eos = token == req.eos_token_id or (
+                token in sp.all_stop_token_ids and token not in stop_ids
+            )
+            if is_eos and not sp.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in stop_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return True
+        if (
+            sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens
+        ) or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _release(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+
+    def finish_requests(
+        self,
+        req_ids: str | Iterable[str],
+        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+    ) -> None:
+        """End requests from outside (abort, stop string); unknown or finished ids are ignored."""
+        if not finished_status.is_finished:
+            raise ValueError(f"finished_status={finished_status!r} is not a finished status")
+        for rid in (req_ids,) if isinstance(req_ids, str) else req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = finished_status
+            self._release(req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Whether finished ids still wait to reach the runner with the next schedule()."""
+        return bool(self.finished_req_ids)
