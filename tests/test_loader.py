@@ -1,5 +1,4 @@
 """The loading layer: GGUF conversion and its cache, config parsing, model resolution, weights."""
-# ruff: noqa: E402 - HF_HUB_OFFLINE must be set before transformers is first imported
 
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-
 import gguf
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from pagoda.loader import (
     DEFAULT_MODEL_NAME,
     SUPPORTED_ARCHITECTURES,
@@ -30,7 +29,6 @@ from pagoda.loader import (
     load_tokenizer,
     resolve_model,
 )
-from torch import nn
 
 
 @dataclass
@@ -92,13 +90,9 @@ def test_default_model_fetch_failure_says_how_to_get_it_by_hand(
 
 
 def test_gguf_conversion_equals_transformers_gguf_loader(
-    default_gguf: Path, converted: Converted
+    converted: Converted, hf_smollm2: torch.nn.Module
 ) -> None:
-    from transformers import AutoModelForCausalLM
-
-    ref_model = AutoModelForCausalLM.from_pretrained(
-        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
-    )
+    ref_model = hf_smollm2
     ours_config = ModelArchConfig.from_hf_config(load_hf_config(converted.folder))
     assert ours_config == ModelArchConfig.from_hf_config(ref_model.config.to_dict())
     assert ours_config.tie_word_embeddings and ours_config.head_dim == 64

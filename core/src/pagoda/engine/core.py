@@ -39,7 +39,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
+        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
         runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -124,6 +124,7 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
     ) -> None:
+        self.num_preemptions_total = 0
         chunked = scheduler_config.enable_chunked_prefill
         budget = scheduler_config.max_num_batched_tokens
         if budget is None:
@@ -291,6 +292,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.add_preempted(req)
         step.preempted.add(req.request_id)
 
