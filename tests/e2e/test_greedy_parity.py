@@ -41,10 +41,12 @@ def reference(hf_smollm2, smollm2_tokenizer) -> list[tuple[list[int], list[int]]
         ids = p["prompt_token_ids"] if isinstance(p, dict) else smollm2_tokenizer.encode(p)
         with torch.inference_mode():
             gen = hf_smollm2.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, do_sample=False,
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
             )
-        out.append((ids, gen[0, len(ids):].tolist()))
+        out.append((ids, gen[0, len(ids) :].tolist()))
     return out
 
 
@@ -59,7 +61,7 @@ def _check_same_or_near_tie(hf_model, prompt: list[int], want: list[int], got: l
     gap = float((top2[0] - top2[1]).abs() / top2[0].abs())
     assert gap <= 1e-4, (
         f"outputs diverge at token {i} where transformers' top two logits are {gap:.2e} apart "
-        f"(relative), not a near-tie: got {got[i:i + 5]}, want {want[i:i + 5]}"
+        f"(relative), not a near-tie: got {got[i : i + 5]}, want {want[i : i + 5]}"
     )
 
 

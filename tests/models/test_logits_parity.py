@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+
 from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.torch_native import TorchNativeBackend

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 

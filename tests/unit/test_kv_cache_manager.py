@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pagoda.kv_cache.hashing import hash_block_tokens, update_block_hashes
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.request import Request

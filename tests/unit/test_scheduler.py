@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
