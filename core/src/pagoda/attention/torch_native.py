@@ -30,9 +30,17 @@ class TorchNativeMetadata:
     common: CommonAttentionMetadata
     all_decode: bool
     decode_tokens: torch.Tensor | None  # flat-batch indices of decode tokens
-    decode_blocks: torch.Tensor | None  # [num_decodes, max_blocks] block ids
+    decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] block ids, row-major
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[_Prefill]
+    # The decode mask as an additive float mask, made by the first layer that needs it.
+    decode_bias: torch.Tensor | None = None
+
+    def decode_bias_for(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.decode_bias is None or self.decode_bias.dtype != dtype:
+            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            self.decode_bias = bias.masked_fill_(~self.decode_mask, float("-inf"))
+        return self.decode_bias
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -62,7 +70,7 @@ class TorchNativeBackend(AttentionBackend):
             lens = seq_lens[decode_rows]
             max_blocks = int(-(-int(lens.max()) // bs))
             rows_t = torch.from_numpy(decode_rows).to(device)
-            decode_blocks = common.block_table[rows_t, :max_blocks]
+            decode_blocks = common.block_table[rows_t, :max_blocks].flatten().long()
             if not all_decode:
                 decode_tokens = torch.from_numpy(qsl[decode_rows]).to(device)
             arange = torch.arange(max_blocks * bs, device=device)
@@ -100,27 +108,31 @@ class TorchNativeImpl(AttentionImpl):
         slots = md.common.slot_mapping[:num_tokens]
         key_cache.view(-1, h, d).index_copy_(0, slots, key[:num_tokens])
         value_cache.view(-1, h, d).index_copy_(0, slots, value[:num_tokens])
-        gqa = self.num_heads != self.num_kv_heads
 
         if md.all_decode:
-            return self._decode(query[:num_tokens], key_cache, value_cache, md, gqa)
+            return self._decode(query[:num_tokens], key_cache, value_cache, md)
         out = torch.empty_like(query)
         if md.decode_blocks is not None:
             q = query.index_select(0, md.decode_tokens)
-            out.index_copy_(0, md.decode_tokens, self._decode(q, key_cache, value_cache, md, gqa))
+            out.index_copy_(0, md.decode_tokens, self._decode(q, key_cache, value_cache, md))
+        group = self.num_heads // self.num_kv_heads
         for p in md.prefills:
-            k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len]
-            v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len].transpose(0, 1)
+            v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len].transpose(0, 1)
+            if group > 1:
+                # NOTE: 4-D inputs with K/V expanded reach torch's fused CPU kernel; enable_gqa
+                # falls back to a path several times slower.
+                k = k.repeat_interleave(group, dim=0)
+                v = v.repeat_interleave(group, dim=0)
             o = F.scaled_dot_product_attention(
-                query[p.start : p.end].transpose(0, 1),
-                k.transpose(0, 1),
-                v.transpose(0, 1),
+                query[p.start : p.end].transpose(0, 1).unsqueeze(0),
+                k.unsqueeze(0),
+                v.unsqueeze(0),
                 attn_mask=p.mask,
                 is_causal=p.mask is None,
                 scale=self.scale,
-                enable_gqa=gqa,
             )
-            out[p.start : p.end] = o.transpose(0, 1)
+            out[p.start : p.end] = o[0].transpose(0, 1)
         return out
 
     def _decode(
@@ -129,11 +141,18 @@ class TorchNativeImpl(AttentionImpl):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         md: TorchNativeMetadata,
-        gqa: bool,
     ) -> torch.Tensor:
-        k = key_cache[md.decode_blocks].flatten(1, 2).transpose(1, 2)  # [B, H_kv, L, D]
-        v = value_cache[md.decode_blocks].flatten(1, 2).transpose(1, 2)
+        b, h_kv, d = q.shape[0], self.num_kv_heads, self.head_size
+        num_blocks = key_cache.shape[0]
+        # One row gather per block (index_select beats advanced indexing on CPU), viewed as
+        # [B, H_kv, L, D] without a copy.
+        k = key_cache.view(num_blocks, -1).index_select(0, md.decode_blocks)
+        v = value_cache.view(num_blocks, -1).index_select(0, md.decode_blocks)
+        k = k.view(b, -1, h_kv, d).transpose(1, 2)
+        v = v.view(b, -1, h_kv, d).transpose(1, 2)
+        # NOTE: the query heads that share a KV head ride as that head's "query positions", so
+        # grouped-query attention needs no copy of K and V per query head.
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=md.decode_mask, scale=self.scale, enable_gqa=gqa
+            q.view(b, h_kv, -1, d), k, v, attn_mask=md.decode_bias_for(q.dtype), scale=self.scale
         )
-        return o.squeeze(2)
+        return o.reshape(b, self.num_heads, d)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -23,6 +25,8 @@ class LLMEngine:
         self.info = ModelInfo.from_config(config)
         self.tokenizer = load_tokenizer(self.info.tokenizer, config.model.trust_remote_code)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        # Other ids that end a turn (generation_config.json, config.json) stop like EOS.
+        self.extra_eos_ids = _model_eos_ids(self.info) - {self.eos_token_id}
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config, self.info)
@@ -105,3 +109,17 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
+
+
+def _model_eos_ids(info: ModelInfo) -> set[int]:
+    ids: set[int] = set()
+    sources: list[Any] = [info.arch.eos_token_id]
+    gen_config = Path(info.hf_dir) / "generation_config.json"
+    if gen_config.is_file():
+        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
