@@ -52,7 +52,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     out = apply_min_p(probs, torch.tensor([0.35]))
-    assert out.tolist() == [[0.5, 0.3, 0.0, 0.0]]
+    assert torch.equal(out, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
 
 
 def test_degenerate_filters_and_greedy_rows_give_the_argmax() -> None:
