@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pagoda.plugins.hookspecs import Register, hookimpl
 
+PAGODA_PLUGIN_API = 1
+
 
 @hookimpl
 def register_attention_backends(register: Register) -> None:

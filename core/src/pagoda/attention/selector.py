@@ -1,36 +1,34 @@
-"""Choosing the attention backend: by name, or the best one that supports the model."""
+"""Choosing the attention backend: by name, or ``auto``, the best one that supports the model."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from pagoda.attention.backend import AttentionBackend
-from pagoda.plugins import get_registry
+from pagoda.plugins import PluginLoadError, get_registry, select
 
 
 def select_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype, head_size: int
 ) -> type[AttentionBackend]:
-    registry = get_registry("attention_backends")
-    if name != "auto":
-        backend = registry.get(name)
-        if not backend.supports(device, dtype, head_size):
-            raise ValueError(
-                f"attention backend {name!r} does not support device={device.type}, "
-                f"dtype={dtype}, head_size={head_size}"
-            )
-        return backend
-    candidates = []
-    for n in registry.names():
-        try:
-            backend = registry.get(n)
-        except Exception:  # a backend that cannot even import is skipped by "auto"
-            continue
-        if backend.supports(device, dtype, head_size):
-            candidates.append(backend)
-    if not candidates:
-        raise ValueError(
-            f"no attention backend supports device={device.type}, dtype={dtype}, "
-            f"head_size={head_size}; registered: {', '.join(registry.names())}"
+    """The backend class named ``name`` (``attention.backend``), checked to support ``device``,
+    ``dtype`` and ``head_size``; ``auto`` picks the highest ``priority`` among those that do."""
+    return select(
+        "attention_backends",
+        name,
+        supports=lambda b: b.supports(device, dtype, head_size),
+        needs=f"device={device.type}, dtype={str(dtype).removeprefix('torch.')}, "
+        f"head_size={head_size}",
+        check=_check_backend,
+    )
+
+
+def _check_backend(name: str, target: Any) -> None:
+    if not (isinstance(target, type) and issubclass(target, AttentionBackend)):
+        plugin = get_registry("attention_backends").registration(name).plugin
+        raise PluginLoadError(
+            f"attention backend {name!r} from plugin {plugin.label} is {target!r}, not a "
+            "subclass of pagoda.attention.backend.AttentionBackend"
         )
-    return max(candidates, key=lambda b: b.priority)

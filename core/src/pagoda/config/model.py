@@ -1,20 +1,22 @@
-"""Engine configuration: one pydantic-settings model with a section per concern.
+"""The engine configuration: one pydantic-settings model with a section per concern.
 
-Sources, highest first: explicit arguments, command-line flags, environment (``PAGODA_`` prefix,
-``__`` between section and key), a YAML or TOML file, defaults. Unknown keys are errors.
+``EngineConfig.load`` layers the sources (see ``pagoda.config.loader``); constructing
+``EngineConfig()`` directly reads explicit arguments and the environment only.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
 class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
+    """A configuration value is unknown, of the wrong type or out of range; the message names
+    each key and the source it came from."""
 
 
 class _Section(BaseModel):
@@ -26,59 +28,75 @@ class ModelConfig(_Section):
         None, description="Hugging Face model folder, GGUF file, or None for the default model"
     )
     tokenizer: str | None = Field(None, description="tokenizer source; defaults to the model's")
-    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field(
+        "auto", description="how to read the weights; dummy: random, for benchmarks"
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights and activations; auto: float32 on CPU, else the model's"
+    )
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: model's")
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    trust_remote_code: bool = False
+    seed: int = Field(0, description="seed for random weights and unseeded sampling")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available")
+    trust_remote_code: bool = Field(False, description="allow the model's own tokenizer code")
 
 
 class CacheConfig(_Section):
-    block_size: int = Field(16, ge=1, le=1024)
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
+    )
     kv_cache_memory_bytes: int | None = Field(
         None, ge=1, description="KV cache size; default: 4 GiB on CPU, from utilization on GPU"
     )
-    num_gpu_blocks_override: int | None = Field(None, ge=1)
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=2, description="exact number of KV cache blocks (testing)"
+    )
 
 
 class SchedulerConfig(_Section):
-    max_num_seqs: int = Field(128, ge=1)
+    max_num_seqs: int = Field(128, ge=1, description="requests running at once")
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,
         description="token budget per step; default 2048 (or max_model_len if larger"
         " and chunked prefill is off)",
     )
-    enable_chunked_prefill: bool = True
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: arrival order; priority: lowest priority value first"
+    )
 
 
 class AttentionConfig(_Section):
-    backend: str = "auto"
+    backend: str = Field(
+        "auto", description="attention backend by name (`pagoda plugins`), or auto: the best one"
+    )
 
 
 class ParallelConfig(_Section):
-    tensor_parallel_size: int = Field(1, ge=1)
-    executor: str = "uniproc"
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over")
+    executor: str = Field("uniproc", description="executor by name (`pagoda plugins`)")
 
 
 class SpeculativeConfig(_Section):
-    method: str | None = None
-    num_speculative_tokens: int = Field(0, ge=0)
+    method: str | None = Field(None, description="speculative proposer by name; None: off")
+    num_speculative_tokens: int = Field(0, ge=0, description="tokens proposed per step")
 
 
 class StructuredOutputConfig(_Section):
-    backend: str = "auto"
+    backend: str = Field("auto", description="grammar backend by name, or auto: the best one")
 
 
 class ServerConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
-    served_model_name: str | None = None
+    host: str = Field("127.0.0.1", description="address `pagoda serve` listens on")
+    port: int = Field(8000, ge=0, le=65535, description="port `pagoda serve` listens on")
+    api_key: str | None = Field(None, description="bearer token clients must send; None: open")
+    served_model_name: str | None = Field(None, description="model name in the API")
+
+
+# Set while EngineConfig.load builds the model from sources it has already layered itself.
+_LAYERED: ContextVar[bool] = ContextVar("pagoda_config_layered", default=False)
 
 
 class EngineConfig(BaseSettings):
@@ -100,12 +118,17 @@ class EngineConfig(BaseSettings):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 
+    # Dotted key -> where its value came from ("file engine.yaml, line 3", "default", ...).
+    _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
-        s = self.scheduler
-        if s.max_num_batched_tokens is not None and s.max_num_batched_tokens < s.max_num_seqs:
-            if s.max_num_batched_tokens < 1:
-                raise ValueError("scheduler.max_num_batched_tokens must be at least 1")
+        sp = self.speculative
+        if sp.method is not None and sp.num_speculative_tokens < 1:
+            raise ValueError(
+                "speculative.num_speculative_tokens must be at least 1 when speculative.method "
+                f"is set (method={sp.method!r}, num_speculative_tokens={sp.num_speculative_tokens})"
+            )
         return self
 
     @classmethod
@@ -117,6 +140,8 @@ class EngineConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        if _LAYERED.get():
+            return (init_settings,)
         return init_settings, env_settings
 
     @classmethod
@@ -124,83 +149,37 @@ class EngineConfig(BaseSettings):
         cls,
         config_file: str | Path | None = None,
         overrides: dict[str, Any] | None = None,
+        *,
+        flags: dict[str, tuple[Any, str]] | None = None,
     ) -> EngineConfig:
-        """Build the configuration from a file, the environment and explicit overrides.
+        """Build the configuration from its sources, highest first: ``overrides`` (explicit
+        arguments), ``flags`` (command line), the environment (``PAGODA_SECTION__KEY``),
+        ``config_file`` (YAML or TOML), defaults.
 
         ``overrides`` may be nested (``{"cache": {"block_size": 32}}``) or flat with vLLM's
-        argument names (``{"block_size": 32, "max_model_len": 2048}``).
+        argument names (``{"block_size": 32}``). ``flags`` maps ``"section.key"`` to the value and
+        the flag that gave it. Raises :class:`ConfigError` naming each bad key and its source.
         """
-        file_values = _read_config_file(config_file) if config_file else {}
-        explicit = nest_flat_overrides(overrides or {})
-        merged = _deep_merge(file_values, explicit)
-        try:
-            return cls(**merged)
-        except ValidationError as e:
-            raise ConfigError(_format_errors(e)) from None
+        from pagoda.config.loader import load_config
 
+        return load_config(cls, config_file, overrides, flags)
 
-def _section_fields() -> dict[str, str]:
-    """Map each key name to its section, for flat (vLLM-style) arguments."""
-    out: dict[str, str] = {}
-    for section, info in EngineConfig.model_fields.items():
-        for key in info.annotation.model_fields:  # type: ignore[union-attr]
-            out.setdefault(key, section)
-    return out
+    def with_overrides(self, overrides: dict[str, Any]) -> EngineConfig:
+        """A copy with explicit ``overrides`` (nested or flat) on top, sources kept."""
+        from pagoda.config.loader import apply_overrides
 
+        return apply_overrides(self, overrides)
 
-def nest_flat_overrides(values: dict[str, Any]) -> dict[str, Any]:
-    sections = EngineConfig.model_fields
-    flat_map = _section_fields()
-    nested: dict[str, Any] = {}
-    for key, value in values.items():
-        if key in sections and isinstance(value, dict):
-            nested[key] = _deep_merge(nested.get(key, {}), value)
-        elif key in flat_map:
-            nested.setdefault(flat_map[key], {})[key] = value
-        else:
-            known = ", ".join(sorted(flat_map))
-            raise ConfigError(f"unknown engine argument {key!r}; known arguments: {known}")
-    return nested
+    @property
+    def sources(self) -> dict[str, str]:
+        """Every key (``section.key``) -> the source its value came from."""
+        from pagoda.config.loader import leaf_keys
 
+        return {k: self._sources.get(k, "default") for k in leaf_keys()}
 
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _read_config_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
-    try:
-        if p.suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            data = tomllib.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as e:
-        raise ConfigError(f"config file {str(p)!r} could not be parsed: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections")
-    return data
-
-
-def _format_errors(e: ValidationError) -> str:
-    lines = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        lines.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
-    return "invalid configuration:\n  " + "\n  ".join(lines)
+    def source_of(self, key: str) -> str:
+        """Where the value of ``key`` (``"cache.block_size"``) came from."""
+        sources = self.sources
+        if key not in sources:
+            raise KeyError(f"unknown configuration key {key!r}")
+        return sources[key]

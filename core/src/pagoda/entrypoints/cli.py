@@ -1,76 +1,81 @@
-"""The ``pagoda`` command: generate, plugins, bench (and serve, config as they land)."""
+"""The ``pagoda`` command: generate, plugins, config, bench (and serve, as it lands).
+
+Every command that builds an engine takes the same engine arguments (:func:`add_engine_args`):
+``--config FILE`` and one flag per configuration key, turned into an :class:`EngineConfig` by
+:func:`config_from_args` with the documented precedence (flags over environment over file).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import typing
 from typing import Any
 
 from pagoda.config import ConfigError, EngineConfig
+from pagoda.config.loader import flat_names, format_effective, sections
 
-
-def _flag_specs() -> list[tuple[str, str, str, Any]]:
-    """(flag, section, key, annotation) for every config key; flat names follow vLLM."""
-    seen: dict[str, int] = {}
-    fields = []
-    for section, info in EngineConfig.model_fields.items():
-        for key, f in info.annotation.model_fields.items():  # type: ignore[union-attr]
-            seen[key] = seen.get(key, 0) + 1
-            fields.append((section, key, f))
-    specs = []
-    for section, key, f in fields:
-        name = (
-            key if seen[key] == 1 and key != "model" or section == "model" else (f"{section}-{key}")
-        )
-        if section == "attention" and key == "backend":
-            name = "attention-backend"
-        specs.append((name.replace("_", "-"), section, key, f.annotation))
-    return specs
+_DEST = "cfg__"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML or TOML file with the engine configuration")
-    group = parser.add_argument_group("engine configuration (each overrides --config)")
-    for flag, section, key, annotation in _flag_specs():
-        dest = f"cfg__{section}__{key}"
-        if annotation is bool:
-            group.add_argument(
-                f"--{flag}",
-                dest=dest,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"{section}.{key}",
-            )
+    """Add ``--config`` and a flag per configuration key (``--block-size``, ...) to ``parser``."""
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML or TOML file with the engine configuration"
+    )
+    group = parser.add_argument_group("engine configuration (flags override environment and file)")
+    secs = sections()
+    for flat, (section, key) in flat_names().items():
+        field = secs[section].model_fields[key]
+        flag = "--" + flat.replace("_", "-")
+        common: dict[str, Any] = {
+            "dest": f"{_DEST}{section}__{key}",
+            "default": None,
+            "help": f"{field.description or ''} [{section}.{key}]".strip(),
+        }
+        if field.annotation is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         else:
-            group.add_argument(
-                f"--{flag}",
-                dest=dest,
-                default=None,
-                metavar=_metavar(annotation),
-                help=f"{section}.{key}",
-            )
+            group.add_argument(flag, metavar=_metavar(field.annotation), **common)
 
 
 def _metavar(annotation: Any) -> str:
-    args = typing.get_args(annotation)
-    literals = [a for a in args if isinstance(a, str)]
+    literals = [a for a in typing.get_args(annotation) if isinstance(a, str)]
     return "{" + ",".join(literals) + "}" if literals else "VALUE"
 
 
+def _flags(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """``section.key`` -> (value, flag) for every engine flag given on the command line."""
+    names = {v: k for k, v in flat_names().items()}
+    out = {}
+    for dest, value in vars(args).items():
+        if dest.startswith(_DEST) and value is not None:
+            section, key = dest[len(_DEST) :].split("__")
+            out[f"{section}.{key}"] = (value, "--" + names[(section, key)].replace("_", "-"))
+    return out
+
+
+def config_from_args(
+    args: argparse.Namespace, overrides: dict[str, Any] | None = None
+) -> EngineConfig:
+    """The engine configuration of a command: ``--config``, environment, flags, ``overrides``."""
+    return EngineConfig.load(args.config, overrides, flags=_flags(args))
+
+
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags given, nested as ``{section: {key: value}}``."""
     nested: dict[str, Any] = {}
-    for name, value in vars(args).items():
-        if name.startswith("cfg__") and value is not None:
-            _, section, key = name.split("__")
-            nested.setdefault(section, {})[key] = value
+    for dotted, (value, _) in _flags(args).items():
+        section, key = dotted.split(".", 1)
+        nested.setdefault(section, {})[key] = value
     return nested
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(config=args.config, **engine_overrides(args))
+    llm = LLM(config=config_from_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -92,14 +97,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from pagoda.plugins import get_plugin_manager, get_registry
-    from pagoda.plugins.hookspecs import all_registry_hooks
+    from pagoda.plugins.report import format_plugins, has_problems
 
-    get_plugin_manager()
-    for kind in all_registry_hooks():
-        reg = get_registry(kind)
-        for name in reg.names():
-            print(f"{kind:<20} {name:<24} {reg.entries[name].plugin}")
+    # The report shows every failure in full; the discovery warnings would only repeat it.
+    logging.getLogger("pagoda.plugins").setLevel(logging.ERROR)
+    print(format_plugins("json" if args.json else "table"))
+    return 1 if args.check and has_problems() else 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    print(format_effective(config_from_args(args), args.format))
     return 0
 
 
@@ -129,8 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
-    plugins = sub.add_parser("plugins", help="list plugins and what they register")
+    plugins = sub.add_parser("plugins", help="list plugins, what they register, load errors")
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.add_argument(
+        "--check", action="store_true", help="exit with status 1 if any plugin failed to load"
+    )
     plugins.set_defaults(func=_cmd_plugins)
+
+    config = sub.add_parser(
+        "config", help="print the effective configuration and where each value came from"
+    )
+    config.add_argument("--format", choices=("table", "yaml", "json"), default="table")
+    add_engine_args(config)
+    config.set_defaults(func=_cmd_config)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -144,10 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagoda.plugins import PluginError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, ValueError, KeyError) as e:
+    except (ConfigError, PluginError, ValueError, KeyError) as e:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 2
 

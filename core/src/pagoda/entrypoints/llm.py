@@ -19,17 +19,26 @@ class LLM:
     """An engine in this process for offline generation.
 
     ``LLM(model=..., max_model_len=...)`` takes vLLM's argument names (each belongs to a config
-    section: ``block_size`` to ``cache``, ``max_num_seqs`` to ``scheduler``, ...), or
-    ``LLM(config="engine.yaml")``; explicit arguments override the file and the environment.
+    section: ``block_size`` to ``cache``, ``max_num_seqs`` to ``scheduler``, ...) or sections
+    (``cache={"block_size": 32}``); ``LLM(config="engine.yaml")`` reads the file ``pagoda serve
+    --config`` reads, or takes a built :class:`EngineConfig`. Explicit arguments override the
+    file and the environment (``PAGODA_CACHE__BLOCK_SIZE=32``).
     """
 
     def __init__(
-        self, model: str | None = None, *, config: str | Path | None = None, **kwargs: Any
+        self,
+        model: str | None = None,
+        *,
+        config: str | Path | EngineConfig | None = None,
+        **kwargs: Any,
     ) -> None:
         overrides = dict(kwargs)
         if model is not None:
             overrides["model"] = model
-        self.config = EngineConfig.load(config_file=config, overrides=overrides)
+        if isinstance(config, EngineConfig):
+            self.config = config.with_overrides(overrides) if overrides else config
+        else:
+            self.config = EngineConfig.load(config_file=config, overrides=overrides)
         self.engine = LLMEngine(self.config)
 
     def get_tokenizer(self) -> Any:

@@ -1,6 +1,48 @@
-"""Plugin hooks, discovery and the registries they fill."""
+"""Plugin hooks, discovery and the registries they fill. See ``docs/plugins.md``."""
 
-from pagoda.plugins.hookspecs import hookimpl, hookspec
-from pagoda.plugins.manager import Registry, get_plugin_manager, get_registry
+from pagoda.plugins.errors import (
+    DuplicateNameError,
+    PluginAPIVersionError,
+    PluginError,
+    PluginLoadError,
+    PluginSelectionError,
+    RequestRejectedError,
+    UnknownNameError,
+)
+from pagoda.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl, hookspec
+from pagoda.plugins.manager import (
+    get_plugin_manager,
+    get_registry,
+    load_plugins,
+    plugin_records,
+    plugin_registered,
+    register_plugin,
+    reload_plugins,
+    unregister_plugin,
+)
+from pagoda.plugins.registry import PluginRecord, Registry
+from pagoda.plugins.selection import select
 
-__all__ = ["hookimpl", "hookspec", "Registry", "get_plugin_manager", "get_registry"]
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "DuplicateNameError",
+    "PluginAPIVersionError",
+    "PluginError",
+    "PluginLoadError",
+    "PluginRecord",
+    "PluginSelectionError",
+    "Registry",
+    "RequestRejectedError",
+    "UnknownNameError",
+    "get_plugin_manager",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "load_plugins",
+    "plugin_records",
+    "plugin_registered",
+    "register_plugin",
+    "reload_plugins",
+    "select",
+    "unregister_plugin",
+]

@@ -1,63 +1,217 @@
-"""Hook specifications: what a Pagoda plugin may implement.
+"""Hook specifications: everything a Pagoda plugin may implement.
 
-Registration hooks are collectors: each implementation calls ``register(name, target)`` for what it
-provides, where ``target`` is a lazy ``"package.module:Name"`` string or an object. Nothing is
-imported until a user selects it by name, so discovery touches no kernel library and no GPU.
+A plugin is a module (or any object) whose functions are marked with ``@pagoda.hookimpl`` and named
+after the hooks below; it declares ``PAGODA_PLUGIN_API = 1`` (:data:`PLUGIN_API_VERSION`) and is
+found through the ``pagoda`` entry-point group. Hooks come in two groups:
+
+- Registries, called once per process when plugins load. Each is a collector: the plugin calls
+  ``register(name, target, override=False)`` for every thing it provides. ``target`` is a lazy
+  ``"package.module:Name"`` string (imported only when a user selects ``name``) or the object
+  itself. Discovery must import no kernel library and touch no GPU, so prefer strings.
+- Seams, at the scheduler, the KV cache manager, the model runner and the engine core. They fire
+  once per request or once per step, never per layer or per token; a seam that no plugin implements
+  costs nothing (the engine binds it once and skips it).
+
+A hook implementation may accept any subset of a hook's parameters, so parameters added later do
+not break a plugin. The plugin author's guide (``docs/plugins.md``) shows each hook in use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 
+if TYPE_CHECKING:
+    import torch
+
+    from pagoda.config import EngineConfig
+    from pagoda.request import Request
+    from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+    from pagoda.scheduler.scheduler import Scheduler
+
 PROJECT = "pagoda"
+#: The plugin API this Pagoda provides; a plugin declares the one it was written for as
+#: ``PAGODA_PLUGIN_API`` and is refused (with a clear error) when they differ.
+PLUGIN_API_VERSION = 1
+
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-Register = Callable[..., None]
+
+class Register(Protocol):
+    """The ``register`` callable that registry hooks receive."""
+
+    def __call__(self, name: str, target: str | Callable[..., Any], override: bool = False) -> None:
+        """Register ``target`` under ``name``; ``override=True`` replaces another plugin's
+        registration of the same name instead of being a duplicate-name error."""
+
+
+# ---- registries: called once per process, when plugins load -------------------------------------
 
 
 @hookspec
 def register_attention_backends(register: Register) -> None:
-    """Register attention backends: ``register(name, "pkg.mod:BackendClass")``.
+    """Register attention backends by name.
 
-    Called once per process when plugins are loaded. The class implements
-    :class:`pagoda.attention.backend.AttentionBackend`.
+    :param register: call ``register(name, "pkg.mod:BackendClass")`` for each backend; the class
+        implements :class:`pagoda.attention.backend.AttentionBackend`.
+
+    Called once per process, when plugins load. Every implementation is called; a name registered
+    twice is an error unless one registration passes ``override=True``. Users select a backend by
+    name (``attention.backend``), or ``auto`` picks the highest ``priority`` among those whose
+    ``supports(device, dtype, head_size)`` is true.
     """
 
 
 @hookspec
 def register_executors(register: Register) -> None:
-    """Register executors: ``register(name, "pkg.mod:ExecutorClass")``. Called once per process."""
+    """Register executors by name.
 
+    :param register: call ``register(name, "pkg.mod:ExecutorClass")`` for each executor; the class
+        implements :class:`pagoda.executor.base.Executor`.
 
-@hookspec
-def register_models(register: Register) -> None:
-    """Register model architectures by the ``architectures`` name of config.json:
-    ``register("LlamaForCausalLM", "pkg.mod:ModelClass")``. Called once per process."""
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``parallel.executor``.
+    """
 
 
 @hookspec
 def register_spec_proposers(register: Register) -> None:
-    """Register speculative-decoding proposers by method name. Called once per process."""
+    """Register speculative-decoding proposers by method name (``ngram``, ``eagle``, ...).
+
+    :param register: call ``register(method, "pkg.mod:ProposerClass")`` for each proposer.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``speculative.method``.
+    """
 
 
 @hookspec
 def register_grammar_backends(register: Register) -> None:
-    """Register structured-output grammar backends by name. Called once per process."""
+    """Register structured-output grammar backends by name (``xgrammar``, ...).
+
+    :param register: call ``register(name, "pkg.mod:GrammarBackendClass")`` for each backend.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``structured_output.backend``, or ``auto`` picks the highest ``priority``.
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model architectures by the ``architectures`` name of a model's config.json.
+
+    :param register: call ``register("LlamaForCausalLM", "pkg.mod:ModelClass")``; the class is
+        built as ``ModelClass(arch_config, attention_backend)`` and loads its own weights.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. The engine picks the class whose name
+    is the model's architecture.
+    """
+
+
+# ---- seams: once per request or once per step ---------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def admit_request(request: Request, scheduler: Scheduler) -> str | None:
+    """Decide whether the scheduler accepts a new request (quotas, load shedding, policy).
+
+    :param request: the request, already validated (non-empty prompt that fits the context);
+        its ``prompt_token_ids``, ``sampling_params`` and ``priority`` may be read, not changed.
+    :param scheduler: the scheduler, for its load (``num_waiting``, ``num_running``,
+        ``kv_cache_manager.usage``); read only.
+
+    Called once per request, when the scheduler receives it and before it is queued. Return a
+    reason (a string) to reject it, which raises :class:`pagoda.plugins.RequestRejectedError`
+    with that reason to whoever submitted it; return None to let it in. The first non-None
+    result wins, and later implementations are not called.
+    """
+
+
+@hookspec
+def on_blocks_evicted(block_ids: list[int], block_hashes: list[bytes]) -> None:
+    """Learn which prefix-cached KV blocks were just evicted (for offloading or metrics).
+
+    :param block_ids: the evicted blocks' ids, now handed to another request.
+    :param block_hashes: the content hashes those blocks were cached under, in the same order.
+
+    Called by the KV cache manager while it schedules, once per allocation that evicted cached
+    blocks, before the step that overwrites them runs: a plugin may still copy their contents
+    out. Every implementation is called; results are ignored.
+    """
+
+
+@hookspec
+def logits_processors(
+    config: EngineConfig, vocab_size: int, device: torch.device
+) -> Iterable[LogitsProcessor] | None:
+    """Build logits processors, applied to every step's logits before sampling.
+
+    :param config: the engine configuration.
+    :param vocab_size: the number of columns of the logits.
+    :param device: the device the logits live on.
+
+    Called once per model runner (in each worker process), when it is built. Return processors
+    (see :class:`LogitsProcessor`) or None. Every implementation is called; the processors of all
+    plugins are applied in turn, each to the previous one's result, every step that samples.
+    """
+
+
+@hookspec
+def on_step_end(
+    scheduler_output: SchedulerOutput,
+    runner_output: ModelRunnerOutput,
+    outputs: list[EngineCoreOutput],
+) -> None:
+    """Observe one engine step once its results are in (metrics, tracing, logging).
+
+    :param scheduler_output: what the scheduler decided for this step.
+    :param runner_output: the tokens the model runner sampled.
+    :param outputs: the per-request outputs the engine core returns (new tokens, finish reasons).
+
+    Called by the engine core at the end of every step that ran the model, after the scheduler
+    has taken the results in. Every implementation is called; results are ignored. Keep it cheap:
+    it runs between steps.
+    """
+
+
+class LogitsProcessor(Protocol):
+    """What :func:`logits_processors` builds: a callable applied to each step's logits."""
+
+    def __call__(self, logits: torch.Tensor, batch: LogitsBatch) -> torch.Tensor:
+        """Return the processed logits ``[num_rows, vocab_size]`` (in place or new)."""
+
+
+class LogitsBatch(Protocol):
+    """The requests behind the rows of a step's logits (see ``pagoda.plugins.seams``)."""
+
+    req_ids: list[str]  # the request of each row
+    token_ids: list[Any]  # each row's prompt and output token ids so far (read-only arrays)
+
+
+REGISTRY_HOOKS: dict[str, str] = {
+    "attention_backends": "register_attention_backends",
+    "executors": "register_executors",
+    "spec_proposers": "register_spec_proposers",
+    "grammar_backends": "register_grammar_backends",
+    "models": "register_models",
+}
+"""Registry kind -> the hook that fills it."""
+
+SEAM_HOOKS: tuple[str, ...] = (
+    "admit_request",
+    "on_blocks_evicted",
+    "logits_processors",
+    "on_step_end",
+)
 
 
 def all_registry_hooks() -> dict[str, str]:
-    """Registry name -> the hook that fills it."""
-    return {
-        "attention_backends": "register_attention_backends",
-        "executors": "register_executors",
-        "models": "register_models",
-        "spec_proposers": "register_spec_proposers",
-        "grammar_backends": "register_grammar_backends",
-    }
-
-
-_ = Any
+    """Registry kind -> the hook that fills it."""
+    return dict(REGISTRY_HOOKS)

@@ -1,88 +1,392 @@
-"""Plugin discovery (entry-point group ``pagoda``) and the registries the hooks fill."""
+"""Plugin discovery: once per process, each plugin in isolation, into registries.
+
+Order: the core's own plugin (``pagoda.builtin_plugin``), then the ``pagoda`` entry points of the
+installed distributions (by name), then the modules listed in ``PAGODA_PLUGIN_MODULES``. Each is
+imported, checked (plugin API version, hook names, hook signatures) and registered on its own: one
+that fails is recorded with its distribution, version and traceback, and the rest load. Nothing
+here imports torch or a kernel library: registry targets stay lazy strings until selected.
+
+Environment: ``PAGODA_PLUGINS`` (comma-separated entry-point or distribution names: load only
+these), ``PAGODA_DISABLE_PLUGINS`` (never load these), ``PAGODA_PLUGIN_MODULES`` (importable
+modules loaded as plugins too; ``register_plugin`` adds to it so that worker processes started
+afterwards load the same plugins).
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import logging
+import os
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
 from typing import Any
 
 import pluggy
 
 from pagoda.plugins import hookspecs
-from pagoda.utils import resolve_target
+from pagoda.plugins.errors import PluginAPIVersionError, PluginError, PluginLoadError
+from pagoda.plugins.registry import PluginRecord, Registration, Registry
+
+logger = logging.getLogger("pagoda.plugins")
+
+ENV_ALLOW = "PAGODA_PLUGINS"
+ENV_DENY = "PAGODA_DISABLE_PLUGINS"
+ENV_MODULES = "PAGODA_PLUGIN_MODULES"
+BUILTIN = "pagoda"
+_HOOK_NAMES = (*hookspecs.REGISTRY_HOOKS.values(), *hookspecs.SEAM_HOOKS)
 
 
 @dataclass
-class _Entry:
-    target: Any
-    plugin: str
+class PluginState:
+    pm: pluggy.PluginManager
+    records: list[PluginRecord]
+    registries: dict[str, Registry]
 
 
-@dataclass
-class Registry:
-    """Names to lazy targets, for one kind of thing (attention backends, executors, ...)."""
-
-    kind: str
-    entries: dict[str, _Entry] = field(default_factory=dict)
-
-    def register(self, name: str, target: Any, *, plugin: str, override: bool = False) -> None:
-        if name in self.entries and not override:
-            raise ValueError(
-                f"{self.kind} {name!r} is registered twice: by {self.entries[name].plugin!r} and "
-                f"by {plugin!r} (pass override=True to replace it)"
-            )
-        self.entries[name] = _Entry(target, plugin)
-
-    def names(self) -> list[str]:
-        return sorted(self.entries)
-
-    def get(self, name: str) -> Any:
-        entry = self.entries.get(name)
-        if entry is None:
-            known = ", ".join(self.names()) or "none"
-            raise KeyError(f"unknown {self.kind} {name!r}; known: {known}")
-        return resolve_target(entry.target)
+_lock = threading.RLock()
+_state: PluginState | None = None
 
 
-_lock = threading.Lock()
-_pm: pluggy.PluginManager | None = None
-_registries: dict[str, Registry] = {}
+def load_plugins() -> PluginState:
+    """Discover and load plugins, once per process; later calls return the same state."""
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = _discover()
+    return _state
+
+
+def reload_plugins() -> PluginState:
+    """Forget what was loaded and discover again (after the environment changed; for tests)."""
+    global _state
+    with _lock:
+        _state = None
+        return load_plugins()
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
-    """Load plugins once per process: the built-in one, then the ``pagoda`` entry points."""
-    global _pm
-    with _lock:
-        if _pm is None:
-            pm = pluggy.PluginManager(hookspecs.PROJECT)
-            pm.add_hookspecs(hookspecs)
-            from pagoda import builtin_plugin
-
-            pm.register(builtin_plugin, name="pagoda")
-            pm.load_setuptools_entrypoints(hookspecs.PROJECT)
-            pm.check_pending()
-            _collect(pm)
-            _pm = pm
-        return _pm
-
-
-def _collect(pm: pluggy.PluginManager) -> None:
-    _registries.clear()
-    for kind, hook_name in hookspecs.all_registry_hooks().items():
-        reg = Registry(kind.replace("_", " ").rstrip("s"))
-        hook = getattr(pm.hook, hook_name)
-        for impl in hook.get_hookimpls():
-            plugin = impl.plugin_name
-
-            def register(
-                name: str, target: Any, override: bool = False, _p: str = plugin, _r: Registry = reg
-            ) -> None:
-                _r.register(name, target, plugin=_p, override=override)
-
-            impl.function(register=register)
-        _registries[kind] = reg
+    return load_plugins().pm
 
 
 def get_registry(kind: str) -> Registry:
-    get_plugin_manager()
-    return _registries[kind]
+    """The registry of ``kind``: one of ``hookspecs.REGISTRY_HOOKS``."""
+    registries = load_plugins().registries
+    if kind not in registries:
+        raise KeyError(f"unknown registry {kind!r}; registries: {', '.join(registries)}")
+    return registries[kind]
+
+
+def plugin_records() -> list[PluginRecord]:
+    """Every plugin discovery saw, loaded or not, in load order."""
+    return list(load_plugins().records)
+
+
+# ---- discovery ----------------------------------------------------------------------------------
+
+
+def _env_names(var: str) -> set[str] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    return {n.strip() for n in raw.split(",") if n.strip()}
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _matches(rec: PluginRecord, names: set[str]) -> set[str]:
+    keys = {_norm(rec.name), _norm(rec.source)}
+    if rec.distribution:
+        keys.add(_norm(rec.distribution))
+    return {n for n in names if _norm(n) in keys}
+
+
+def _discover() -> PluginState:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    allow, deny = _env_names(ENV_ALLOW), _env_names(ENV_DENY) or set()
+    builtin = _builtin_record()
+    if _matches(builtin, deny):
+        raise PluginError(f"{ENV_DENY} names {BUILTIN!r}, the core's own plugin; it always loads")
+    found: list[tuple[PluginRecord, Callable[[], Any]]] = [
+        (builtin, lambda: importlib.import_module(builtin.source))
+    ]
+    for ep in sorted(metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
+        dist = getattr(ep, "dist", None)
+        rec = PluginRecord(
+            ep.name, dist.name if dist else None, dist.version if dist else None, ep.value
+        )
+        found.append((rec, ep.load))
+    for mod in dict.fromkeys(_env_modules()):
+        rec = PluginRecord(mod, None, None, mod)
+        found.append((rec, lambda m=mod: importlib.import_module(m)))
+
+    records = [rec for rec, _ in found]
+    seen_allow: set[str] = set()
+    seen_deny: set[str] = set()
+    for rec, loader in found:
+        denied = _matches(rec, deny)
+        allowed = _matches(rec, allow) if allow is not None else set()
+        seen_deny |= denied
+        seen_allow |= allowed
+        # The core's plugin and modules named in PAGODA_PLUGIN_MODULES are asked for explicitly.
+        explicit = rec is builtin or rec.distribution is None
+        if denied:
+            rec.status, rec.reason = "disabled", f"disabled by {ENV_DENY}"
+        elif allow is not None and not allowed and not explicit:
+            rec.status, rec.reason = "disabled", f"not listed in {ENV_ALLOW}"
+        else:
+            _load(pm, rec, loader, records)
+    for var, given, seen in ((ENV_ALLOW, allow or set(), seen_allow), (ENV_DENY, deny, seen_deny)):
+        missing = sorted(given - seen)
+        if missing:
+            installed = ", ".join(r.name for r in records if r is not builtin) or "none"
+            raise PluginError(
+                f"{var} names {', '.join(map(repr, missing))}, which matches no installed plugin; "
+                f"installed plugins: {installed}"
+            )
+    state = PluginState(pm, records, {})
+    state.registries = _collect(state)
+    for rec in records:
+        if rec.status == "failed":
+            logger.warning(
+                "plugin %s failed to load: %s (`pagoda plugins` shows the traceback)",
+                rec.label,
+                rec.reason,
+            )
+    return state
+
+
+def _builtin_record() -> PluginRecord:
+    try:
+        version = metadata.version("pagoda-core")
+    except metadata.PackageNotFoundError:  # running from a source tree
+        from pagoda import __version__ as version
+    return PluginRecord(BUILTIN, "pagoda-core", version, "pagoda.builtin_plugin")
+
+
+def _load(
+    pm: pluggy.PluginManager,
+    rec: PluginRecord,
+    loader: Callable[[], Any],
+    records: list[PluginRecord],
+) -> None:
+    """Import, check and register one plugin; on any error record it and leave pm as it was."""
+    plugin = None
+    try:
+        taken = [r for r in records if r is not rec and r.name == rec.name and r.status == "loaded"]
+        if taken:
+            raise PluginError(
+                f"plugin name {rec.name!r} is already taken by {taken[0].label}; rename the "
+                "entry point"
+            )
+        plugin = loader()
+        rec.plugin = plugin
+        _check_api_version(plugin, rec)
+        _check_hook_names(pm, plugin, rec)
+        pm.register(plugin, name=rec.name)
+    except Exception as e:
+        if plugin is not None and pm.is_registered(plugin):
+            pm.unregister(plugin)
+        rec.fail(e)
+        return
+    rec.status, rec.reason = "loaded", None
+    rec.hooks = sorted(
+        hc.name for hc in pm.get_hookcallers(plugin) or () if hc.name in hookspecs.SEAM_HOOKS
+    )
+
+
+def _check_api_version(plugin: Any, rec: PluginRecord) -> None:
+    want = hookspecs.PLUGIN_API_VERSION
+    declared = getattr(plugin, "PAGODA_PLUGIN_API", None)
+    if declared is None:
+        raise PluginAPIVersionError(
+            f"plugin {rec.label} does not say which plugin API it was written for: add "
+            f"`PAGODA_PLUGIN_API = {want}` to {rec.source}"
+        )
+    if type(declared) is not int or declared != want:
+        raise PluginAPIVersionError(
+            f"plugin {rec.label} was written for Pagoda plugin API {declared!r}, but this "
+            f"pagoda-core provides plugin API {want}: install a version of "
+            f"{rec.distribution or rec.source} written for API {want}, or a pagoda-core that "
+            f"provides API {declared!r}"
+        )
+
+
+def _check_hook_names(pm: pluggy.PluginManager, plugin: Any, rec: PluginRecord) -> None:
+    """A misspelled hook, or a hook function left unmarked, would never be called: refuse it."""
+    for attr in dir(plugin):
+        opts = pm.parse_hookimpl_opts(plugin, attr)
+        if opts is None:
+            if attr in _HOOK_NAMES and callable(getattr(plugin, attr, None)):
+                raise PluginError(
+                    f"plugin {rec.label} defines {attr}() without @pagoda.hookimpl, so Pagoda "
+                    "would never call it: mark it with @pagoda.hookimpl"
+                )
+            continue
+        hook = opts.get("specname") or attr
+        if hook not in _HOOK_NAMES:
+            close = difflib.get_close_matches(hook, _HOOK_NAMES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise PluginError(
+                f"plugin {rec.label} implements {hook!r}, which is not a Pagoda hook{hint}; "
+                f"the hooks are: {', '.join(_HOOK_NAMES)}"
+            )
+
+
+# ---- registries ---------------------------------------------------------------------------------
+
+
+def _collect(state: PluginState) -> dict[str, Registry]:
+    """Call every loaded plugin's registry hooks and build the registries.
+
+    A plugin whose registry hook raises fails as a whole: it is unregistered, and the names it
+    registered before raising point at its error.
+    """
+    regs: dict[str, list[Registration]] = {k: [] for k in hookspecs.REGISTRY_HOOKS}
+    failed_names: dict[str, dict[str, PluginRecord]] = {k: {} for k in hookspecs.REGISTRY_HOOKS}
+    for rec in state.records:
+        rec.registers = {}
+        if rec.status not in ("loaded", "failed") or rec.plugin is None:
+            continue
+        got: list[Registration] = []
+        if rec.status == "loaded":
+            try:
+                _call_registry_hooks(state.pm, rec, got)
+            except Exception as e:
+                state.pm.unregister(rec.plugin)
+                rec.fail(e)
+        if rec.status == "failed":
+            got += _names_of_failed(state.pm, rec)
+            for r in got:
+                failed_names[r.kind].setdefault(r.name, rec)
+            continue
+        for r in got:
+            regs[r.kind].append(r)
+            rec.registers.setdefault(r.kind, []).append(r.name)
+    unavailable = [r for r in state.records if r.status in ("failed", "disabled")]
+    return {
+        kind: Registry.build(kind, regs[kind], failed_names[kind], unavailable)
+        for kind in hookspecs.REGISTRY_HOOKS
+    }
+
+
+def _collector(kind: str, rec: PluginRecord, out: list[Registration]) -> hookspecs.Register:
+    noun = kind.replace("_", " ").removesuffix("s")
+
+    def register(name: str, target: str | Callable[..., Any], override: bool = False) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise TypeError(f"register() needs a non-empty {noun} name; got {name!r}")
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            if not module or not attr:
+                raise ValueError(
+                    f"the target of {noun} {name!r} is {target!r}; a lazy target looks like "
+                    "'package.module:Name'"
+                )
+        elif not callable(target):
+            raise TypeError(
+                f"the target of {noun} {name!r} must be a 'package.module:Name' string or a "
+                f"class or factory; got {type(target).__name__}"
+            )
+        out.append(Registration(kind, name, target, rec, bool(override)))
+
+    return register
+
+
+def _call_registry_hooks(pm: pluggy.PluginManager, rec: PluginRecord, out: list) -> None:
+    for kind, hook_name in hookspecs.REGISTRY_HOOKS.items():
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is rec.plugin:
+                args = {"register": _collector(kind, rec, out)}
+                impl.function(*[args[a] for a in impl.argnames])
+
+
+def _names_of_failed(pm: pluggy.PluginManager, rec: PluginRecord) -> list[Registration]:
+    """What a plugin that failed after import would have registered, best effort: a user who
+    selects one of these names gets the plugin's own error instead of 'unknown name'."""
+    out: list[Registration] = []
+    for attr in dir(rec.plugin):
+        opts = pm.parse_hookimpl_opts(rec.plugin, attr)
+        hook = (opts or {}).get("specname") or attr
+        close = difflib.get_close_matches(hook, hookspecs.REGISTRY_HOOKS.values(), n=1, cutoff=0.9)
+        if opts is None or not close:
+            continue
+        kind = next(k for k, h in hookspecs.REGISTRY_HOOKS.items() if h == close[0])
+        try:
+            getattr(rec.plugin, attr)(_collector(kind, rec, out))
+        except Exception:  # best effort: the plugin's own error is already recorded
+            pass
+    return out
+
+
+# ---- plugins registered in this process ---------------------------------------------------------
+
+
+def register_plugin(plugin: Any, name: str | None = None) -> PluginRecord:
+    """Register a plugin object or module in this process, with the same checks as discovery.
+
+    A module is also added to ``PAGODA_PLUGIN_MODULES``, so worker processes started afterwards
+    load it too; any other object exists in this process only. Raises if the plugin fails.
+    """
+    with _lock:
+        state = load_plugins()
+        module = plugin.__name__ if isinstance(plugin, ModuleType) else None
+        name = name or module or type(plugin).__name__
+        rec = PluginRecord(name, None, None, module or repr(plugin), plugin=plugin)
+        _load(state.pm, rec, lambda: plugin, state.records)
+        if rec.status == "loaded":
+            state.records.append(rec)
+            state.registries = _collect(state)
+            if rec.status != "loaded":  # its registry hooks raised
+                state.records.remove(rec)
+                state.registries = _collect(state)
+        if rec.status != "loaded":
+            msg = f"plugin {name!r} failed to load: {rec.reason}\n{rec.traceback}"
+            raise PluginLoadError(msg) from rec.exception
+        if module and module != "__main__":
+            _set_env_modules(_env_modules() + [module])
+        return rec
+
+
+def unregister_plugin(name: str) -> None:
+    """Undo :func:`register_plugin`."""
+    with _lock:
+        state = load_plugins()
+        rec = next((r for r in state.records if r.name == name), None)
+        if rec is None or rec.distribution is not None:
+            raise PluginError(f"no plugin {name!r} was registered in this process")
+        if rec.plugin is not None and state.pm.is_registered(rec.plugin):
+            state.pm.unregister(rec.plugin)
+        state.records.remove(rec)
+        state.registries = _collect(state)
+        _set_env_modules([m for m in _env_modules() if m != rec.source])
+
+
+@contextmanager
+def plugin_registered(plugin: Any, name: str | None = None) -> Iterator[PluginRecord]:
+    """Register a plugin for the duration of a ``with`` block (tests)."""
+    rec = register_plugin(plugin, name)
+    try:
+        yield rec
+    finally:
+        unregister_plugin(rec.name)
+
+
+def _env_modules() -> list[str]:
+    return [m.strip() for m in os.environ.get(ENV_MODULES, "").split(",") if m.strip()]
+
+
+def _set_env_modules(modules: list[str]) -> None:
+    modules = list(dict.fromkeys(modules))
+    if modules:
+        os.environ[ENV_MODULES] = ",".join(modules)
+    else:
+        os.environ.pop(ENV_MODULES, None)

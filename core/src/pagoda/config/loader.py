@@ -1,0 +1,314 @@
+"""Layering the configuration sources, and remembering where each value came from.
+
+Sources, lowest first: defaults, the file, the environment, command-line flags, explicit
+arguments. Each source is validated on its own, so a bad value is reported against the source
+that holds it even when a higher one overrides it; then they are merged key by key (a value of
+``false`` or ``0`` is a value like any other) and validated together.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import EnvSettingsSource
+
+from pagoda.config.files import read_config_file
+from pagoda.config.model import _LAYERED, ConfigError, EngineConfig
+
+ENV_PREFIX = "PAGODA_"
+ENV_DELIMITER = "__"
+
+
+@dataclass
+class Layer:
+    """One source's values (nested ``{section: {key: value}}``) and where each came from."""
+
+    label: str  # "file engine.yaml", "environment", ...
+    values: dict[str, Any] = field(default_factory=dict)
+    origins: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+    def where(self, path: tuple[str, ...]) -> str:
+        for n in range(len(path), 0, -1):
+            if path[:n] in self.origins:
+                return self.origins[path[:n]]
+        return self.label
+
+
+def sections() -> dict[str, type[BaseModel]]:
+    return {name: f.annotation for name, f in EngineConfig.model_fields.items()}  # type: ignore[misc]
+
+
+def leaf_keys() -> list[str]:
+    """Every ``section.key``, in declaration order."""
+    return [f"{s}.{k}" for s, model in sections().items() for k in model.model_fields]
+
+
+def flat_names() -> dict[str, tuple[str, str]]:
+    """Flat (vLLM-style) argument name -> (section, key). A key that exists in one section only
+    is its own flat name; one found in several is ``section_key`` (``attention_backend``), except
+    ``model.model``, which is ``model``."""
+    count: dict[str, int] = {}
+    for model in sections().values():
+        for key in model.model_fields:
+            count[key] = count.get(key, 0) + 1
+    out: dict[str, tuple[str, str]] = {}
+    for section, model in sections().items():
+        for key in model.model_fields:
+            unique = count[key] == 1 or (section, key) == ("model", "model")
+            out[key if unique else f"{section}_{key}"] = (section, key)
+    return out
+
+
+# ---- the layers ---------------------------------------------------------------------------------
+
+
+def file_layer(path: str | Path) -> Layer:
+    data, lines = read_config_file(path)
+    layer = Layer(f"file {path}", data)
+    for p, line in lines.items():
+        layer.origins[p] = f"file {path}, line {line}"
+    return layer
+
+
+def env_layer() -> Layer:
+    environ = os.environ
+    _check_env_names(environ)
+    values = EnvSettingsSource(EngineConfig)()
+    layer = Layer("environment", values)
+    upper = {k.upper(): k for k in environ}
+    for section, value in values.items():
+        name = f"{ENV_PREFIX}{section}".upper()
+        layer.origins[(section,)] = f"environment {upper.get(name, name)}"
+        if isinstance(value, dict):
+            for key in value:
+                var = f"{ENV_PREFIX}{section}{ENV_DELIMITER}{key}".upper()
+                if var in upper:
+                    layer.origins[(section, key)] = f"environment {upper[var]}"
+    return layer
+
+
+def _check_env_names(environ: Mapping[str, str]) -> None:
+    """``PAGODA_SECTION__KEY`` with an unknown section, or ``PAGODA_SECTION_KEY`` (one underscore),
+    would otherwise be ignored: both are errors."""
+    secs = sections()
+    errors = []
+    for var in environ:
+        upper = var.upper()
+        if not upper.startswith(ENV_PREFIX):
+            continue
+        rest = upper[len(ENV_PREFIX) :].lower()
+        if ENV_DELIMITER in rest:
+            section = rest.split(ENV_DELIMITER, 1)[0]
+            if section not in secs:
+                errors.append(
+                    f"{section}: unknown section{_hint(section, secs)}; sections are: "
+                    f"{', '.join(secs)} [from environment {var}]"
+                )
+            continue
+        for section, model in secs.items():
+            key = rest.removeprefix(f"{section}_")
+            if key != rest and key in model.model_fields:
+                good = f"{ENV_PREFIX}{section}{ENV_DELIMITER}{key}".upper()
+                errors.append(
+                    f"{section}.{key}: set as {var}, which Pagoda does not read; write {good} "
+                    f"(two underscores between section and key) [from environment {var}]"
+                )
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def flags_layer(flags: dict[str, tuple[Any, str]]) -> Layer:
+    layer = Layer("command line")
+    for dotted, (value, flag) in flags.items():
+        section, key = dotted.split(".", 1)
+        layer.values.setdefault(section, {})[key] = value
+        layer.origins[(section, key)] = f"flag {flag}"
+    return layer
+
+
+def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
+    """Explicit arguments, nested (``cache={"block_size": 8}``) or flat (``block_size=8``)."""
+    layer = Layer("argument")
+    secs, flat = sections(), flat_names()
+    for name, value in overrides.items():
+        if name in secs and isinstance(value, Mapping):
+            layer.values.setdefault(name, {}).update(value)
+            for key in value:
+                layer.origins[(name, key)] = f"argument {name}={{{key!r}: ...}}"
+        elif name in flat:
+            section, key = flat[name]
+            layer.values.setdefault(section, {})[key] = value
+            layer.origins[(section, key)] = f"argument {name}"
+        else:
+            raise ConfigError(
+                f"invalid configuration:\n  {name}: unknown engine argument{_hint(name, flat)}; "
+                f"arguments are: {', '.join(sorted(flat))} [from argument {name}]"
+            )
+    return layer
+
+
+def _base_layer(config: EngineConfig) -> Layer:
+    """An already-built configuration as a layer: its non-default values, sources kept."""
+    layer = Layer("configuration")
+    for dotted, source in config._sources.items():
+        section, key = dotted.split(".", 1)
+        layer.values.setdefault(section, {})[key] = getattr(getattr(config, section), key)
+        layer.origins[(section, key)] = source
+    return layer
+
+
+# ---- merging and validation ---------------------------------------------------------------------
+
+
+def load_config(
+    cls: type[EngineConfig],
+    config_file: str | Path | None,
+    overrides: Mapping[str, Any] | None,
+    flags: dict[str, tuple[Any, str]] | None,
+) -> EngineConfig:
+    layers = []
+    if config_file is not None:
+        layers.append(file_layer(config_file))
+    layers.append(env_layer())
+    if flags:
+        layers.append(flags_layer(flags))
+    if overrides:
+        layers.append(explicit_layer(overrides))
+    return build(cls, layers)
+
+
+def apply_overrides(config: EngineConfig, overrides: Mapping[str, Any]) -> EngineConfig:
+    return build(type(config), [_base_layer(config), explicit_layer(overrides)])
+
+
+def build(cls: type[EngineConfig], layers: list[Layer]) -> EngineConfig:
+    """Validate each layer, merge them (later layers win) and build the configuration."""
+    errors = [e for layer in layers for e in _layer_errors(layer)]
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    for layer in layers:
+        for section, values in layer.values.items():
+            for key, value in values.items():
+                merged.setdefault(section, {})[key] = value
+                sources[f"{section}.{key}"] = layer.where((section, key))
+    token = _LAYERED.set(True)
+    try:
+        config = cls(**merged)
+    except ValidationError as e:
+        raise ConfigError(_cross_field_errors(e, sources)) from None
+    finally:
+        _LAYERED.reset(token)
+    config._sources = sources
+    return config
+
+
+def _layer_errors(layer: Layer) -> list[str]:
+    secs = sections()
+    errors = []
+    for section, values in layer.values.items():
+        where = layer.where((section,))
+        if section not in secs:
+            errors.append(
+                f"{section}: unknown section{_hint(section, secs, _flat_hint(section))}; "
+                f"sections are: {', '.join(secs)} [from {where}]"
+            )
+        elif not isinstance(values, Mapping):
+            errors.append(
+                f"{section}: must be a mapping of keys (like {{{_first_key(section)}: ...}}), "
+                f"got {values!r} [from {where}]"
+            )
+        else:
+            try:
+                secs[section].model_validate(dict(values))
+            except ValidationError as e:
+                errors += [_format_error(section, err, layer) for err in e.errors()]
+    return errors
+
+
+def _format_error(section: str, err: Any, layer: Layer) -> str:
+    key = str(err["loc"][0]) if err["loc"] else ""
+    dotted = f"{section}.{key}"
+    where = layer.where((section, key))
+    if err["type"] == "extra_forbidden":
+        known = sections()[section].model_fields
+        return (
+            f"{dotted}: unknown key{_hint(key, known)}; keys of {section}: {', '.join(known)} "
+            f"[from {where}]"
+        )
+    return f"{dotted}: {err['msg']} (got {err['input']!r}) [from {where}]"
+
+
+def _cross_field_errors(e: ValidationError, sources: dict[str, str]) -> str:
+    lines = []
+    for err in e.errors():
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        keys = [k for k in leaf_keys() if re.search(rf"\b{re.escape(k)}\b", msg)]
+        origin = "; ".join(f"{k} from {sources.get(k, 'default')}" for k in keys)
+        lines.append(f"{msg} [{origin}]" if origin else msg)
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _hint(word: str, choices: Any, extra: str = "") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else extra
+
+
+def _flat_hint(name: str) -> str:
+    """A flat argument name used as a section in a file: say which section it belongs to."""
+    flat = flat_names().get(name)
+    if flat is None:
+        return ""
+    return f" ({name} belongs under {flat[0]}:, as {flat[0]}.{flat[1]})"
+
+
+def _first_key(section: str) -> str:
+    return next(iter(sections()[section].model_fields))
+
+
+# ---- the effective configuration ----------------------------------------------------------------
+
+
+def effective_rows(config: EngineConfig) -> list[tuple[str, Any, str]]:
+    """(``section.key``, value, source) for every key."""
+    sources = config.sources
+    rows = []
+    for dotted in leaf_keys():
+        section, key = dotted.split(".", 1)
+        rows.append((dotted, getattr(getattr(config, section), key), sources[dotted]))
+    return rows
+
+
+def format_effective(config: EngineConfig, fmt: str = "table") -> str:
+    """The effective configuration with the source of each value: ``table``, ``yaml`` (a file
+    ``--config`` accepts, sources as comments) or ``json``."""
+    rows = effective_rows(config)
+    if fmt == "json":
+        out = {k: {"value": v, "source": s} for k, v, s in rows}
+        return json.dumps(out, indent=2)
+    if fmt == "yaml":
+        lines, current = [], None
+        for dotted, value, source in rows:
+            section, key = dotted.split(".", 1)
+            if section != current:
+                lines.append(f"{section}:")
+                current = section
+            lines.append(f"  {key}: {json.dumps(value)}  # {source}")
+        return "\n".join(lines)
+    if fmt != "table":
+        raise ValueError(f"unknown format {fmt!r}; formats: table, yaml, json")
+    shown = [(k, json.dumps(v), s) for k, v, s in rows]
+    w1 = max(len(r[0]) for r in shown)
+    w2 = max(len(r[1]) for r in shown)
+    lines = [f"{'KEY':<{w1}}  {'VALUE':<{w2}}  SOURCE"]
+    lines += [f"{k:<{w1}}  {v:<{w2}}  {s}" for k, v, s in shown]
+    return "\n".join(lines)

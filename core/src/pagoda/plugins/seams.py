@@ -1,0 +1,75 @@
+"""How the engine calls its seam hooks: bound once, and skipped when no plugin implements them.
+
+A component (scheduler, KV cache manager, model runner, engine core) asks for :func:`seam` when it
+is built and keeps the result; ``None`` means no plugin implements the hook, so the call site is a
+single ``is not None`` test and the hot path pays nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pagoda.plugins import hookspecs
+from pagoda.plugins.errors import RequestRejectedError
+from pagoda.plugins.manager import get_plugin_manager
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagoda.config import EngineConfig
+    from pagoda.request import Request
+    from pagoda.scheduler.scheduler import Scheduler
+
+
+def seam(name: str) -> Any | None:
+    """The hook caller of seam hook ``name``, or None when no loaded plugin implements it."""
+    if name not in hookspecs.SEAM_HOOKS:
+        raise KeyError(f"{name!r} is not a seam hook; seams: {', '.join(hookspecs.SEAM_HOOKS)}")
+    caller = getattr(get_plugin_manager().hook, name)
+    return caller if caller.get_hookimpls() else None
+
+
+def check_admission(hook: Any, request: Request, scheduler: Scheduler) -> None:
+    """Run ``admit_request``; raise :class:`RequestRejectedError` with the plugin's reason."""
+    reason = hook(request=request, scheduler=scheduler)
+    if reason is not None:
+        raise RequestRejectedError(f"request {request.request_id!r} rejected: {reason}")
+
+
+@dataclass
+class LogitsBatch:
+    """The requests behind the rows of one step's logits, as logits processors see them."""
+
+    req_ids: list[str]
+    #: Each row's prompt and output token ids so far: read-only views, valid during the call.
+    token_ids: list[Any]
+
+
+def build_logits_processors(
+    config: EngineConfig, vocab_size: int, device: torch.device
+) -> list[hookspecs.LogitsProcessor]:
+    """Every plugin's logits processors, built once; empty when no plugin provides any."""
+    hook = seam("logits_processors")
+    if hook is None:
+        return []
+    out: list[hookspecs.LogitsProcessor] = []
+    for result in hook(config=config, vocab_size=vocab_size, device=device):
+        if result is None:
+            continue
+        for proc in result:
+            if not callable(proc):
+                raise TypeError(
+                    f"a logits_processors hook returned {proc!r}, which is not callable as "
+                    "processor(logits, batch)"
+                )
+            out.append(proc)
+    return out
+
+
+def apply_logits_processors(
+    processors: list[hookspecs.LogitsProcessor], logits: torch.Tensor, batch: LogitsBatch
+) -> torch.Tensor:
+    for proc in processors:
+        logits = proc(logits, batch)
+    return logits
