@@ -11,11 +11,16 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 stamp="$VENV/.pagoda-setup"
-want=$(cat core/pyproject.toml $(ls examples/*/pyproject.toml 2>/dev/null) scripts/setup.sh | sha256sum | cut -c1-16)
+plugins=$(ls -d plugins/*/*/ 2>/dev/null | while read -r d; do [ -f "$d/pyproject.toml" ] && echo "$d"; done)
+want=$(cat core/pyproject.toml $(ls examples/*/pyproject.toml plugins/*/*/pyproject.toml 2>/dev/null) scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first: a pinned CPU build where one is at hand, else the registry's build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0" || "${pip[@]}" torch
   "${pip[@]}" -e "core[test]"
+  # The plugins of this repository, each its own distribution (with its own dependencies).
+  for plugin in $plugins; do
+    "${pip[@]}" -e "$plugin"
+  done
   for ex in examples/*/; do
     [ -f "$ex/pyproject.toml" ] && "${pip[@]}" --no-deps -e "$ex"
   done

@@ -1,0 +1,1 @@
+"""Pagoda attention backend in Triton (``attention.backend: triton``)."""

@@ -1,0 +1,105 @@
+"""The Triton attention backend: one kernel for mixed batches over the paged cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from pagoda.attention.backend import AttentionBackend, AttentionImpl, CommonAttentionMetadata
+
+# Below this many keys per split, splitting the context costs more than it gains.
+_MIN_KEYS_PER_SPLIT = 512
+_MAX_SPLITS = 16
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@dataclass
+class TritonMetadata:
+    common: CommonAttentionMetadata
+    num_splits: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    priority = 50
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+        on_device = device.type == "cuda" or (device.type == "cpu" and _interpreting())
+        return (
+            on_device
+            and dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and (8 <= head_size <= 256)
+        )
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+    @classmethod
+    def build_metadata(cls, common: CommonAttentionMetadata) -> TritonMetadata:
+        return TritonMetadata(common, _choose_splits(common))
+
+
+def _choose_splits(common: CommonAttentionMetadata) -> int:
+    """Split long contexts only for decode steps too small to fill the GPU on their own."""
+    if common.max_query_len != 1 or common.block_table.device.type != "cuda":
+        return 1
+    programs = common.num_reqs * 8  # KV heads are not known here; 8 is typical and only a guide
+    target = 2 * _num_sms(common.block_table.device.index or 0)
+    splits = 1
+    while (
+        splits < _MAX_SPLITS
+        and programs * splits < target
+        and common.max_seq_len // (splits * 2) >= _MIN_KEYS_PER_SPLIT
+    ):
+        splits *= 2
+    return splits
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonMetadata,
+    ) -> torch.Tensor:
+        from pagoda_attention_triton.kernels import paged_attention
+
+        c = attn_metadata.common
+        n = c.num_actual_tokens
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        h, d = self.num_kv_heads, self.head_size
+        slots = c.slot_mapping[:n]
+        key_cache.view(-1, h, d).index_copy_(0, slots, key[:n])
+        value_cache.view(-1, h, d).index_copy_(0, slots, value[:n])
+        out = torch.empty_like(query)
+        paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            c.block_table,
+            c.seq_lens,
+            c.query_start_loc,
+            c.num_reqs,
+            n,
+            c.max_query_len,
+            c.max_seq_len,
+            self.scale,
+            attn_metadata.num_splits,
+        )
+        return out

@@ -1,0 +1,366 @@
+"""Paged attention in Triton: one kernel for a mixed batch, with optional split-KV (flash-decoding).
+
+Each program handles ``BLOCK_Q`` query tokens of one request for one KV head, with all the query
+heads that share that KV head (grouped-query attention) stacked into ``BLOCK_M`` rows, so K and V
+are read once per group. Keys are visited in tiles of ``TILE_N`` tokens gathered through the block
+table, with causal masking against each query's position, and an online softmax. With
+``num_splits > 1`` each program covers one slice of the context and writes a partial result
+(output and log-sum-exp) that a second kernel merges, so a few long sequences still fill the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
+    # The request whose q-blocks contain program `target` (q-blocks of request i start at
+    # qsl[i] // BLOCK_Q + i, an upper bound that keeps the search branch-free per request).
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        val = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if val <= target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tile(
+    q,
+    q_pos,
+    row_ok,
+    k_cache_ptr,
+    v_cache_ptr,
+    bt,
+    start,
+    kv_hi,
+    m_i,
+    l_i,
+    acc,
+    offs_n,
+    offs_d,
+    d_ok,
+    kv_head,
+    scale,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    PAGE: tl.constexpr,
+):
+    """One tile of keys: scores, causal mask, online-softmax update of (m, l, acc)."""
+    pos = start + offs_n
+    n_ok = pos < kv_hi
+    blk = tl.load(bt + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
+    slot = pos % PAGE
+    k = tl.load(
+        k_cache_ptr
+        + blk[None, :] * stride_kb
+        + slot[None, :] * stride_ks
+        + kv_head * stride_kh
+        + offs_d[:, None],
+        mask=n_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    s = tl.dot(q, k) * scale
+    ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_cache_ptr
+        + blk[:, None] * stride_vb
+        + slot[:, None] * stride_vs
+        + kv_head * stride_vh
+        + offs_d[None, :],
+        mask=n_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    scale,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    split_size,
+    G: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_tok = q_block * BLOCK_Q + offs_m // G
+    head = kv_head * G + offs_m % G
+    row_ok = (offs_m < BLOCK_Q * G) & (q_tok < q_len)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr
+        + (q_start + q_tok)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q_pos = context_len + q_tok
+
+    # Keys this program visits: causal bound of its last query, then its split's slice.
+    last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    kv_end = tl.minimum(seq_len, context_len + last_q)
+    kv_lo = split * split_size
+    kv_hi = tl.minimum(kv_end, kv_lo + split_size)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    bt = block_table_ptr + seq * stride_bt
+    if WHILE_LOOP:
+        # The interpreter (NumPy 2) cannot take tensor bounds in range(); a while loop it can.
+        start = kv_lo
+        while start < kv_hi:
+            m_i, l_i, acc = _tile(
+                q,
+                q_pos,
+                row_ok,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt,
+                start,
+                kv_hi,
+                m_i,
+                l_i,
+                acc,
+                offs_n,
+                offs_d,
+                d_ok,
+                kv_head,
+                scale,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                PAGE,
+            )
+            start += TILE_N
+    else:
+        for start in range(kv_lo, kv_hi, TILE_N):
+            m_i, l_i, acc = _tile(
+                q,
+                q_pos,
+                row_ok,
+                k_cache_ptr,
+                v_cache_ptr,
+                bt,
+                start,
+                kv_hi,
+                m_i,
+                l_i,
+                acc,
+                offs_n,
+                offs_d,
+                d_ok,
+                kv_head,
+                scale,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                PAGE,
+            )
+
+    tok = q_start + q_tok
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # Partials: [tokens, heads, splits, dim] and [tokens, heads, splits].
+        num_heads = tl.num_programs(1) * G
+        base = (tok * num_heads + head) * NUM_SPLITS + split
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            part_out_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :], out, mask=row_ok[:, None]
+        )
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + base, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    base = (tok * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s)
+    m = tl.max(lse, 0)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, page, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    out: torch.Tensor,  # like query
+    block_table: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    num_seqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
+    g = num_heads // num_kv_heads
+    block_m = 16 if max_query_len == 1 else 64
+    block_m = max(block_m, triton.next_power_of_2(g))
+    block_q = block_m // g
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tile_n = 64 if head_dim <= 128 else 32
+    grid_q = num_tokens // block_q + num_seqs
+    split_size = triton.cdiv(max(max_seq_len, 1), num_splits)
+    split_size = triton.cdiv(split_size, tile_n) * tile_n
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim_pad),
+            dtype=torch.float32,
+            device=query.device,
+        )
+        part_lse = torch.full(
+            (num_tokens, num_heads, num_splits),
+            float("-inf"),
+            dtype=torch.float32,
+            device=query.device,
+        )
+    else:
+        part_out = part_lse = out  # unused
+    _paged_attention[(grid_q, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_out,
+        part_lse,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        split_size,
+        G=g,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        PAGE=page,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
+    )
+    if num_splits > 1:
+        _merge_splits[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+        )
+    return out

@@ -1,0 +1,10 @@
+"""Entry point of the plugin: registers the backend by name, importing neither Triton nor torch."""
+
+from __future__ import annotations
+
+from pagoda import hookimpl
+
+
+@hookimpl
+def register_attention_backends(register) -> None:
+    register("triton", "pagoda_attention_triton.backend:TritonAttentionBackend")
