@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pagoda import hookimpl
 
+PAGODA_PLUGIN_API = 1
+
 
 @hookimpl
 def register_attention_backends(register) -> None:
