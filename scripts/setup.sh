@@ -17,9 +17,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first: a pinned CPU build where one is at hand, else the registry's build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0" || "${pip[@]}" torch
   "${pip[@]}" -e "core[test]"
-  # The plugins of this repository, each its own distribution (with its own dependencies).
+  # The plugins of this repository, each its own distribution. Their kernel libraries are
+  # GPU stacks; only Triton is installed here, for its interpreter (CPU tests of the kernels).
+  "${pip[@]}" triton
   for plugin in $plugins; do
-    "${pip[@]}" -e "$plugin"
+    "${pip[@]}" --no-deps -e "$plugin"
   done
   for ex in examples/*/; do
     [ -f "$ex/pyproject.toml" ] && "${pip[@]}" --no-deps -e "$ex"

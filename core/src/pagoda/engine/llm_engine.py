@@ -20,16 +20,22 @@ from pagoda.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """Input processing, an engine core and output processing.
+
+    ``engine_core`` is the core itself (in this process; the default) or a client of one in
+    another process (``AsyncLLM`` passes its ``AsyncMPClient``; ``step`` is then not used).
+    """
+
+    def __init__(self, config: EngineConfig, engine_core: Any = None) -> None:
         self.config = config
         self.info = ModelInfo.from_config(config)
-        self.tokenizer = load_tokenizer(self.info.tokenizer, config.model.trust_remote_code)
+        self.tokenizer = _load_tokenizer(self.info, config.model.trust_remote_code)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         # Other ids that end a turn (generation_config.json, config.json) stop like EOS.
         self.extra_eos_ids = _model_eos_ids(self.info) - {self.eos_token_id}
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config, self.info)
+        self.engine_core = engine_core if engine_core is not None else EngineCore(config, self.info)
         self._ids = itertools.count()
 
     def new_request_id(self) -> str:
@@ -57,18 +63,24 @@ class LLMEngine:
     ) -> None:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
+        eos_ids = self.extra_eos_ids | ({self.eos_token_id} - {None})
+        params = params.resolve(self.tokenizer, self.info.arch.vocab_size, eos_ids)
         seqs = []
         for i in range(params.n):
             child = (
                 params
                 if params.n == 1
                 else dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + i
+                    params,
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    # The prompt is the same for every sample: the first computes its logprobs.
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
                 )
             )
             seqs.append((request_id if params.n == 1 else f"{i}_{request_id}", child))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
-        for seq_id, child in seqs:
+        for i, (seq_id, child) in enumerate(seqs):
             self.engine_core.add_request(
                 Request(
                     request_id=seq_id,
@@ -76,6 +88,8 @@ class LLMEngine:
                     sampling_params=child,
                     eos_token_id=self.eos_token_id,
                     priority=priority,
+                    # Samples after the first wait for its prompt's blocks (prefilled once).
+                    prefill_leader=seqs[0][0] if i else None,
                 )
             )
 
@@ -123,3 +137,16 @@ def _model_eos_ids(info: ModelInfo) -> set[int]:
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def _load_tokenizer(info: ModelInfo, trust_remote_code: bool) -> Any:
+    """The model's tokenizer; a random-weight model without tokenizer files gets a synthetic one."""
+    try:
+        return load_tokenizer(info.tokenizer, trust_remote_code)
+    except FileNotFoundError:
+        if info.load_format != "dummy":
+            raise
+        from pagoda.loader.synthetic import synthetic_tokenizer
+
+        eos = info.arch.eos_token_id
+        return synthetic_tokenizer(info.arch.vocab_size, eos if isinstance(eos, int) else None)

@@ -1,0 +1,1 @@
+"""Pagoda attention backend on FlashInfer (``attention.backend: flashinfer``)."""

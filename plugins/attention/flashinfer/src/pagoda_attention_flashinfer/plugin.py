@@ -1,0 +1,12 @@
+"""Entry point of the plugin: registers the backend by name without importing FlashInfer."""
+
+from __future__ import annotations
+
+from pagoda import hookimpl
+
+PAGODA_PLUGIN_API = 1
+
+
+@hookimpl
+def register_attention_backends(register) -> None:
+    register("flashinfer", "pagoda_attention_flashinfer.backend:FlashInferBackend")

@@ -1,0 +1,21 @@
+"""Pagoda's attention conformance kit on the Triton backend: natively on a GPU, and under the
+Triton interpreter on the CPU (float32, the kit's small shapes)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first compiled
+
+from pagoda.testing import AttentionBackendConformance  # noqa: E402
+
+_CUDA = torch.cuda.is_available()
+
+
+class TestTritonConformance(AttentionBackendConformance):
+    backend = "triton"  # selected by name, through the installed entry point
+    device = "cuda" if _CUDA else "cpu"
+    dtypes = (torch.bfloat16, torch.float16, torch.float32) if _CUDA else (torch.float32,)
