@@ -1,89 +1,99 @@
-"""The baseline sampler: filters keep exactly what they should, greedy rows stay greedy, and a
-seeded row draws the same token whatever else is in the batch."""
+"""The sampler pipeline: greedy fast path, greedy rows seeing processed logits, logprobs of the
+model's own distribution, the logits-processor hook, and unused features building nothing."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from sampling_helpers import make_batch
 
 from pagoda.sample.metadata import SamplingMetadata
-from pagoda.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from pagoda.sample.sampler import Sampler
+from pagoda.sampling_params import SamplingParams
+
+V = 64
 
 
-def _md(n: int, **kw) -> SamplingMetadata:
-    base = dict(
-        all_greedy=False,
-        all_random=True,
-        temperature=torch.ones(n),
-        greedy_mask=None,
-        top_k=None,
-        top_p=None,
-        min_p=None,
-        generators={},
-    )
-    base.update(kw)
-    return SamplingMetadata(**base)
+def _logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def test_top_k_keeps_the_k_largest_logits_per_row() -> None:
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    k = torch.tensor([1, 3, 10, 50])
-    out = apply_top_k_top_p(logits, k, None)
-    for row in range(4):
-        kept = torch.isfinite(out[row]).nonzero().flatten()
-        want = logits[row].topk(int(k[row])).indices
-        assert set(kept.tolist()) == set(want.tolist())
-        assert torch.equal(out[row][kept], logits[row][kept])
+def test_all_greedy_step_is_a_plain_argmax_with_no_tensors_built() -> None:
+    ib, rows = make_batch([SamplingParams(temperature=0)] * 3, [[1]] * 3, vocab=V)
+    md = ib.sampling_metadata(rows)
+    assert md == SamplingMetadata.greedy()
+    logits = _logits(3)
+    out = Sampler()(logits.clone(), md)
+    assert torch.equal(out.sampled, logits.argmax(-1)) and out.logprobs is None
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
-    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
-    p = torch.tensor([0.05, 0.5, 0.9])
-    out = apply_top_k_top_p(logits, None, p)
-    for row in range(3):
-        probs = logits[row].softmax(-1)
-        order = probs.argsort(descending=True)
-        cum = probs[order].cumsum(0)
-        n_keep = int((cum < p[row]).sum()) + 1  # up to and including the token that reaches p
-        assert set(torch.isfinite(out[row]).nonzero().flatten().tolist()) == set(
-            order[:n_keep].tolist()
-        )
+def test_temperature_only_builds_no_tensor_for_unused_features() -> None:
+    ib, rows = make_batch([SamplingParams(temperature=0.8)] * 2, [[1]] * 2, vocab=V)
+    md = ib.sampling_metadata(rows)
+    assert md.temperature is not None and md.uniform is not None
+    unused = (md.greedy_mask, md.top_k, md.top_p, md.min_p, md.max_num_logprobs)
+    assert all(x is None for x in unused) and not md.processes_logits
 
 
-def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability() -> None:
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    out = apply_min_p(probs, torch.tensor([0.35]))
-    assert torch.equal(out, torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+def test_greedy_rows_take_the_argmax_of_processed_logits_in_a_mixed_batch() -> None:
+    logits = _logits(3)
+    low = int(logits[0].argmin())
+    params = [
+        SamplingParams(temperature=0, logit_bias={low: 100.0}),
+        SamplingParams(temperature=1.0, top_k=1),  # random row that can only pick the argmax
+        SamplingParams(temperature=0, allowed_token_ids=[low]),
+    ]
+    ib, rows = make_batch(params, [[1]] * 3, vocab=V)
+    md = ib.sampling_metadata(rows)
+    assert not md.all_greedy and not md.all_random
+    sampled = Sampler()(logits.clone(), md).sampled
+    assert sampled.tolist() == [low, int(logits[1].argmax()), low]
 
 
-def test_degenerate_filters_and_greedy_rows_give_the_argmax() -> None:
-    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2))
-    greedy = logits.argmax(-1)
+def test_logprobs_are_the_raw_distribution_with_rank_and_top_k() -> None:
+    params = [
+        SamplingParams(temperature=0.5, logprobs=3, logit_bias={5: 20.0}),
+        SamplingParams(temperature=0, logprobs=0, repetition_penalty=1.5),
+    ]
+    ib, rows = make_batch(params, [[5, 6], [7]], vocab=V)
+    logits = _logits(2)
+    out = Sampler()(logits.clone(), ib.sampling_metadata(rows))
+    raw = logits.log_softmax(-1)
+    lp = out.logprobs
+    assert lp is not None and lp.token_ids.shape == (2, 4)  # chosen + the largest k of the step
+    for i in range(2):
+        token = int(out.sampled[i])
+        assert lp.token_ids[i, 0] == token
+        torch.testing.assert_close(lp.logprobs[i, 0], raw[i, token], rtol=0, atol=1e-6)
+        assert lp.ranks[i] == 1 + int((raw[i] > raw[i, token]).sum())
+        top = raw[i].topk(3)
+        assert torch.equal(lp.token_ids[i, 1:], top.indices)
+        torch.testing.assert_close(lp.logprobs[i, 1:], top.values, rtol=0, atol=1e-6)
+    assert out.sampled[0] == 5 and lp.ranks[0] > 1  # the bias chose it; the rank is the model's
+
+
+def test_logits_processors_run_after_builtin_processing_and_before_sampling() -> None:
+    seen = {}
+
+    def ban_argmax(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        seen["logits"] = logits.clone()
+        return logits.scatter(1, logits.argmax(-1, keepdim=True), float("-inf"))
+
     sampler = Sampler()
-    for md in (
-        _md(4, top_k=torch.ones(4, dtype=torch.long)),
-        _md(4, top_p=torch.full((4,), 1e-6)),
-        _md(4, min_p=torch.ones(4)),
-        _md(
-            4,
-            all_random=False,
-            greedy_mask=torch.ones(4, dtype=torch.bool),
-            temperature=torch.full((4,), 5.0),
-        ),
-    ):
-        assert torch.equal(sampler(logits.clone(), md), greedy)
+    sampler.logits_processors.append(ban_argmax)
+    ib, rows = make_batch([SamplingParams(temperature=0, logit_bias={3: 50.0})], [[1]], vocab=V)
+    logits = _logits(1)
+    sampled = sampler(logits.clone(), ib.sampling_metadata(rows)).sampled
+    assert seen["logits"][0, 3] == logits[0, 3] + 50.0  # the bias came first
+    second = logits[0].clone()
+    second[3] = float("-inf")
+    assert int(sampled[0]) == int(second.argmax())  # the processor's ban held
 
 
-def test_seeded_row_draws_the_same_token_in_any_batch() -> None:
-    sampler = Sampler()
-    logits = torch.zeros(1, 1000)  # uniform: every token equally likely
-
-    def draw(batch: int, row: int) -> int:
-        g = torch.Generator().manual_seed(1234)
-        out = sampler(logits.expand(batch, -1).clone(), _md(batch, generators={row: g}))
-        return int(out[row])
-
-    first = draw(1, 0)
-    assert all(draw(b, r) == first for b, r in [(3, 0), (3, 2), (8, 5)])
-    # And a different seed gives something else (1 in 1000 to collide by chance; fixed seeds).
-    g = torch.Generator().manual_seed(99)
-    assert int(sampler(logits.clone(), _md(1, generators={0: g}))[0]) != first
+def test_resumed_request_rebuilds_its_penalty_counts_from_its_output() -> None:
+    sp = SamplingParams(temperature=0, frequency_penalty=1.0)
+    ib, rows = make_batch([sp], [[1]], [[9, 9, 4]], vocab=V)
+    logits = torch.zeros(1, V)
+    got = Sampler().process_logits(logits, ib.sampling_metadata(rows))
+    assert got[0, 9] == -2.0 and got[0, 4] == -1.0 and got[0, 1] == 0.0
+    assert np.count_nonzero(got.numpy()) == 2

@@ -5,6 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(slots=True)
+class Logprob:
+    """One token's log probability under the model's own distribution (before any sampling
+    setting changed it), its rank in that distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position: token id -> Logprob, the chosen (or prompt) token first, then the top k by rank.
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     """One generated sequence of a request (``n`` of them when ``SamplingParams.n > 1``)."""
@@ -14,8 +28,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token, when asked for
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs, when asked for
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -29,4 +43,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # One per prompt token when asked for; the first is None (nothing precedes it).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -57,6 +57,9 @@ class Request:
     stop_reason: int | str | None = None
     # Block hashes of this request's full blocks, filled lazily by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Another sample of the same prompt (n > 1) that prefills it: this one waits until that
+    # prompt is computed, then takes its full blocks from the prefix cache.
+    prefill_leader: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Any = None
-    # Filled in by the engine: the model's EOS ids, so the scheduler can stop without a tokenizer.
+    # Filled in by the engine (``resolve``): every id that stops the request (the model's EOS ids
+    # unless ``ignore_eos``, and ``stop_token_ids``), and ``bad_words`` as token ids.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,8 +51,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0  # vLLM spells "no top-k" both as 0 and -1
+        if self.logit_bias is not None:
+            # JSON bodies give the keys as strings.
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -83,7 +91,52 @@ class SamplingParams:
             bad("prompt_logprobs", "must be non-negative")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "must not be empty (leave it None to allow every token)")
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            bad("bad_words", "bad words must be non-empty")
+
+    def resolve(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> SamplingParams:
+        """A copy with what only the engine knows filled in: the ids that stop the request and
+        ``bad_words`` as token ids. Raises ``ValueError`` naming the field for a token id outside
+        ``[0, vocab_size)``."""
+        out = dataclasses.replace(self)
+        out.all_stop_token_ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            out.all_stop_token_ids |= eos_token_ids
+        out.bad_words_token_ids = _bad_words_token_ids(self.bad_words or [], tokenizer)
+
+        def check(name: str, ids: Any) -> None:
+            wrong = sorted({t for t in ids if not 0 <= t < vocab_size})
+            if wrong:
+                raise ValueError(
+                    f"SamplingParams.{name}: token ids {wrong[:5]} are outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
+
+        check("allowed_token_ids", self.allowed_token_ids or ())
+        check("logit_bias", self.logit_bias or ())
+        check("stop_token_ids", self.stop_token_ids)
+        check("bad_words", [t for w in out.bad_words_token_ids for t in w])
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and k > vocab_size:
+                raise ValueError(f"SamplingParams.{name}={k}: more than the {vocab_size} tokens")
+        return out
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _bad_words_token_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each bad word as token ids, as vLLM does: as written, and with a leading space when that
+    tokenizes to a different first token of the same length (the word inside a text)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

@@ -35,6 +35,20 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
 
+class TokenTexts:
+    """The text of single tokens (logprobs' ``decoded_token``), decoded once per token id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
 def find_stop_string(
     text: str, new_len: int, stops: list[str], include: bool
 ) -> tuple[str, int] | None:

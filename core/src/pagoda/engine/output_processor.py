@@ -1,14 +1,15 @@
-"""Turns the engine core's token ids into ``RequestOutput``s: text, stop strings, n > 1."""
+"""Turns the engine core's token ids into ``RequestOutput``s: text, stop strings, logprobs,
+n > 1."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop_string
+from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.scheduler.output import EngineCoreOutput, LogprobsArrays
 
 
 @dataclass
@@ -23,10 +24,19 @@ class _SeqState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None  # when params.logprobs is set
+    cumulative_logprob: float = 0.0
 
     def completion(self) -> CompletionOutput:
+        asked = self.logprobs is not None
         return CompletionOutput(
-            self.index, self.text, list(self.token_ids), self.finish_reason, self.stop_reason
+            self.index,
+            self.text,
+            list(self.token_ids),
+            self.finish_reason,
+            self.stop_reason,
+            list(self.logprobs) if asked else None,
+            self.cumulative_logprob if asked else None,
         )
 
 
@@ -37,6 +47,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     seqs: list[_SeqState] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -50,12 +61,14 @@ class _RequestState:
             [s.completion() for s in self.seqs],
             self.finished,
             self.num_cached_tokens,
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.token_texts = TokenTexts(tokenizer)
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[str, _SeqState] = {}  # core request id -> sequence
 
@@ -72,6 +85,10 @@ class OutputProcessor:
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
             seq = _SeqState(state, index, params, detok)
+            if params.logprobs is not None:
+                seq.logprobs = []
+            if params.prompt_logprobs is not None:
+                state.prompt_logprobs = [None]
             state.seqs.append(seq)
             self._seqs[seq_id] = seq
         self._requests[request_id] = state
@@ -95,10 +112,23 @@ class OutputProcessor:
             if seq is None or seq.finish_reason is not None:
                 continue
             seq.parent.num_cached_tokens = max(seq.parent.num_cached_tokens, out.num_cached_tokens)
+            prompt_lps = out.new_prompt_logprobs
+            if prompt_lps is not None and seq.parent.prompt_logprobs is not None:
+                # A chunk recomputed after preemption replaces what it covers.
+                new = self._positions(prompt_lps.arrays)
+                seq.parent.prompt_logprobs[prompt_lps.start + 1 :] = new
+            if not out.new_token_ids and out.finish_reason is None:
+                continue
+            new_lps = None
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                new_lps = self._positions(out.new_logprobs)
             stops = seq.params.stop
             stopped_here = False
-            for token in out.new_token_ids:
+            for i, token in enumerate(out.new_token_ids):
                 seq.token_ids.append(token)
+                if new_lps is not None:
+                    seq.logprobs.append(new_lps[i])
+                    seq.cumulative_logprob += new_lps[i][token].logprob
                 delta = seq.detok.add_token(token)
                 if not delta:
                     continue
@@ -131,6 +161,19 @@ class OutputProcessor:
             if state.finished:
                 del self._requests[rid]
         return results, to_abort
+
+    def _positions(self, arrays: LogprobsArrays) -> list[PositionLogprobs]:
+        """vLLM's shape: per position, the chosen token with its rank, then the top k."""
+        text = self.token_texts
+        out = []
+        for ids, lps, rank in zip(
+            arrays.token_ids.tolist(), arrays.logprobs.tolist(), arrays.ranks.tolist()
+        ):
+            position = {ids[0]: Logprob(lps[0], rank, text(ids[0]))}
+            for r, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                position.setdefault(token, Logprob(lp, r, text(token)))
+            out.append(position)
+        return out
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its core sequence ids (for the core to abort)."""

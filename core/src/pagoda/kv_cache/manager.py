@@ -141,6 +141,12 @@ class KVCacheManager:
         self._cache_computed_blocks(request, num_computed)
         return new_blocks
 
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offer the request's computed full blocks to the prefix cache now (after its step ran),
+        rather than at its next allocation."""
+        if request.request_id in self.req_to_blocks:
+            self._cache_computed_blocks(request, request.num_computed_tokens)
+
     def _cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         if not self.enable_caching:
             return

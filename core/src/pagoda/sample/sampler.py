@@ -1,65 +1,85 @@
-"""From logits to the next token of each request, batched on the model's device.
+"""From logits to the next token of each request: vLLM's sampling pipeline, batched on the
+model's device, with no Python loop over requests or tokens.
 
-Order: greedy fast path; else temperature, then top-k, top-p and min-p filtering, then one draw
-per row by the exponential-race trick (``argmax(p / q)`` with ``q ~ Exp(1)``), which lets seeded
-rows use their own generator while the rest share one call.
+    1. logprobs of the model's own distribution (raw logits), when some row asked
+    2. logits in float32
+    3. allowed_token_ids; 4. bad words and min_tokens (-inf); 5. logit_bias
+    6. penalties: repetition, frequency, presence
+       -> ``Sampler.logits_processors`` run here: the place for grammar masks and plugins
+    7. greedy rows: argmax; random rows: temperature, min_p, top-k/top-p, one draw
+    8. the chosen tokens' logprobs and ranks, and the top k
+
+Speculative verification (a rejection sampler) enters through ``process_logits`` and ``probs``
+on the target logits of every draft position, not through ``forward``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from pagoda.sample.metadata import SamplingMetadata
+from pagoda.sample.metadata import SamplerOutput, SamplingMetadata
+from pagoda.sample.ops import (
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    gather_logprobs,
+    sample_from_probs,
+)
+
+# Takes [num_rows, vocab] float32 logits and the step's metadata (``md.req_ids`` names the rows);
+# returns the logits to sample from (it may work in place).
+LogitsProcessor = Callable[[torch.Tensor, SamplingMetadata], torch.Tensor]
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """``logits``: [num_reqs, vocab] float32. Returns [num_reqs] int64 token ids."""
-        greedy = logits.argmax(dim=-1)
-        if md.all_greedy:
-            return greedy
-        logits = logits / md.temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
-        if md.min_p is not None:
-            probs = apply_min_p(probs, md.min_p)
-        sampled = exponential_race(probs, md.generators)
-        if md.all_random:
-            return sampled
-        return torch.where(md.greedy_mask, greedy, sampled)
+    def __init__(self) -> None:
+        super().__init__()
+        self.logits_processors: list[LogitsProcessor] = []
 
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """``logits``: [num_rows, vocab], consumed (changed in place when float32)."""
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+        logits = self.process_logits(logits, md)
+        sampled = self.sample(logits, md)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled))
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask to -inf every logit outside the top k, then outside the smallest set whose
-    probability reaches top p (the most likely token always stays)."""
-    if top_k is None and top_p is None:
+    def process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Steps 2-6 and the logits processors: what greedy and random rows both see."""
+        logits = logits.float()
+        if md.allowed_mask is not None:
+            logits.masked_fill_(md.allowed_mask, float("-inf"))
+        if md.banned is not None:
+            logits.index_put_(md.banned, logits.new_tensor(float("-inf")))
+        if md.logit_bias is not None:
+            rows, ids, bias = md.logit_bias
+            logits.index_put_((rows, ids), bias, accumulate=True)
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
+        for processor in self.logits_processors:
+            logits = processor(logits, md)
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        # Ascending order: the top k are the last k columns.
-        kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab)).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p).unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Step 7 on processed logits: [num_rows] int64 token ids."""
+        if md.all_greedy:
+            return logits.argmax(dim=-1)
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        sampled = sample_from_probs(self.probs(logits, md), md.uniform)
+        return sampled if greedy is None else torch.where(md.greedy_mask, greedy, sampled)
 
-def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return probs.masked_fill(probs < threshold, 0.0)
-
-
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        q.exponential_()
-    for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    return probs.div(q).argmax(dim=-1)
+    @staticmethod
+    def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from: processed logits over the temperature,
+        filtered by min_p, then top-k and top-p, through softmax (vLLM's order)."""
+        logits = logits.div_(md.temperature.unsqueeze(1))
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
+        return logits.softmax(dim=-1)

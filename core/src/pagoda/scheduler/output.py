@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagoda.sampling_params import SamplingParams
 
 
@@ -44,12 +46,42 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+@dataclass(slots=True)
+class LogprobsArrays:
+    """Logprobs of some positions of one request: row i is one position, column 0 the token
+    that came (sampled, or the next prompt token), then the top k tokens by rank."""
+
+    token_ids: np.ndarray  # [positions, 1 + k] int64
+    logprobs: np.ndarray  # [positions, 1 + k] float32
+    ranks: np.ndarray  # [positions] int64: the rank of column 0's token (1 = most likely)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def select(self, start: int, stop: int, k: int) -> LogprobsArrays:
+        """Positions ``[start, stop)``, with the chosen token and the top ``k``."""
+        pos, cols = slice(start, stop), slice(0, k + 1)
+        return LogprobsArrays(self.token_ids[pos, cols], self.logprobs[pos, cols], self.ranks[pos])
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt logprobs computed in one step: ``start`` is the position of the first predicting
+    token, so row i holds the logprobs of prompt token ``start + 1 + i``."""
+
+    start: int
+    arrays: LogprobsArrays
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     # One list per request in ``req_ids``: the tokens sampled this step (empty for a prefill chunk
     # that does not reach the end of the known tokens).
     sampled_token_ids: list[list[int]]
+    # For the requests that asked (``logprobs``/``prompt_logprobs``), by request id.
+    logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -61,6 +93,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: LogprobsArrays | None = None  # one row per new token, when asked for
+    new_prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -158,6 +158,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Sent with the next SchedulerOutput so the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        # Leader id -> the samples that wait for its prompt's blocks (see Request.prefill_leader).
+        self.parked: dict[str, list[Request]] = {}
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -173,7 +175,26 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
-        self.waiting.add(request)
+        leader = self.requests.get(request.prefill_leader or "")
+        kv = self.kv_cache_manager
+        if (
+            leader is not None
+            and leader.num_computed_tokens < leader.num_prompt_tokens
+            and kv.enable_caching
+            and (n - 1) // kv.block_size > 0
+        ):
+            self.parked.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.add(request)
+
+    def _unpark(self, leader: Request) -> None:
+        """The leader's prompt is computed (or it ended): its samples join the queue's front."""
+        samples = self.parked.pop(leader.request_id, None)
+        if samples is None:
+            return
+        self.kv_cache_manager.cache_computed_blocks(leader)
+        for req in reversed(samples):
+            self.waiting.add_preempted(req)
 
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
@@ -312,10 +333,13 @@ class Scheduler:
                 new_token_ids.append(token)
                 if self._check_stop(req, token):
                     break
+            if new_token_ids and req_id in self.parked:
+                self._unpark(req)
             if req.is_finished:
                 any_finished = True
                 self._release(req)
-            if new_token_ids or req.is_finished:
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if new_token_ids or req.is_finished or prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
                         request_id=req_id,
@@ -323,6 +347,8 @@ class Scheduler:
                         finish_reason=req.status.finish_reason,
                         stop_reason=req.stop_reason,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                        new_logprobs=model_runner_output.logprobs.get(req_id),
+                        new_prompt_logprobs=prompt_logprobs,
                     )
                 )
         if any_finished:
@@ -353,6 +379,7 @@ class Scheduler:
         return False
 
     def _release(self, req: Request) -> None:
+        self._unpark(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
@@ -369,8 +396,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
+            parked = self.parked.get(req.prefill_leader or "", [])
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req in parked:
+                parked.remove(req)
             else:
                 self.waiting.remove(req)
             req.status = finished_status
@@ -378,14 +408,14 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(len(p) for p in self.parked.values())
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return self.num_waiting + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0

@@ -19,13 +19,15 @@ from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
 from pagoda.plugins import get_registry
-from pagoda.sample.metadata import SamplingMetadata
+from pagoda.sample.metadata import LogprobsTensors
+from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
-from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pagoda.utils import cdiv
 from pagoda.worker.input_batch import InputBatch
 
 _CPU_KV_CACHE_BYTES = 4 << 30
+_PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose full-vocabulary logits exist at once
 
 
 @contextlib.contextmanager
@@ -65,7 +67,9 @@ class ModelRunner:
             config.attention.backend, device, dtype, arch.head_dim
         )
         self.sampler = Sampler()
-        self.input_batch = InputBatch(self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req)
+        self.input_batch = InputBatch(
+            self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
+        )
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -146,7 +150,7 @@ class ModelRunner:
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request may still hold its old row
-            ib.add(new, self.device)
+            ib.add(new)
             req_ids.append(new.req_id)
             computed.append(new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
@@ -209,41 +213,74 @@ class ModelRunner:
 
         with set_forward_context(attn_metadata):
             hidden = self.model(self.input_ids[:total], self.positions[:total])
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
         if num_sampling:
-            self.logits_indices[:num_sampling].copy_(torch.from_numpy(qsl[1:][sample_idx] - 1))
-            logits = self.model.compute_logits(hidden[self.logits_indices[:num_sampling]])
-            sample_rows = rows[sample_idx]
-            md = self._sampling_metadata(sample_rows)
-            tokens = self.sampler(logits, md).cpu().numpy()
-            n_tok = ib.num_tokens[sample_rows]
-            ib.token_ids[sample_rows, n_tok] = tokens
-            ib.num_tokens[sample_rows] = n_tok + 1
-            for i, t in zip(sample_idx.tolist(), tokens.tolist()):
-                sampled_lists[i] = [t]
-        return ModelRunnerOutput(req_ids, sampled_lists)
+            self._sample(hidden, out, rows, sample_idx, qsl)
+        self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
+        return out
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    # ---- sampling and logprobs -----------------------------------------------------------------
+
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        qsl: np.ndarray,
+    ) -> None:
+        """Sample the next token of the requests ``sample_idx`` (indices into the step's requests)
+        from the hidden state of their last scheduled token."""
         ib = self.input_batch
-        greedy = ib.greedy[rows]
-        if greedy.all():
-            return SamplingMetadata(True, False, None, None, None, None, None, {})
-        dev = self.device
+        n = len(sample_idx)
+        self.logits_indices[:n].copy_(torch.from_numpy(qsl[1:][sample_idx] - 1))
+        logits = self.model.compute_logits(hidden[self.logits_indices[:n]])
+        sample_rows = rows[sample_idx]
+        md = ib.sampling_metadata(sample_rows)
+        if self.sampler.logits_processors:
+            md.req_ids = [out.req_ids[i] for i in sample_idx]
+        result = self.sampler(logits, md)
+        tokens = ib.append_sampled(sample_rows, result.sampled)
+        for i, t in zip(sample_idx.tolist(), tokens.tolist()):
+            out.sampled_token_ids[i] = [t]
+        if result.logprobs is not None:
+            arrays = result.logprobs.to_arrays()
+            ks = ib.sampling.logprobs[sample_rows]
+            for j in np.nonzero(ks >= 0)[0].tolist():
+                out.logprobs[out.req_ids[sample_idx[j]]] = arrays.select(j, j + 1, int(ks[j]))
 
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
-
-        top_k = ib.top_k[rows]
-        top_p = ib.top_p[rows]
-        min_p = ib.min_p[rows]
-        vocab = self.arch.vocab_size
-        return SamplingMetadata(
-            all_greedy=False,
-            all_random=not greedy.any(),
-            temperature=to_dev(ib.temperature[rows]),
-            greedy_mask=to_dev(greedy),
-            top_k=to_dev(np.where(top_k > 0, top_k, vocab)) if (top_k > 0).any() else None,
-            top_p=to_dev(top_p) if (top_p < 1.0).any() else None,
-            min_p=to_dev(min_p) if (min_p > 0.0).any() else None,
-            generators=ib.seeded_generators(rows, ib.num_tokens[rows]),
-        )
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+        rows: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        qsl: np.ndarray,
+    ) -> None:
+        """Logprobs of the prompt tokens that this step's tokens predict, for the requests that
+        asked for ``prompt_logprobs`` (one chunk at a time under chunked prefill)."""
+        ib = self.input_batch
+        ks = ib.sampling.prompt_logprobs[rows]
+        # Position p predicts prompt token p + 1; the last prompt position predicts output.
+        ends = np.minimum(starts + counts, ib.num_prompt[rows] - 1)
+        want = np.nonzero((ks >= 0) & (ends > starts))[0]
+        if not len(want):
+            return
+        n_pos = ends[want] - starts[want]
+        first = np.cumsum(n_pos) - n_pos
+        local = self._arange[: int(n_pos.sum())] - np.repeat(first, n_pos)
+        positions = np.repeat(starts[want], n_pos) + local
+        hidden_idx = torch.from_numpy(np.repeat(qsl[want], n_pos) + local).to(self.device)
+        targets = ib.token_ids[np.repeat(rows[want], n_pos), positions + 1]
+        targets_t = torch.from_numpy(targets).to(self.device)
+        k = int(ks[want].max())
+        parts = []
+        for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):
+            idx = slice(s, s + _PROMPT_LOGPROBS_CHUNK)
+            logits = self.model.compute_logits(hidden[hidden_idx[idx]])
+            parts.append(gather_logprobs(logits.log_softmax(dim=-1), k, targets_t[idx]))
+        arrays = LogprobsTensors.cat(parts).to_arrays()
+        for j, i in enumerate(want.tolist()):
+            chunk = arrays.select(int(first[j]), int(first[j] + n_pos[j]), int(ks[i]))
+            out.prompt_logprobs[out.req_ids[i]] = PromptLogprobs(int(starts[i]), chunk)

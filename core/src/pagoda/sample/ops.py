@@ -1,0 +1,105 @@
+"""The sampler's steps as functions over a batch of logits rows, each with vLLM's meaning.
+
+Functions named ``apply_*`` may work in place on ``logits`` and return the result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.sample.metadata import LogprobsTensors, Penalties
+
+_NEG_INF = float("-inf")
+_CHUNK = 128  # tokens per first-level bucket of the inverse-CDF draw
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """Repetition penalty as in transformers (a seen token's logit is divided by the penalty if
+    positive, multiplied if not), then OpenAI's frequency and presence penalties."""
+    in_output = p.output_counts > 0
+    rep = p.repetition.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(p.prompt_mask | in_output, penalised, logits)
+    logits -= p.frequency.unsqueeze(1) * p.output_counts
+    logits -= p.presence.unsqueeze(1) * in_output
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the most likely one's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, max_top_k: int, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits, then the smallest set of those whose probability
+    reaches ``top_p`` (the most likely token always stays). Rows without a limit hold top_k =
+    vocab size and top_p = 1."""
+    if top_p is None:
+        return logits if top_k is None else _apply_top_k(logits, top_k, max_top_k)
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        # Ascending order: the top k are the last k columns.
+        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+    drop = cum <= (1 - top_p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, _NEG_INF)
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k alone needs no sort: the k-th largest of a row is among the ``max_top_k`` largest."""
+    no_limit = top_k >= logits.shape[-1]
+    values = logits.topk(max_top_k, dim=-1).values
+    kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
+    kth.masked_fill_(no_limit.unsqueeze(1), _NEG_INF)
+    return logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: for each row the token i with ``cdf(i - 1) <= u * total < cdf(i)``, where
+    ``probs`` need not sum to 1 and ``u`` is the row's ``uniform`` in [0, 1).
+
+    Two levels in float64 (a running sum over buckets of 128 tokens, then within the chosen
+    bucket), so float32 rounding of one long running sum distorts no token's chance, and a token
+    of zero probability is never drawn. One uniform per row: far cheaper on a CPU than a random
+    number per token.
+    """
+    n, vocab = probs.shape
+    if vocab % _CHUNK:
+        probs = F.pad(probs, (0, -vocab % _CHUNK))
+    buckets = probs.view(n, -1, _CHUNK)
+    bucket_cdf = buckets.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)
+    total = bucket_cdf[:, -1:]
+    zero = torch.zeros_like(total)
+    # NOTE: strictly below the total, so the chosen bucket and token have positive probability.
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, zero))
+    bucket = torch.searchsorted(bucket_cdf, target, right=True).clamp_(max=buckets.shape[1] - 1)
+    before = torch.where(bucket > 0, bucket_cdf.gather(1, (bucket - 1).clamp(min=0)), zero)
+    inner = buckets.gather(1, bucket.unsqueeze(2).expand(n, 1, _CHUNK)).squeeze(1)
+    inner_cdf = inner.to(torch.float64).cumsum_(dim=-1)
+    rest = torch.minimum(target - before, torch.nextafter(inner_cdf[:, -1:], zero))
+    idx = torch.searchsorted(inner_cdf, rest, right=True).clamp_(max=_CHUNK - 1)
+    return (bucket * _CHUNK + idx).squeeze(1).clamp_(max=vocab - 1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+) -> LogprobsTensors:
+    """The logprob and rank of each row's ``token_ids`` entry, then the row's top
+    ``num_logprobs`` tokens. Rank counts the tokens at least as likely (vLLM's convention)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    ids, lps = token_ids.unsqueeze(1), chosen
+    if num_logprobs > 0:
+        top = logprobs.topk(num_logprobs, dim=-1)
+        ids = torch.cat([ids, top.indices], dim=1)
+        lps = torch.cat([lps, top.values], dim=1)
+    return LogprobsTensors(ids, lps, ranks)
