@@ -58,6 +58,7 @@ def _tile(
     stride_vs,
     stride_vh,
     PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One tile of keys: scores, causal mask, online-softmax update of (m, l, acc)."""
     pos = start + offs_n
@@ -73,7 +74,7 @@ def _tile(
         mask=n_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
-    s = tl.dot(q, k) * scale
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
     ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -90,7 +91,7 @@ def _tile(
         mask=n_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -128,6 +129,7 @@ def _paged_attention(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -196,6 +198,7 @@ def _paged_attention(
                 stride_vs,
                 stride_vh,
                 PAGE,
+                DOT_PRECISION,
             )
             start += TILE_N
     else:
@@ -224,6 +227,7 @@ def _paged_attention(
                 stride_vs,
                 stride_vh,
                 PAGE,
+                DOT_PRECISION,
             )
 
     tok = q_start + q_tok
@@ -350,6 +354,8 @@ def paged_attention(
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
+        # float32 inputs mean float32 arithmetic: no silent TF32 rounding in the dots.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     if num_splits > 1:
         _merge_splits[(num_tokens, num_heads)](
