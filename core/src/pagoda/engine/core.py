@@ -6,6 +6,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.model_info import ModelInfo
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.plugins import get_registry
+from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.output import EngineCoreOutput
 from pagoda.scheduler.scheduler import Scheduler
@@ -30,6 +31,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             sched_config, config.cache, self.kv_cache_manager, info.max_model_len
         )
+        # Plugin seam: None unless a plugin implements on_step_end.
+        self._step_end = seam("on_step_end")
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -42,7 +45,12 @@ class EngineCore:
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._step_end is not None:  # plugin seam
+            self._step_end(
+                scheduler_output=scheduler_output, runner_output=runner_output, outputs=outputs
+            )
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

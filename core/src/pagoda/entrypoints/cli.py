@@ -97,10 +97,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    from pagoda.plugins import reload_plugins
     from pagoda.plugins.report import format_plugins, has_problems
 
     # The report shows every failure in full; the discovery warnings would only repeat it.
-    logging.getLogger("pagoda.plugins").setLevel(logging.ERROR)
+    log = logging.getLogger("pagoda.plugins")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        reload_plugins()  # what is installed now, even if this process discovered plugins before
+    finally:
+        log.setLevel(level)
     print(format_plugins("json" if args.json else "table"))
     return 1 if args.check and has_problems() else 0
 

@@ -9,11 +9,12 @@ preempted before its step runs leaves no uncomputed block behind in the cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagoda.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagoda.kv_cache.hashing import update_block_hashes
+from pagoda.plugins.seams import seam
 from pagoda.request import Request
 
 
@@ -46,7 +47,10 @@ class KVCacheManager:
             raise ValueError(f"block_size={block_size}: must be at least 1")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        # Plugin seam: None unless a plugin implements on_blocks_evicted.
+        self._on_evicted = seam("on_blocks_evicted")
+        pool_cls = BlockPool if self._on_evicted is None else _RecordingBlockPool
+        self.block_pool = pool_cls(num_blocks, enable_caching)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len if max_model_len is not None else num_blocks * block_size
         self.max_num_blocks_per_req = cdiv(self.max_model_len, block_size)
@@ -135,6 +139,8 @@ class KVCacheManager:
             stats.hits += num_new_computed_tokens
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        if self._on_evicted is not None:  # plugin seam
+            self.block_pool.report_evicted(self._on_evicted)
         held = self.req_to_blocks.setdefault(req_id, held)
         held.extend(new_computed_blocks)
         held.extend(new_blocks)
@@ -185,3 +191,22 @@ class KVCacheManager:
         """The stats gathered since the last call (for per-step metrics), then reset."""
         stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
         return stats
+
+
+class _RecordingBlockPool(BlockPool):
+    """A block pool that remembers what it evicts, for the ``on_blocks_evicted`` seam; used
+    only when a plugin implements that hook."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, enable_caching)
+        self.evicted: list[tuple[int, bytes]] = []
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            self.evicted.append((block.block_id, block.block_hash))
+        super()._evict(block)
+
+    def report_evicted(self, hook: Callable[..., None]) -> None:
+        if self.evicted:
+            evicted, self.evicted = self.evicted, []
+            hook(block_ids=[i for i, _ in evicted], block_hashes=[h for _, h in evicted])

@@ -10,15 +10,13 @@ from pagoda.plugins.errors import (
     UnknownNameError,
 )
 from pagoda.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl, hookspec
+from pagoda.plugins.local import plugin_registered, register_plugin, unregister_plugin
 from pagoda.plugins.manager import (
     get_plugin_manager,
     get_registry,
     load_plugins,
     plugin_records,
-    plugin_registered,
-    register_plugin,
     reload_plugins,
-    unregister_plugin,
 )
 from pagoda.plugins.registry import PluginRecord, Registry
 from pagoda.plugins.selection import select

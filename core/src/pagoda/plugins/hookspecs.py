@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.request import Request
+    from pagoda.sample.metadata import SamplingMetadata
     from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
     from pagoda.scheduler.scheduler import Scheduler
 
@@ -159,7 +160,9 @@ def logits_processors(
 
     Called once per model runner (in each worker process), when it is built. Return processors
     (see :class:`LogitsProcessor`) or None. Every implementation is called; the processors of all
-    plugins are applied in turn, each to the previous one's result, every step that samples.
+    plugins are applied in turn, each to the previous one's result, every step that samples,
+    after the request's own settings (allowed tokens, bias, penalties) and before temperature,
+    top-k/top-p and the draw (greedy requests see them too).
     """
 
 
@@ -175,24 +178,19 @@ def on_step_end(
     :param runner_output: the tokens the model runner sampled.
     :param outputs: the per-request outputs the engine core returns (new tokens, finish reasons).
 
-    Called by the engine core at the end of every step that ran the model, after the scheduler
-    has taken the results in. Every implementation is called; results are ignored. Keep it cheap:
-    it runs between steps.
+    Called by the engine core at the end of every step that went to the executor, after the
+    scheduler has taken the results in. Every implementation is called; results are ignored.
+    Keep it cheap: it runs between steps.
     """
 
 
 class LogitsProcessor(Protocol):
     """What :func:`logits_processors` builds: a callable applied to each step's logits."""
 
-    def __call__(self, logits: torch.Tensor, batch: LogitsBatch) -> torch.Tensor:
-        """Return the processed logits ``[num_rows, vocab_size]`` (in place or new)."""
-
-
-class LogitsBatch(Protocol):
-    """The requests behind the rows of a step's logits (see ``pagoda.plugins.seams``)."""
-
-    req_ids: list[str]  # the request of each row
-    token_ids: list[Any]  # each row's prompt and output token ids so far (read-only arrays)
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Return the logits to sample from, ``[num_rows, vocab_size]`` float32 (it may change
+        ``logits`` in place). ``md.req_ids`` names the request of each row; the rest of ``md``
+        is the step's sampling metadata (``pagoda.sample.metadata``)."""
 
 
 REGISTRY_HOOKS: dict[str, str] = {

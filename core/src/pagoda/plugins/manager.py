@@ -19,11 +19,9 @@ import importlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import metadata
-from types import ModuleType
 from typing import Any
 
 import pluggy
@@ -46,6 +44,8 @@ class PluginState:
     pm: pluggy.PluginManager
     records: list[PluginRecord]
     registries: dict[str, Registry]
+    # Objects registered in this process (not modules): a reload registers them again.
+    local: list[tuple[Any, str]] = field(default_factory=list)
 
 
 _lock = threading.RLock()
@@ -63,11 +63,17 @@ def load_plugins() -> PluginState:
 
 
 def reload_plugins() -> PluginState:
-    """Forget what was loaded and discover again (after the environment changed; for tests)."""
+    """Discover again (after the environment or the installed plugins changed), keeping the
+    plugin objects registered in this process."""
     global _state
     with _lock:
+        local = _state.local if _state is not None else []
         _state = None
-        return load_plugins()
+        state = load_plugins()
+        for plugin, name in local:
+            add_plugin(state, plugin, name)
+            state.local.append((plugin, name))
+        return state
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
@@ -124,7 +130,7 @@ def _discover() -> PluginState:
             ep.name, dist.name if dist else None, dist.version if dist else None, ep.value
         )
         found.append((rec, ep.load))
-    for mod in dict.fromkeys(_env_modules()):
+    for mod in dict.fromkeys(env_modules()):
         rec = PluginRecord(mod, None, None, mod)
         found.append((rec, lambda m=mod: importlib.import_module(m)))
 
@@ -327,64 +333,29 @@ def _names_of_failed(pm: pluggy.PluginManager, rec: PluginRecord) -> list[Regist
     return out
 
 
-# ---- plugins registered in this process ---------------------------------------------------------
-
-
-def register_plugin(plugin: Any, name: str | None = None) -> PluginRecord:
-    """Register a plugin object or module in this process, with the same checks as discovery.
-
-    A module is also added to ``PAGODA_PLUGIN_MODULES``, so worker processes started afterwards
-    load it too; any other object exists in this process only. Raises if the plugin fails.
-    """
-    with _lock:
-        state = load_plugins()
-        module = plugin.__name__ if isinstance(plugin, ModuleType) else None
-        name = name or module or type(plugin).__name__
-        rec = PluginRecord(name, None, None, module or repr(plugin), plugin=plugin)
-        _load(state.pm, rec, lambda: plugin, state.records)
-        if rec.status == "loaded":
-            state.records.append(rec)
-            state.registries = _collect(state)
-            if rec.status != "loaded":  # its registry hooks raised
-                state.records.remove(rec)
-                state.registries = _collect(state)
-        if rec.status != "loaded":
-            msg = f"plugin {name!r} failed to load: {rec.reason}\n{rec.traceback}"
-            raise PluginLoadError(msg) from rec.exception
-        if module and module != "__main__":
-            _set_env_modules(_env_modules() + [module])
-        return rec
-
-
-def unregister_plugin(name: str) -> None:
-    """Undo :func:`register_plugin`."""
-    with _lock:
-        state = load_plugins()
-        rec = next((r for r in state.records if r.name == name), None)
-        if rec is None or rec.distribution is not None:
-            raise PluginError(f"no plugin {name!r} was registered in this process")
-        if rec.plugin is not None and state.pm.is_registered(rec.plugin):
-            state.pm.unregister(rec.plugin)
-        state.records.remove(rec)
+def add_plugin(state: PluginState, plugin: Any, name: str) -> PluginRecord:
+    """Load one more plugin object into ``state``, with the checks of discovery; raise if it
+    fails, leaving ``state`` as it was."""
+    rec = PluginRecord(name, None, None, getattr(plugin, "__name__", None) or repr(plugin))
+    _load(state.pm, rec, lambda: plugin, state.records)
+    if rec.status == "loaded":
+        state.records.append(rec)
         state.registries = _collect(state)
-        _set_env_modules([m for m in _env_modules() if m != rec.source])
+        if rec.status != "loaded":  # its registry hooks raised
+            state.records.remove(rec)
+            state.registries = _collect(state)
+    if rec.status != "loaded":
+        msg = f"plugin {name!r} failed to load: {rec.reason}\n{rec.traceback}"
+        raise PluginLoadError(msg) from rec.exception
+    return rec
 
 
-@contextmanager
-def plugin_registered(plugin: Any, name: str | None = None) -> Iterator[PluginRecord]:
-    """Register a plugin for the duration of a ``with`` block (tests)."""
-    rec = register_plugin(plugin, name)
-    try:
-        yield rec
-    finally:
-        unregister_plugin(rec.name)
-
-
-def _env_modules() -> list[str]:
+def env_modules() -> list[str]:
+    """The modules named in ``PAGODA_PLUGIN_MODULES``."""
     return [m.strip() for m in os.environ.get(ENV_MODULES, "").split(",") if m.strip()]
 
 
-def _set_env_modules(modules: list[str]) -> None:
+def set_env_modules(modules: list[str]) -> None:
     modules = list(dict.fromkeys(modules))
     if modules:
         os.environ[ENV_MODULES] = ",".join(modules)

@@ -7,7 +7,6 @@ single ``is not None`` test and the hot path pays nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagoda.plugins import hookspecs
@@ -37,15 +36,6 @@ def check_admission(hook: Any, request: Request, scheduler: Scheduler) -> None:
         raise RequestRejectedError(f"request {request.request_id!r} rejected: {reason}")
 
 
-@dataclass
-class LogitsBatch:
-    """The requests behind the rows of one step's logits, as logits processors see them."""
-
-    req_ids: list[str]
-    #: Each row's prompt and output token ids so far: read-only views, valid during the call.
-    token_ids: list[Any]
-
-
 def build_logits_processors(
     config: EngineConfig, vocab_size: int, device: torch.device
 ) -> list[hookspecs.LogitsProcessor]:
@@ -61,15 +51,7 @@ def build_logits_processors(
             if not callable(proc):
                 raise TypeError(
                     f"a logits_processors hook returned {proc!r}, which is not callable as "
-                    "processor(logits, batch)"
+                    "processor(logits, sampling_metadata)"
                 )
             out.append(proc)
     return out
-
-
-def apply_logits_processors(
-    processors: list[hookspecs.LogitsProcessor], logits: torch.Tensor, batch: LogitsBatch
-) -> torch.Tensor:
-    for proc in processors:
-        logits = proc(logits, batch)
-    return logits

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache.block_pool import KVCacheBlock
 from pagoda.kv_cache.manager import KVCacheManager, cdiv
+from pagoda.plugins.seams import check_admission, seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.output import (
     CachedRequestData,
@@ -158,6 +159,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Sent with the next SchedulerOutput so the runner drops their state.
         self.finished_req_ids: set[str] = set()
+        # Plugin seam: None unless a plugin implements admit_request.
+        self._admit_hook = seam("admit_request")
         # Leader id -> the samples that wait for its prompt's blocks (see Request.prefill_leader).
         self.parked: dict[str, list[Request]] = {}
 
@@ -173,6 +176,8 @@ class Scheduler:
                 f"request {rid!r}: the prompt has {n} tokens, max_model_len={self.max_model_len}"
                 " leaves no room for output; the prompt must be shorter than max_model_len"
             )
+        if self._admit_hook is not None:  # plugin seam: may raise RequestRejectedError
+            check_admission(self._admit_hook, request, self)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         leader = self.requests.get(request.prefill_leader or "")

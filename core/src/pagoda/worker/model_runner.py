@@ -19,6 +19,7 @@ from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
 from pagoda.plugins import get_registry
+from pagoda.plugins.seams import build_logits_processors
 from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
@@ -67,6 +68,8 @@ class ModelRunner:
             config.attention.backend, device, dtype, arch.head_dim
         )
         self.sampler = Sampler()
+        # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
+        self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
         self.input_batch = InputBatch(
             self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
         )

@@ -1,0 +1,40 @@
+"""Conformance kits and helpers for testing Pagoda plugins, ours or a third party's.
+
+- :class:`AttentionBackendConformance`: subclass it in a pytest module to run an attention
+  backend against the float64 reference over random paged layouts (needs pytest).
+- :func:`check_attention_backend`, :func:`attention_cases`: the same without pytest.
+- :func:`plugin_registered`: register a plugin object for the duration of a ``with`` block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda.plugins.local import plugin_registered
+from pagoda.testing.attention import (
+    DEFAULT_TOLERANCES,
+    AttentionCase,
+    attention_cases,
+    check_attention_backend,
+    reference_attention,
+    run_attention_case,
+)
+
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "AttentionBackendConformance",
+    "AttentionCase",
+    "attention_cases",
+    "check_attention_backend",
+    "plugin_registered",
+    "reference_attention",
+    "run_attention_case",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AttentionBackendConformance":  # imports pytest
+        from pagoda.testing.attention_suite import AttentionBackendConformance
+
+        return AttentionBackendConformance
+    raise AttributeError(f"module 'pagoda.testing' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""The attention conformance kit as a pytest test class: subclass it in a test module.
+
+.. code-block:: python
+
+    from pagoda.testing import AttentionBackendConformance
+
+    class TestMyBackend(AttentionBackendConformance):
+        backend = "my_backend"  # a registered name, or the class itself
+        device = "cuda"
+        dtypes = (torch.float16, torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+import torch
+
+from pagoda.attention.backend import AttentionBackend
+from pagoda.testing.attention import AttentionCase, attention_cases, check_attention_backend
+
+
+class AttentionBackendConformance:
+    """Every case of :func:`attention_cases` against the float64 reference, for each dtype.
+
+    A case whose device, dtype or head size the backend does not support (``supports``) is
+    skipped; a backend must support at least one case on ``device``.
+    """
+
+    #: The backend under test: its class, or its registered name (selected through the plugins).
+    backend: ClassVar[type[AttentionBackend] | str]
+    device: ClassVar[str] = "cpu"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    #: dtype -> (atol, rtol), overriding ``pagoda.testing.attention.DEFAULT_TOLERANCES``.
+    tolerances: ClassVar[dict[torch.dtype, tuple[float, float]]] = {}
+
+    def backend_class(self) -> type[AttentionBackend]:
+        if isinstance(self.backend, str):
+            from pagoda.plugins import get_registry
+
+            return get_registry("attention_backends").get(self.backend)
+        return self.backend
+
+    def test_is_an_attention_backend(self) -> None:
+        cls = self.backend_class()
+        assert isinstance(cls, type) and issubclass(cls, AttentionBackend), cls
+
+    def test_supports_some_case_on_the_device(self) -> None:
+        cls = self.backend_class()
+        device = torch.device(self.device)
+        assert any(
+            cls.supports(device, dt, c.head_size) for dt in self.dtypes for c in attention_cases()
+        ), f"{cls.__name__} supports no dtype of {self.dtypes} and head size on {device}"
+
+    @pytest.mark.parametrize("case", attention_cases(), ids=lambda c: c.name)
+    def test_matches_float64_reference(self, case: AttentionCase) -> None:
+        cls = self.backend_class()
+        device = torch.device(self.device)
+        ran = 0
+        for dtype in self.dtypes:
+            if cls.supports(device, dtype, case.head_size):
+                check_attention_backend(cls, case, device, dtype, self.tolerances)
+                ran += 1
+        if not ran:
+            pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")

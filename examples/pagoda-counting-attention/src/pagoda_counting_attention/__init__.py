@@ -1,0 +1,1 @@
+"""An example Pagoda plugin: the reference attention backend, counting its calls."""

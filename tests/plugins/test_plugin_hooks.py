@@ -1,0 +1,233 @@
+"""Each hook spec exercised by a plugin registered in a test, as a plugin author would use it.
+
+The meta-test (test_plugin_meta.py) requires a ``test_hook_<name>...`` here for every hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams, hookimpl
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.kv_cache.block_pool import BlockPool
+from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.plugins import RequestRejectedError, get_registry, plugin_registered, select
+from pagoda.request import Request
+from pagoda.scheduler.scheduler import Scheduler
+
+
+class Registers:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_attention_backends(self, register):
+        register("hooked_attn", "pagoda.attention.torch_native:TorchNativeBackend")
+
+    @hookimpl
+    def register_executors(self, register):
+        register("hooked_exec", "pagoda.executor.uniproc:UniProcExecutor")
+
+    @hookimpl
+    def register_spec_proposers(self, register):
+        register("hooked_ngram", dict)
+
+    @hookimpl
+    def register_grammar_backends(self, register):
+        register("hooked_grammar", "pagoda.testing.attention:AttentionCase")
+
+    @hookimpl
+    def register_models(self, register):
+        register("HookedForCausalLM", "pagoda.models.llama:LlamaForCausalLM")
+
+
+@pytest.fixture
+def registers() -> Iterator[None]:
+    with plugin_registered(Registers(), "registers"):
+        yield
+
+
+def test_hook_register_attention_backends_makes_a_backend_selectable(registers) -> None:
+    from pagoda.attention.selector import select_attention_backend
+    from pagoda.attention.torch_native import TorchNativeBackend
+
+    got = select_attention_backend("hooked_attn", torch.device("cpu"), torch.float32, 64)
+    assert got is TorchNativeBackend
+
+
+def test_hook_register_executors_makes_an_executor_selectable(registers) -> None:
+    from pagoda.executor.uniproc import UniProcExecutor
+
+    assert select("executors", "hooked_exec") is UniProcExecutor
+
+
+def test_hook_register_spec_proposers_makes_a_proposer_selectable(registers) -> None:
+    assert select("spec_proposers", "hooked_ngram") is dict
+
+
+def test_hook_register_grammar_backends_makes_a_grammar_backend_selectable(registers) -> None:
+    assert select("grammar_backends", "hooked_grammar").__name__ == "AttentionCase"
+    assert select("grammar_backends", "auto").__name__ == "AttentionCase"
+
+
+def test_hook_register_models_maps_an_architecture_to_a_class(registers) -> None:
+    from pagoda.models.llama import LlamaForCausalLM
+
+    assert get_registry("models").get("HookedForCausalLM") is LlamaForCausalLM
+
+
+# ---- scheduler: admission -----------------------------------------------------------------------
+
+
+def _scheduler() -> Scheduler:
+    kv = KVCacheManager(num_blocks=64, block_size=4, max_model_len=64)
+    return Scheduler(SchedulerConfig(), CacheConfig(block_size=4), kv, max_model_len=64)
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4))
+
+
+class RejectsToken13:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def admit_request(self, request, scheduler):
+        if 13 in request.prompt_token_ids:
+            return f"token 13 is not allowed ({scheduler.num_waiting} waiting)"
+        return None
+
+
+class RejectsEverything:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def admit_request(self, request):
+        return "closed"
+
+
+def test_hook_admit_request_rejects_with_the_plugins_reason() -> None:
+    assert _scheduler()._admit_hook is None  # no plugin: no call at all
+    with plugin_registered(RejectsToken13()):
+        sched = _scheduler()
+        sched.add_request(_request("ok", [1, 2, 3]))
+        with pytest.raises(RequestRejectedError, match=r"'bad' rejected: token 13 .*\(1 waiting"):
+            sched.add_request(_request("bad", [1, 13]))
+    assert sched.num_waiting == 1 and "bad" not in sched.requests
+
+
+def test_hook_admit_request_first_reason_wins() -> None:
+    with plugin_registered(RejectsToken13()), plugin_registered(RejectsEverything()):
+        sched = _scheduler()
+        # pluggy calls the most recently registered implementation first.
+        with pytest.raises(RequestRejectedError, match="closed"):
+            sched.add_request(_request("bad", [13]))
+
+
+# ---- KV cache manager: eviction -----------------------------------------------------------------
+
+
+class RecordsEvictions:
+    PAGODA_PLUGIN_API = 1
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], list[bytes]]] = []
+
+    @hookimpl
+    def on_blocks_evicted(self, block_ids, block_hashes):
+        self.calls.append((list(block_ids), list(block_hashes)))
+
+
+def _run_to_completion(kv: KVCacheManager, req: Request) -> list[int]:
+    kv.allocate_slots(req, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    ids = kv.get_block_ids(req.request_id)
+    kv.free(req)
+    return ids
+
+
+def test_hook_on_blocks_evicted_reports_the_ids_and_hashes_of_evicted_blocks() -> None:
+    assert type(KVCacheManager(8, 4).block_pool) is BlockPool  # no plugin: the plain pool
+    plugin = RecordsEvictions()
+    with plugin_registered(plugin):
+        kv = KVCacheManager(num_blocks=5, block_size=4)  # 4 usable blocks
+        first = _request("a", list(range(16)))
+        first_ids = _run_to_completion(kv, first)  # 4 full blocks, all cached, all free
+        assert plugin.calls == []
+        kv.allocate_slots(_request("b", [99] * 8), 8)  # takes 2 free blocks: evicts 2 cached
+    assert len(plugin.calls) == 1
+    ids, hashes = plugin.calls[0]
+    assert len(ids) == 2 and set(ids) <= set(first_ids)
+    assert hashes == [first.block_hashes[first_ids.index(i)] for i in ids]
+
+
+# ---- model runner and engine core: logits processors, step end, admission end to end -----------
+
+FORCED = 42
+
+
+class ForcesOneToken:
+    """Masks every logit but one: greedy decoding then yields only that token."""
+
+    PAGODA_PLUGIN_API = 1
+
+    def __init__(self) -> None:
+        self.built_with: list[int] = []
+        self.steps: list[tuple[int, int]] = []
+        self.rows_seen: list[list[str]] = []
+
+    @hookimpl
+    def logits_processors(self, config, vocab_size, device):
+        self.built_with.append(vocab_size)
+        return [self._force]
+
+    def _force(self, logits: torch.Tensor, md) -> torch.Tensor:
+        self.rows_seen.append(list(md.req_ids))
+        keep = logits[:, FORCED].clone()
+        logits.fill_(float("-inf"))
+        logits[:, FORCED] = keep
+        return logits
+
+    @hookimpl
+    def on_step_end(self, scheduler_output, runner_output, outputs):
+        self.steps.append((scheduler_output.total_num_scheduled_tokens, len(outputs)))
+
+
+@pytest.fixture(scope="module")
+def forced_llm() -> Iterator[tuple[LLM, ForcesOneToken]]:
+    plugin = ForcesOneToken()
+    with plugin_registered(plugin, "forces"), plugin_registered(RejectsToken13(), "rejects"):
+        llm = LLM(load_format="dummy", max_model_len=64, max_num_seqs=4, block_size=16)
+        yield llm, plugin
+        llm.engine.shutdown()
+
+
+def test_hook_logits_processors_are_built_once_and_applied_every_sampling_step(
+    forced_llm,
+) -> None:
+    llm, plugin = forced_llm
+    outs = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}],
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [[FORCED] * 5, [FORCED] * 5]
+    assert plugin.built_with == [llm.engine.info.arch.vocab_size]
+    assert sorted(plugin.rows_seen[0]) == sorted(o.request_id for o in outs)
+
+
+def test_hook_on_step_end_sees_every_step_and_its_outputs(forced_llm) -> None:
+    llm, plugin = forced_llm
+    plugin.steps.clear()
+    llm.generate({"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert plugin.steps == [(3, 1), (1, 1), (1, 1)]  # prefill 3 tokens, then two decodes
+
+
+def test_hook_admit_request_rejection_reaches_the_caller_of_generate(forced_llm) -> None:
+    llm, _ = forced_llm
+    with pytest.raises(RequestRejectedError, match="token 13 is not allowed"):
+        llm.generate({"prompt_token_ids": [13, 14]}, SamplingParams(max_tokens=2))
+    out = llm.generate({"prompt_token_ids": [1]}, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == [FORCED, FORCED]
