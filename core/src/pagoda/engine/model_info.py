@@ -63,9 +63,11 @@ class ModelInfo:
 
 def _pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("model.device='cuda' but no CUDA device is available")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("model.device='cuda' but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(name)
 
 
