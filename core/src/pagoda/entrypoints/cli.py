@@ -123,6 +123,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_throughput(args, engine_overrides(args))
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagoda.entrypoints.openai.api_server import run_server
+
+    overrides = {"model": args.model_arg} if args.model_arg else None
+    return run_server(config_from_args(args, overrides))
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pagoda.bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(config)
     config.set_defaults(func=_cmd_config)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_arg", nargs="?", metavar="MODEL", help="model folder or .gguf file (as --model)"
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput against transformers")
@@ -165,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=_cmd_bench)
+    bs = bench_sub.add_parser("serve", help="a request workload against a running server")
+    from pagoda.bench.serve import add_serve_args
+
+    add_serve_args(bs)
+    bs.set_defaults(func=_cmd_bench_serve)
     return parser
 
 

@@ -1,0 +1,224 @@
+"""``AsyncLLM``: many concurrent requests, each an async stream of outputs, for servers.
+
+Input processing (tokenizing, validation) and output processing (detokenizing, stop strings) run
+here, in the API process; the engine core runs in its own process (``AsyncMPClient``), as in
+vLLM v1, so the model steps while this process serves HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagoda.config import EngineConfig
+from pagoda.engine import wire
+from pagoda.engine.core_client import AsyncMPClient, EngineDeadError
+from pagoda.engine.input_processor import PromptType
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.metrics import EngineMetrics
+from pagoda.engine.request_stream import OutputKind, RequestStream
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRefusedError(ValueError):
+    """The engine process refused a request (for example a plugin's admission rule)."""
+
+
+class AsyncLLM:
+    """An engine for concurrent requests.
+
+    ``async for out in llm.generate(prompt, params, request_id)`` streams one request;
+    leaving the loop early (or cancelling the task) aborts it and frees its KV blocks.
+    The constructor blocks until the engine process has loaded the model.
+    """
+
+    def __init__(self, config: EngineConfig, *, log_stats_interval: float = 10.0) -> None:
+        self.config = config
+        self._streams: dict[str, RequestStream] = {}
+        self._seq_to_request: dict[str, str] = {}
+        self._seq_ids: dict[str, list[str]] = {}  # request id -> its core sequences
+        self._stats_task: asyncio.Task[None] | None = None
+        self.client = AsyncMPClient(config, self._on_outputs, self._on_dead)
+        try:
+            self.engine = LLMEngine(config, engine_core=self.client)
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.info = self.engine.info
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = EngineMetrics(self.info.name, log_stats_interval)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLM:
+        """Build from vLLM-style arguments, as ``LLM(model=..., ...)``."""
+        if model is not None:
+            kwargs["model"] = model
+        return cls(EngineConfig.load(overrides=kwargs))
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start reading engine outputs and watching the engine process (in the event loop);
+        ``generate`` calls it, a server calls it at startup so ``/health`` sees a dead engine."""
+        self.client.start()
+        if self._stats_task is None:
+            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        return self.client.dead
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine process has stopped."""
+        if self.client.dead is not None:
+            raise self.client.dead
+        if not self.client.proc.is_alive():
+            raise EngineDeadError("the engine process has exited")
+
+    def shutdown(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        self.client.shutdown()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and submit a request; its outputs arrive on the returned stream. Raises
+        ``ValueError``/``TypeError`` for a bad prompt or parameters, before anything is sent."""
+        self.start()
+        self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        processed = self.engine.input_processor.process(prompt)
+        holdback = 0
+        if params.stop and not params.include_stop_str_in_output and output_kind != "final_only":
+            holdback = max(len(s) for s in params.stop) - 1
+        stream = RequestStream(OutputKind(output_kind), holdback)
+        arrival = time.monotonic()
+        self.engine.add_processed(
+            request_id, processed.prompt, processed.prompt_token_ids, params, priority
+        )
+        self._streams[request_id] = stream
+        seq_ids = self.engine.output_processor.seq_ids(request_id)
+        self._seq_ids[request_id] = seq_ids
+        for seq_id in seq_ids:
+            self._seq_to_request[seq_id] = request_id
+        self.metrics.add_sequences(seq_ids, len(processed.prompt_token_ids), arrival)
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request until it finishes.
+
+        ``output_kind``: cumulative (all text so far), delta (what is new) or final_only.
+        Closing the iterator early, or cancelling the task that reads it, aborts the request.
+        Raises :class:`EngineDeadError` if the engine process dies meanwhile.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = self.add_request(
+            request_id, prompt, sampling_params, output_kind=output_kind, priority=priority
+        )
+        async for out in self.stream(request_id, stream):
+            yield out
+
+    async def stream(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The outputs of a request added with ``add_request``; aborts it if left early."""
+        try:
+            while True:
+                out = await stream.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        if self._streams.pop(request_id, None) is None:
+            return
+        self.metrics.end_sequences(self._forget(request_id), "abort")
+        if self.client.dead is None:
+            self.engine.abort_request([request_id])
+
+    async def reset_prefix_cache(self) -> None:
+        await self.client.call_utility("reset_prefix_cache")
+
+    async def num_free_blocks(self) -> int:
+        return await self.client.call_utility("num_free_blocks")
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._streams)
+
+    # ---- the output loop -----------------------------------------------------------------------
+
+    def _on_outputs(self, msg: wire.EngineOutputs) -> None:
+        self.metrics.record(msg.outputs, msg.stats)
+        for err in msg.errors:
+            self._refused(err)
+        if not msg.outputs:
+            return
+        outputs, to_abort = self.engine.output_processor.process_outputs(msg.outputs)
+        if to_abort:  # ended here by a stop string
+            self.client.abort_requests(to_abort)
+            self.metrics.end_sequences(to_abort, "stop")
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+                self._forget(out.request_id)
+
+    def _refused(self, err: wire.RequestError) -> None:
+        request_id = self._seq_to_request.get(err.request_id)
+        if request_id is None:
+            return
+        stream = self._streams.get(request_id)
+        self.abort(request_id)  # the other samples of the request, if any
+        if stream is not None:
+            stream.fail(RequestRefusedError(err.message))
+
+    def _forget(self, request_id: str) -> list[str]:
+        seq_ids = self._seq_ids.pop(request_id, [])
+        for seq_id in seq_ids:
+            self._seq_to_request.pop(seq_id, None)
+        return seq_ids
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(error)
+        self._seq_to_request.clear()
+        self._seq_ids.clear()
+
+    async def _log_stats(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                await asyncio.sleep(self.metrics.log_interval)
+                self.metrics.log()

@@ -1,0 +1,196 @@
+"""The engine process: an ``EngineCore`` in a busy loop behind two ZMQ sockets.
+
+The loop blocks on the input socket while idle, steps while there is work, and pushes each step's
+outputs (with the scheduler's stats) back to the client. A bad request is refused alone, with an
+error for its client; an error inside a step ends the process, and the client, watching the
+process, fails every request it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from pagoda.config import EngineConfig
+from pagoda.engine import wire
+
+logger = logging.getLogger(__name__)
+
+# How often an idle engine checks that its parent still lives.
+_IDLE_POLL_MS = 1000
+
+# What a client may call with ``UtilityCall`` (name -> function of the core and the args).
+UTILITIES: dict[str, Callable[..., Any]] = {
+    "ping": lambda core: "pong",
+    "reset_prefix_cache": lambda core: core.kv_cache_manager.reset_prefix_cache(),
+    "num_free_blocks": lambda core: core.kv_cache_manager.num_free_blocks,
+}
+
+
+def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the spawned process."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts us down
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s engine %(name)s: %(message)s"
+    )
+    ctx = zmq.Context()
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 5000)
+    out_sock.connect(output_addr)
+    encoder = wire.Encoder()
+    try:
+        from pagoda.engine.core import EngineCore
+        from pagoda.engine.model_info import ModelInfo
+
+        info = ModelInfo.from_config(config)
+        core = EngineCore(config, info)
+    except Exception:
+        out_sock.send(encoder.encode(wire.EngineFailed(traceback.format_exc())))
+        ctx.destroy(linger=5000)
+        sys.exit(1)
+    out_sock.send(encoder.encode(wire.EngineReady(core.num_blocks, info.max_model_len)))
+    try:
+        EngineLoop(core, in_sock, out_sock).run()
+    except Exception:
+        logger.exception("the engine core failed")
+        out_sock.send(encoder.encode(wire.EngineFailed(traceback.format_exc())))
+        sys.exit(1)
+    finally:
+        core.shutdown()
+        ctx.destroy(linger=1000)
+
+
+class EngineLoop:
+    def __init__(self, core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.decoder = wire.client_decoder()
+        self.encoder = wire.Encoder()
+        self.parent_pid = os.getppid()
+        self.poller = zmq.Poller()
+        self.poller.register(in_sock, zmq.POLLIN)
+        self.stats = _StatsTracker(core)
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.core.has_unfinished_requests()
+            if not busy and not self.poller.poll(_IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("the client process is gone; the engine stops")
+                    return
+                continue
+            reply = self._handle_inputs()
+            if not self.running:
+                return
+            if self.core.has_unfinished_requests():
+                reply.outputs = self.core.step()
+                reply.stats = self.stats.make()
+            elif reply.errors or self.stats.changed():
+                reply.stats = self.stats.make()  # e.g. an abort emptied the cache
+            else:
+                continue
+            self.out_sock.send(self.encoder.encode(reply))
+
+    def _handle_inputs(self) -> wire.EngineOutputs:
+        """Take every message waiting on the socket, without blocking."""
+        reply = wire.EngineOutputs()
+        while True:
+            try:
+                frame = self.in_sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return reply
+            msg = self.decoder.decode(frame.buffer)
+            if isinstance(msg, wire.AddRequest):
+                self._add(msg, reply)
+            elif isinstance(msg, wire.AbortRequests):
+                self.core.abort_requests(msg.request_ids)
+            elif isinstance(msg, wire.UtilityCall):
+                result = wire.EngineOutputs(utility=self._call_utility(msg))
+                self.out_sock.send(self.encoder.encode(result))
+            elif isinstance(msg, wire.Shutdown):
+                self.running = False
+                return reply
+
+    def _add(self, msg: wire.AddRequest, reply: wire.EngineOutputs) -> None:
+        try:
+            request = msg.to_request()
+            self.core.add_request(request)
+        except Exception as e:  # refused alone; the client turns it into a 4xx
+            reply.errors.append(wire.RequestError(msg.request_id, str(e) or type(e).__name__))
+            return
+        self.stats.arrived(request)
+
+    def _call_utility(self, msg: wire.UtilityCall) -> wire.UtilityResult:
+        fn = UTILITIES.get(msg.method)
+        if fn is None:
+            return wire.UtilityResult(
+                msg.call_id, error=f"unknown utility {msg.method!r}; known: {sorted(UTILITIES)}"
+            )
+        try:
+            return wire.UtilityResult(msg.call_id, result=fn(self.core, *msg.args))
+        except Exception as e:
+            return wire.UtilityResult(msg.call_id, error=f"{type(e).__name__}: {e}")
+
+
+class _StatsTracker:
+    """Gathers ``SchedulerStats``: the state now, and the events since the previous call."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.unscheduled: dict[str, Any] = {}  # request id -> request, until first scheduled
+        self.preemptions_seen = 0
+        self.last: tuple[int, int, float] | None = None
+
+    def arrived(self, request: Any) -> None:
+        self.unscheduled[request.request_id] = request
+
+    def _state(self) -> tuple[int, int, float]:
+        s = self.core.scheduler
+        return s.num_running, s.num_waiting, self.core.kv_cache_manager.usage
+
+    def changed(self) -> bool:
+        return self._state() != self.last
+
+    def make(self) -> wire.SchedulerStats:
+        now = time.monotonic()
+        queue_times = []
+        for rid, req in list(self.unscheduled.items()):
+            if req.num_cached_tokens >= 0:  # set at the first scheduling
+                queue_times.append(now - req.arrival_time)
+                del self.unscheduled[rid]
+            elif req.is_finished:  # aborted while waiting
+                del self.unscheduled[rid]
+        prefix = self.core.kv_cache_manager.make_prefix_cache_stats()
+        total = self.core.scheduler.num_preemptions_total
+        preemptions, self.preemptions_seen = total - self.preemptions_seen, total
+        self.last = self._state()
+        running, waiting, usage = self.last
+        return wire.SchedulerStats(
+            running, waiting, usage, prefix.queries, prefix.hits, preemptions, queue_times
+        )
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies, so no engine outlives its server."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)

@@ -1,0 +1,243 @@
+"""Serving metrics: Prometheus series with vLLM's names under ``pagoda:``, and a periodic log line.
+
+Fed by ``AsyncLLM``'s output loop: request timings are taken in the API process, the scheduler's
+state (running, waiting, KV cache usage, prefix cache, queue times) comes with engine outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagoda.engine.wire import SchedulerStats
+from pagoda.scheduler.output import EngineCoreOutput
+
+logger = logging.getLogger("pagoda.metrics")
+
+prometheus_client.disable_created_metrics()
+
+# vLLM's buckets.
+_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+_ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+
+
+@dataclass(slots=True)
+class _SeqTimes:
+    arrival: float
+    num_prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, log_interval: float = 10.0) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            h = Histogram(name, doc, list(labels), buckets=buckets, registry=self.registry)
+            return h.labels(**labels)
+
+        self.running = gauge("pagoda:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("pagoda:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("pagoda:kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.prefix_queries = counter(
+            "pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("pagoda:prefix_cache_hits", "Prompt tokens found cached.")
+        self.preemptions = counter("pagoda:num_preemptions", "Requests preempted.")
+        self.prompt_tokens = counter("pagoda:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("pagoda:generation_tokens", "Generated tokens.")
+        self.ttft = histogram(
+            "pagoda:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "pagoda:inter_token_latency_seconds", "Time between output steps.", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "pagoda:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "pagoda:request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        self._success = Counter(
+            "pagoda:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._model_name = model_name
+        self._seqs: dict[str, _SeqTimes] = {}
+        self._log = _PeriodicLog(log_interval)
+
+    def add_sequences(self, seq_ids: list[str], num_prompt_tokens: int, arrival: float) -> None:
+        for seq_id in seq_ids:
+            self._seqs[seq_id] = _SeqTimes(arrival, num_prompt_tokens)
+
+    def end_sequences(self, seq_ids: list[str], reason: str) -> None:
+        """Sequences that ended outside the engine core (aborted, or a stop string here)."""
+        now = time.monotonic()
+        for seq_id in seq_ids:
+            t = self._seqs.pop(seq_id, None)
+            if t is not None:
+                self._end(t, reason, now)
+
+    def _end(self, t: _SeqTimes, reason: str, now: float) -> None:
+        if reason != "abort":
+            self.e2e.observe(now - t.arrival)
+        self._success.labels(self._model_name, reason).inc()
+
+    def record(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            t = self._seqs.get(out.request_id)
+            if t is None:
+                continue
+            if out.new_token_ids:
+                if t.first_token is None:
+                    t.first_token = now
+                    self.ttft.observe(now - t.arrival)
+                    self.prompt_tokens.inc(t.num_prompt_tokens)
+                    self._log.prompt_tokens += t.num_prompt_tokens
+                else:
+                    self.itl.observe(now - t.last_token)  # type: ignore[operator]
+                t.last_token = now
+                self.generation_tokens.inc(len(out.new_token_ids))
+                self._log.generation_tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                del self._seqs[out.request_id]
+                self._end(t, out.finish_reason, now)
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_usage.set(stats.kv_cache_usage)
+            self.prefix_queries.inc(stats.prefix_cache_queries)
+            self.prefix_hits.inc(stats.prefix_cache_hits)
+            self.preemptions.inc(stats.num_preemptions)
+            for q in stats.queue_times:
+                self.queue_time.observe(q)
+            self._log.stats = stats
+            self._log.prefix_queries += stats.prefix_cache_queries
+            self._log.prefix_hits += stats.prefix_cache_hits
+
+    def log(self) -> None:
+        """Write the periodic log line if the interval has passed and something happened."""
+        self._log.maybe_log()
+
+    @property
+    def log_interval(self) -> float:
+        return self._log.interval
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+class _PeriodicLog:
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last = time.monotonic()
+        self.stats: SchedulerStats | None = None
+        self.prompt_tokens = self.generation_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0
+        self._was_idle = True
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        elapsed = now - self.last
+        if elapsed < self.interval:
+            return
+        s = self.stats
+        idle = (s is None or s.num_running + s.num_waiting == 0) and not self.generation_tokens
+        if not (idle and self._was_idle):
+            hit = 100 * self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                self.prompt_tokens / elapsed,
+                self.generation_tokens / elapsed,
+                s.num_running if s else 0,
+                s.num_waiting if s else 0,
+                100 * (s.kv_cache_usage if s else 0.0),
+                hit,
+            )
+        self._was_idle = idle
+        self.last = now
+        self.prompt_tokens = self.generation_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0

@@ -1,0 +1,191 @@
+"""The OpenAI-compatible HTTP server (``pagoda serve``): FastAPI routes over one ``AsyncLLM``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagoda
+from pagoda.bench.throughput import _hardware
+from pagoda.config import EngineConfig
+from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.core_client import EngineDeadError
+from pagoda.entrypoints.openai.errors import APIError, from_validation_error
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagoda.entrypoints.openai.serving_chat import ServingChat
+from pagoda.entrypoints.openai.serving_completion import ServingCompletion
+
+logger = logging.getLogger("pagoda.server")
+
+
+def model_names(engine: AsyncLLM, config: EngineConfig) -> list[str]:
+    """The names a request may give in ``model``: the served name first."""
+    names = [config.server.served_model_name or engine.info.name]
+    if config.model.model and config.model.model not in names:
+        names.append(config.model.model)
+    return names
+
+
+def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+
+    app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
+    completions = ServingCompletion(engine, names)
+    chat = ServingChat(engine, names)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return from_validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(str(exc.detail), exc.status_code).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        logger.exception("request failed")
+        return APIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return APIError(
+                    "invalid or missing API key: send `Authorization: Bearer <key>`",
+                    401,
+                    code="invalid_api_key",
+                ).response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            return APIError(str(e), 503).response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        info = engine.info
+        return {
+            "version": pagoda.__version__,
+            "model": names[0],
+            "device": info.device.type,
+            "dtype": str(info.dtype).removeprefix("torch."),
+            "hardware": _hardware(info.device),
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagoda",
+                "root": engine.info.hf_dir,
+                "max_model_len": engine.info.max_model_len,
+            }
+            for name in names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await _until_disconnect(request, completions.create(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _until_disconnect(request, chat.create(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        if body.messages is not None:
+            ids = chat.render(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+        else:
+            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        vocab = engine.info.arch.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work`` unless the client goes away first; then cancel it, which aborts its
+    requests and frees their blocks. (Once streaming, Starlette itself cancels on disconnect.)"""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody is listening
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def run_server(config: EngineConfig) -> int:
+    """Start the engine and serve until interrupted."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    engine = AsyncLLM(config)
+    try:
+        names = model_names(engine, config)
+        app = build_app(engine, names, config.server.api_key)
+        host, port = config.server.host, config.server.port
+        logger.info(
+            "serving %s on http://%s:%d (engine pid %s)", names[0], host, port, engine.client.pid
+        )
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,66 @@
+"""Errors as OpenAI's API returns them: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, HTTPStatus(self.status).phrase),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_validation_error(exc: RequestValidationError) -> APIError:
+    """One 400 for a body that does not parse or validate, naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError("the request body is invalid")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {first.get('msg')}")
+    if first.get("type") == "extra_forbidden":
+        return APIError(
+            f"unknown field `{'.'.join(loc)}`; it is neither an OpenAI nor a Pagoda parameter",
+            param=".".join(loc) or None,
+        )
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return APIError(f"{where}: {msg}{more}" if where else f"{msg}{more}", param=where or None)

@@ -1,0 +1,155 @@
+"""What the completion and chat endpoints share: model names, limits, submitting requests,
+merging the streams of a batch, and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
+from pagoda.engine.core_client import EngineDeadError
+from pagoda.engine.request_stream import OutputKind
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class Serving:
+    def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.max_model_len = engine.info.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; 404 for a model this server does not serve."""
+        if name is None or name in self.model_names:
+            return self.model_names[0]
+        raise APIError(
+            f"The model `{name}` does not exist. This server serves: {', '.join(self.model_names)}",
+            404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def max_tokens(self, requested: int | None, num_prompt_tokens: int, what: str) -> int:
+        """``requested``, or all the room left; 400 when the prompt and output do not fit."""
+        limit = self.max_model_len
+        room = limit - num_prompt_tokens
+        if requested is None and room >= 1:
+            return room
+        total = num_prompt_tokens + (requested or 1)
+        if total > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{total} tokens ({num_prompt_tokens} in the {what}, {requested or 1} in the "
+                "completion). Please reduce the length of the "
+                f"{what} or completion.",
+                param="max_tokens" if requested and num_prompt_tokens < limit else what,
+                code="context_length_exceeded",
+            )
+        return requested or 1
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        params: SamplingParams,
+        kind: OutputKind,
+        priority: int,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request to the engine; bad input is a 400 and reaches no engine loop."""
+        try:
+            stream = self.engine.add_request(
+                request_id, prompt, params, output_kind=kind, priority=priority
+            )
+        except EngineDeadError as e:
+            raise APIError(f"the engine is not running: {e}", 503) from e
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e)) from e
+        return self.engine.stream(request_id, stream)
+
+
+def new_id(prefix: str, given: str | None) -> str:
+    return f"{prefix}-{given or uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sampling_error(e: ValueError) -> APIError:
+    """A ``SamplingParams`` error as a 400 naming the field."""
+    msg = str(e)
+    param = msg.removeprefix("SamplingParams.").split("=")[0].split(":")[0]
+    return APIError(msg, param=param if param.isidentifier() else None)
+
+
+def error_of(e: BaseException) -> APIError:
+    """An exception raised while a request runs, as the API error to send."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine stopped: {e}", 503)
+    if isinstance(e, (RequestRefusedError, ValueError)):
+        return APIError(str(e))
+    return APIError(f"internal error: {type(e).__name__}: {e}", 500)
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index.
+    Closing the merged iterator closes every input (aborting their requests)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except Exception as e:
+            await queue.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in streams:
+            await it.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,164 @@
+"""``/v1/chat/completions``: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+
+from pagoda.engine.request_stream import OutputKind
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.logprobs import chat_logprobs
+from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.entrypoints.openai.serving import (
+    Serving,
+    error_of,
+    new_id,
+    now,
+    sampling_error,
+    sse,
+    usage,
+)
+from pagoda.outputs import CompletionOutput, RequestOutput
+
+
+class ServingChat(Serving):
+    def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The prompt text and token ids of a conversation; 400 if the template refuses it."""
+        kwargs = dict(template_kwargs or {})
+        kwargs["add_generation_prompt"] = add_generation_prompt
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            return self.engine.engine.apply_chat_template(
+                [m.template_dict() for m in messages], **kwargs
+            )
+        except (TemplateError, ValueError, TypeError) as e:
+            raise APIError(
+                f"the chat template cannot render these messages: {e}", param="messages"
+            ) from e
+
+    async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        model = self.check_model(req.model)
+        prompt = self.render(
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+        )
+        num_prompt = len(prompt["prompt_token_ids"])
+        try:
+            params = req.sampling_params(
+                self.max_tokens(req.requested_max_tokens, num_prompt, "messages"),
+                req.num_logprobs,
+            )
+        except ValueError as e:
+            raise sampling_error(e) from e
+        rid = new_id("chatcmpl", req.request_id)
+        kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
+        outputs = self.submit(rid, prompt, params, kind, req.priority)
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, rid, model, num_prompt, outputs),
+                media_type="text/event-stream",
+            )
+        final = None
+        async for out in outputs:
+            final = out
+        assert final is not None
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(req, c),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in final.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": now(),
+                "model": model,
+                "choices": choices,
+                "usage": usage(num_prompt, completion_tokens),
+            }
+        )
+
+    def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
+        if req.num_logprobs is None or c.logprobs is None:
+            return None
+        return chat_logprobs(
+            c.token_ids, c.logprobs, req.num_logprobs, lambda t: self.tokenizer.decode([t])
+        )
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        model: str,
+        num_prompt: int,
+        outputs: AsyncIterator[RequestOutput],
+    ) -> AsyncIterator[str]:
+        created = now()
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+            return sse(body)
+
+        ended: set[int] = set()
+        completion_tokens = 0
+        try:
+            # The role comes first, in a chunk of its own per choice, as OpenAI sends it.
+            yield chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(req.n)
+                ]
+            )
+            async for out in outputs:
+                for c in out.outputs:
+                    if c.index in ended or (not c.text and not c.token_ids and not c.finished()):
+                        continue
+                    completion_tokens += len(c.token_ids)
+                    if c.finished():
+                        ended.add(c.index)
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": c.text} if c.text else {},
+                        "logprobs": self._logprobs(req, c),
+                        "finish_reason": c.finish_reason,
+                    }
+                    if c.finished():
+                        choice["stop_reason"] = c.stop_reason
+                    yield chunk([choice])
+            if req.include_usage:
+                yield chunk([], usage=usage(num_prompt, completion_tokens))
+        except Exception as e:
+            yield sse(error_of(e).body())
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        yield sse("[DONE]")
