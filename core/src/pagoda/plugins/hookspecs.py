@@ -208,8 +208,3 @@ SEAM_HOOKS: tuple[str, ...] = (
     "logits_processors",
     "on_step_end",
 )
-
-
-def all_registry_hooks() -> dict[str, str]:
-    """Registry kind -> the hook that fills it."""
-    return dict(REGISTRY_HOOKS)

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from pagoda.plugins.collect import collect
 from pagoda.plugins.errors import PluginError
 from pagoda.plugins.manager import (
-    _collect,
     _lock,
     add_plugin,
     env_modules,
@@ -52,7 +52,7 @@ def unregister_plugin(name: str) -> None:
             state.pm.unregister(rec.plugin)
         state.records.remove(rec)
         state.local = [(p, n) for p, n in state.local if n != name]
-        state.registries = _collect(state)
+        state.registries = collect(state)
         set_env_modules([m for m in env_modules() if m != name])
 
 

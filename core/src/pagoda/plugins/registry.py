@@ -116,7 +116,7 @@ class Registry:
         if entry is not None:
             return entry
         if name in self.conflicts:
-            raise DuplicateNameError(self._conflict_message(name))
+            raise DuplicateNameError(self.conflict_message(name))
         record = self.failed_names.get(name)
         if record is not None:
             raise PluginLoadError(
@@ -137,7 +137,7 @@ class Registry:
                 f"from {entry.target!r}: {type(e).__name__}: {e}\n{tb}"
             ) from e
 
-    def _conflict_message(self, name: str) -> str:
+    def conflict_message(self, name: str) -> str:
         who = ", ".join(r.plugin.label for r in self.conflicts[name])
         return (
             f"{self.noun} {name!r} is registered by more than one plugin: {who}. Uninstall one, "

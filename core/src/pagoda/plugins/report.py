@@ -26,7 +26,7 @@ def conflicts() -> list[str]:
     out = []
     for registry in load_plugins().registries.values():
         for name in registry.conflicts:
-            out.append(registry._conflict_message(name))
+            out.append(registry.conflict_message(name))
     return out
 
 

@@ -188,6 +188,20 @@ def run_attention_case(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run every step of ``case`` through ``backend``; (output, float64 reference) per step."""
     device = torch.device(device)
+    if device.type != "cpu":
+        return _run(backend, case, device, dtype)
+    # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(backend, case, device, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(
+    backend: type[AttentionBackend], case: AttentionCase, device: torch.device, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
     bs, d = case.block_size, case.head_size
     scale = d**-0.5
