@@ -115,8 +115,19 @@ def test_pagoda_generate_config_file_reaches_the_engine(engine_yaml, monkeypatch
     assert got.source_of("scheduler.max_num_seqs") == "flag --max-num-seqs"
 
 
+def test_pagoda_serve_reads_the_same_config_file(engine_yaml, monkeypatch) -> None:
+    import pagoda.entrypoints.openai.api_server as api_server
+
+    got: list[EngineConfig] = []
+    monkeypatch.setattr(api_server, "run_server", lambda config: got.append(config) or 0)
+    assert main(["serve", "--config", str(engine_yaml), "--port", "9001"]) == 0
+    assert got[0].model_dump() == EngineConfig.load(engine_yaml, {"port": 9001}).model_dump()
+    assert got[0].source_of("server.port") == "flag --port"
+    assert got[0].source_of("cache.block_size") == f"file {engine_yaml}, line 4"
+
+
 def test_engine_args_are_shared_by_any_command(engine_yaml) -> None:
-    """What `pagoda serve` does: add the engine arguments to its parser, build the config."""
+    """What a new command does: add the engine arguments to its parser, build the config."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="pagoda serve")

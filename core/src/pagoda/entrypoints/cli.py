@@ -1,4 +1,4 @@
-"""The ``pagoda`` command: generate, plugins, config, bench (and serve, as it lands).
+"""The ``pagoda`` command: generate, serve, plugins, config, bench.
 
 Every command that builds an engine takes the same engine arguments (:func:`add_engine_args`):
 ``--config FILE`` and one flag per configuration key, turned into an :class:`EngineConfig` by
