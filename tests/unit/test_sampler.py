@@ -31,8 +31,9 @@ def test_temperature_only_builds_no_tensor_for_unused_features() -> None:
     ib, rows = make_batch([SamplingParams(temperature=0.8)] * 2, [[1]] * 2, vocab=V)
     md = ib.sampling_metadata(rows)
     assert md.temperature is not None and md.uniform is not None
-    unused = (md.greedy_mask, md.top_k, md.top_p, md.min_p, md.max_num_logprobs)
-    assert all(x is None for x in unused) and not md.processes_logits
+    unused = (md.greedy_mask, md.top_k, md.top_p, md.min_p, md.max_num_logprobs, md.allowed_mask)
+    assert all(x is None for x in unused)
+    assert md.banned is None and md.logit_bias is None and md.penalties is None
 
 
 def test_greedy_rows_take_the_argmax_of_processed_logits_in_a_mixed_batch() -> None:

@@ -98,15 +98,36 @@ ROWS_ALL_FILTERS = [
     {"temperature": 2.0, "top_p": 0.5, "min_p": 0.05},
     {"temperature": 1.0},
 ]
+# A vocabulary wider than the 256 candidates top-p looks at first: flat rows (scale 0.5) need
+# the full sort, peaked ones (scale 6) do not; a top-k above 256 as well.
+ROWS_WIDE = [
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 0.8, "top_k": 400, "top_p": 0.95},
+    {"temperature": 1.0, "top_k": 300, "top_p": 0.3},
+    {"temperature": 1.0, "top_k": 600},
+    {"temperature": 1.5, "min_p": 0.01, "top_p": 0.99},
+    {"temperature": 1.0},
+]
 
 
-@pytest.mark.parametrize("rows", [ROWS_TOP_K_ONLY, ROWS_ALL_FILTERS], ids=["top_k", "all"])
-def test_temperature_min_p_top_k_top_p_match_transformers(rows: list[dict]) -> None:
+@pytest.mark.parametrize(
+    ("rows", "vocab", "scales"),
+    [
+        (ROWS_TOP_K_ONLY, V, [3.0] * 4),
+        (ROWS_ALL_FILTERS, V, [3.0] * 6),
+        (ROWS_WIDE, 1000, [0.5, 6.0, 0.5, 6.0, 1.0, 0.5, 1.0]),
+    ],
+    ids=["top_k", "all", "wide"],
+)
+def test_temperature_min_p_top_k_top_p_match_transformers(
+    rows: list[dict], vocab: int, scales: list[float]
+) -> None:
     params = [SamplingParams(**kw) for kw in rows]
-    ib, batch_rows = make_batch(params, [[1]] * len(rows), vocab=V)
-    logits = _logits(len(rows), seed=3)
-    md = ib.sampling_metadata(batch_rows)
-    probs = Sampler.probs(logits.clone(), md)
+    ib, batch_rows = make_batch(params, [[1]] * len(rows), vocab=vocab)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(3))
+    logits *= torch.tensor(scales).unsqueeze(1)
+    probs = Sampler.probs(logits.clone(), ib.sampling_metadata(batch_rows))
     for i, kw in enumerate(rows):
         want = _hf_reference(logits[i], kw)
         torch.testing.assert_close(probs[i], want, rtol=0, atol=1e-6)

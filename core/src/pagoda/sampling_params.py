@@ -57,7 +57,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids) | set(self.all_stop_token_ids)
+        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -64,7 +64,7 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         eos_ids = self.extra_eos_ids | ({self.eos_token_id} - {None})
-        params = params.resolve(self.tokenizer, self.info.arch.vocab_size, eos_ids)
+        vocab = self.info.arch.vocab_size
         seqs = []
         for i in range(params.n):
             child = (
@@ -78,6 +78,7 @@ class LLMEngine:
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None,
                 )
             )
+            child = child.resolve(self.tokenizer, vocab, eos_ids)
             seqs.append((request_id if params.n == 1 else f"{i}_{request_id}", child))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
         for i, (seq_id, child) in enumerate(seqs):

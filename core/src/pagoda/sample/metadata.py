@@ -45,16 +45,6 @@ class SamplingMetadata:
     def greedy(cls) -> SamplingMetadata:
         return cls(all_greedy=True, all_random=False)
 
-    @property
-    def processes_logits(self) -> bool:
-        """Whether any setting changes logits before sampling (so greedy is not a plain argmax)."""
-        return not (
-            self.allowed_mask is None
-            and self.banned is None
-            and self.logit_bias is None
-            and self.penalties is None
-        )
-
 
 @dataclass(slots=True)
 class LogprobsTensors:

@@ -12,6 +12,7 @@ from pagoda.sample.metadata import LogprobsTensors, Penalties
 
 _NEG_INF = float("-inf")
 _CHUNK = 128  # tokens per first-level bucket of the inverse-CDF draw
+_TOP_P_CANDIDATES = 256  # the largest logits top-p looks at before sorting a whole row
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -38,15 +39,35 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits, then the smallest set of those whose probability
     reaches ``top_p`` (the most likely token always stays). Rows without a limit hold top_k =
-    vocab size and top_p = 1."""
-    if top_p is None:
-        return logits if top_k is None else _apply_top_k(logits, top_k, max_top_k)
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
-    vocab = logits.shape[-1]
+    vocab size and top_p = 1.
+
+    Top-p looks at the ``_TOP_P_CANDIDATES`` largest logits and sorts a whole row only where they
+    do not reach ``top_p`` (sorting the vocabulary would dominate a CPU step).
+    """
     if top_k is not None:
-        # Ascending order: the top k are the last k columns.
-        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+        logits = _apply_top_k(logits, top_k, max_top_k)
+    if top_p is None:
+        return logits
+    values = logits.topk(min(logits.shape[-1], _TOP_P_CANDIDATES), dim=-1).values
+    weights = (values - values[:, :1]).exp_()
+    total = (logits - values[:, :1]).exp_().sum(dim=-1, keepdim=True)
+    before = (weights.cumsum(dim=-1) - weights).div_(total)  # mass of the more likely tokens
+    num_kept = (before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    threshold = values.gather(1, num_kept - 1)
+    no_top_p = (top_p >= 1.0).unsqueeze(1)
+    threshold.masked_fill_(no_top_p, _NEG_INF)
+    # NOTE: when the candidates hold top_p of the mass, the first token after them is dropped.
+    decided = no_top_p | (weights.sum(dim=-1, keepdim=True) >= top_p.unsqueeze(1) * total)
+    logits.masked_fill_(decided & (logits < threshold), _NEG_INF)
+    if not bool(decided.all()):
+        rest = (~decided).nonzero()[:, 0]
+        logits[rest] = _sort_top_p(logits[rest], top_p[rest])
+    return logits
+
+
+def _sort_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p by sorting the whole vocabulary."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
     cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
     drop = cum <= (1 - top_p).unsqueeze(1)
     drop[:, -1] = False
@@ -55,7 +76,7 @@ def apply_top_k_top_p(
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Top-k alone needs no sort: the k-th largest of a row is among the ``max_top_k`` largest."""
+    """Top-k needs no sort: the k-th largest of a row is among the ``max_top_k`` largest."""
     no_limit = top_k >= logits.shape[-1]
     values = logits.topk(max_top_k, dim=-1).values
     kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))

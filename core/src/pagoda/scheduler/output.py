@@ -55,9 +55,6 @@ class LogprobsArrays:
     logprobs: np.ndarray  # [positions, 1 + k] float32
     ranks: np.ndarray  # [positions] int64: the rank of column 0's token (1 = most likely)
 
-    def __len__(self) -> int:
-        return len(self.ranks)
-
     def select(self, start: int, stop: int, k: int) -> LogprobsArrays:
         """Positions ``[start, stop)``, with the chosen token and the top ``k``."""
         pos, cols = slice(start, stop), slice(0, k + 1)
