@@ -168,6 +168,9 @@ def _discover() -> PluginState:
                 rec.label,
                 rec.reason,
             )
+    for registry in state.registries.values():
+        for name in registry.conflicts:
+            logger.warning("%s", registry.conflict_message(name))
     return state
 
 
