@@ -68,11 +68,18 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     #: Higher wins when ``attention.backend`` is ``auto`` and several support the model.
     priority: ClassVar[int] = 0
+    #: Whether decode steps can be captured in a CUDA graph and replayed over fixed buffers.
+    supports_cuda_graph: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
         """Whether this backend runs on ``device`` with this dtype and head size."""
+
+    @classmethod
+    def supports_block_size(cls, block_size: int) -> bool:
+        """Whether this backend reads a paged cache with blocks of ``block_size`` tokens."""
+        return block_size >= 1
 
     @classmethod
     def get_kv_cache_shape(

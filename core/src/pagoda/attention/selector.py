@@ -11,16 +11,23 @@ from pagoda.plugins import PluginLoadError, get_registry, select
 
 
 def select_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype, head_size: int
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int = 16,
 ) -> type[AttentionBackend]:
     """The backend class named ``name`` (``attention.backend``), checked to support ``device``,
-    ``dtype`` and ``head_size``; ``auto`` picks the highest ``priority`` among those that do."""
+    ``dtype``, ``head_size`` and ``block_size``; ``auto`` picks the highest ``priority`` among
+    those that do."""
     return select(
         "attention_backends",
         name,
-        supports=lambda b: b.supports(device, dtype, head_size),
+        supports=lambda b: b.supports(device, dtype, head_size) and b.supports_block_size(
+            block_size
+        ),
         needs=f"device={device.type}, dtype={str(dtype).removeprefix('torch.')}, "
-        f"head_size={head_size}",
+        f"head_size={head_size}, block_size={block_size}",
         check=_check_backend,
     )
 

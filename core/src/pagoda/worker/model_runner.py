@@ -65,7 +65,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.attn_backend: type[AttentionBackend] = select_attention_backend(
-            config.attention.backend, device, dtype, arch.head_dim
+            config.attention.backend, device, dtype, arch.head_dim, self.block_size
         )
         self.sampler = Sampler()
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
