@@ -88,16 +88,16 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     """Inverse-CDF draw: for each row the token i with ``cdf(i - 1) <= u * total < cdf(i)``, where
     ``probs`` need not sum to 1 and ``u`` is the row's ``uniform`` in [0, 1).
 
-    Two levels in float64 (a running sum over buckets of 128 tokens, then within the chosen
-    bucket), so float32 rounding of one long running sum distorts no token's chance, and a token
-    of zero probability is never drawn. One uniform per row: far cheaper on a CPU than a random
-    number per token.
+    Two levels of running sums in float64 (over the sums of buckets of 128 tokens, then within
+    the chosen bucket), so float32 rounding of one long running sum distorts no token's chance,
+    and a token of zero probability is never drawn. One uniform per row: far cheaper on a CPU than
+    a random number per token.
     """
     n, vocab = probs.shape
     if vocab % _CHUNK:
         probs = F.pad(probs, (0, -vocab % _CHUNK))
     buckets = probs.view(n, -1, _CHUNK)
-    bucket_cdf = buckets.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)
+    bucket_cdf = buckets.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
     total = bucket_cdf[:, -1:]
     zero = torch.zeros_like(total)
     # NOTE: strictly below the total, so the chosen bucket and token have positive probability.
