@@ -38,6 +38,9 @@ class ModelConfig(_Section):
     seed: int = Field(0, description="seed for random weights and unseeded sampling")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available")
     trust_remote_code: bool = Field(False, description="allow the model's own tokenizer code")
+    enforce_eager: bool = Field(
+        False, description="never replay CUDA graphs (decode steps run eagerly)"
+    )
 
 
 class CacheConfig(_Section):

@@ -25,6 +25,7 @@ from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from pagoda.utils import cdiv
+from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.input_batch import InputBatch
 
 _CPU_KV_CACHE_BYTES = 4 << 30
@@ -142,6 +143,15 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(module.kv_cache)
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graph_capture_s = 0.0
+        if (
+            self.device.type == "cuda"
+            and not self.config.model.enforce_eager
+            and self.attn_backend.supports_cuda_graph
+        ):
+            self.decode_graphs = DecodeGraphs(self)
+            self.graph_capture_s = self.decode_graphs.capture()
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -207,15 +217,19 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
-        attn_metadata = self.attn_backend.build_metadata(common)
 
         # Requests whose known tokens are all computed after this step sample one more.
         sampling = seq_lens >= ib.num_tokens[rows]
         sample_idx = np.nonzero(sampling)[0]
         num_sampling = len(sample_idx)
 
-        with set_forward_context(attn_metadata):
-            hidden = self.model(self.input_ids[:total], self.positions[:total])
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
+        if bucket is not None:
+            hidden = graphs.run(num_reqs, bucket)
+        else:
+            with set_forward_context(self.attn_backend.build_metadata(common)):
+                hidden = self.model(self.input_ids[:total], self.positions[:total])
         out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
         if num_sampling:
             self._sample(hidden, out, rows, sample_idx, qsl)

@@ -33,6 +33,9 @@ class TritonMetadata:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     priority = 50
+    # Launch parameters depend only on the batch size and worst-case length the runner captures
+    # with; lengths and block tables are read from device buffers at replay.
+    supports_cuda_graph = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:

@@ -1,0 +1,109 @@
+"""Decode steps as replayed CUDA graphs over the model runner's persistent buffers.
+
+One graph per batch-size bucket, captured largest first into one memory pool. A decode step with
+``n`` requests replays the smallest bucket that holds them; rows past ``n`` are padding that
+writes its key and value into block 0 (never handed out) and attends to that one slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.layer import set_forward_context
+
+if TYPE_CHECKING:
+    from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_batch`` (which is always included)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.buckets = graph_buckets(min(runner.max_num_reqs, runner.max_num_tokens))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def _metadata(self, b: int) -> object:
+        r = self.runner
+        # NOTE: captured with worst-case lengths, so launch parameters baked into the graph
+        # (grids, context splits) hold for every step it replays.
+        common = CommonAttentionMetadata(
+            num_reqs=b,
+            num_actual_tokens=b,
+            max_query_len=1,
+            max_seq_len=r.max_model_len,
+            query_start_loc=r.query_start_loc[: b + 1],
+            seq_lens=r.seq_lens[:b],
+            block_table=r.block_table[:b],
+            slot_mapping=r.slot_mapping[:b],
+            query_start_loc_cpu=np.arange(b + 1),
+            seq_lens_cpu=np.full(b, r.max_model_len),
+            block_size=r.block_size,
+        )
+        return r.attn_backend.build_metadata(common)
+
+    def _pad(self, n: int, b: int) -> None:
+        r = self.runner
+        r.input_ids[n:b] = 0
+        r.positions[n:b] = 0
+        r.slot_mapping[n:b] = 0
+        r.seq_lens[n:b] = 1
+        r.block_table[n:b, 0] = 0
+        r.query_start_loc[: b + 1].copy_(self._arange[: b + 1])
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        r = self.runner
+        self._arange = torch.arange(self.max_batch + 1, dtype=torch.int32, device=r.device)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            self._pad(0, b)
+            md = self._metadata(b)
+            with set_forward_context(md):
+                r.model(r.input_ids[:b], r.positions[:b])  # warm-up: compile and autotune
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[b] = r.model(r.input_ids[:b], r.positions[:b])
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(self.buckets),
+            self.buckets,
+            elapsed,
+        )
+        return elapsed
+
+    def bucket_for(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def run(self, n: int, b: int) -> torch.Tensor:
+        """Replay bucket ``b`` for the ``n`` requests in the buffers; returns their hidden states."""
+        self._pad(n, b)
+        self.replays += 1
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
