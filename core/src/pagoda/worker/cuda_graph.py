@@ -102,7 +102,7 @@ class DecodeGraphs:
         return None
 
     def run(self, n: int, b: int) -> torch.Tensor:
-        """Replay bucket ``b`` for the ``n`` requests in the buffers; returns their hidden states."""
+        """Replay bucket ``b`` for the ``n`` requests in the buffers; their hidden states."""
         self._pad(n, b)
         self.replays += 1
         self.graphs[b].replay()
