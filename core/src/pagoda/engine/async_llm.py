@@ -69,8 +69,9 @@ class AsyncLLM:
         """Start reading engine outputs and watching the engine process (in the event loop);
         ``generate`` calls it, a server calls it at startup so ``/health`` sees a dead engine."""
         self.client.start()
-        if self._stats_task is None:
-            self._stats_task = asyncio.get_running_loop().create_task(self._log_stats())
+        loop = asyncio.get_running_loop()
+        if self._stats_task is None or self._stats_task.get_loop() is not loop:
+            self._stats_task = loop.create_task(self._log_stats())
 
     @property
     def dead(self) -> EngineDeadError | None:
@@ -84,7 +85,7 @@ class AsyncLLM:
             raise EngineDeadError("the engine process has exited")
 
     def shutdown(self) -> None:
-        if self._stats_task is not None:
+        if self._stats_task is not None and not self._stats_task.get_loop().is_closed():
             self._stats_task.cancel()
         self.client.shutdown()
 
@@ -141,8 +142,12 @@ class AsyncLLM:
         stream = self.add_request(
             request_id, prompt, sampling_params, output_kind=output_kind, priority=priority
         )
-        async for out in self.stream(request_id, stream):
-            yield out
+        outputs = self.stream(request_id, stream)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # aborts at once if left early, not when collected
 
     async def stream(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The outputs of a request added with ``add_request``; aborts it if left early."""
@@ -165,9 +170,12 @@ class AsyncLLM:
             self.engine.abort_request([request_id])
 
     async def reset_prefix_cache(self) -> None:
+        self.start()
         await self.client.call_utility("reset_prefix_cache")
 
     async def num_free_blocks(self) -> int:
+        """Free KV cache blocks in the engine process now."""
+        self.start()
         return await self.client.call_utility("num_free_blocks")
 
     @property

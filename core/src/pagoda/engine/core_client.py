@@ -112,9 +112,12 @@ class AsyncMPClient:
 
     def start(self) -> None:
         """Begin reading outputs and watching the process; call within the event loop."""
-        if self._reader is not None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
             return
-        self._loop = asyncio.get_running_loop()
+        if self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("this engine is already bound to another running event loop")
+        self._loop = loop
         self._loop.add_reader(self.proc.sentinel, self._on_exit)
         self._reader = self._loop.create_task(self._read_outputs(), name="pagoda-engine-outputs")
 
@@ -138,6 +141,7 @@ class AsyncMPClient:
             self._mark_dead(f"reading engine outputs failed: {e!r}")
 
     def _on_exit(self) -> None:
+        self.proc.join(1)  # reap it: it has exited, so this returns at once with its exit code
         self._mark_dead(f"the engine process exited unexpectedly (exit code {self.proc.exitcode})")
 
     def _mark_dead(self, why: str) -> None:
@@ -174,6 +178,7 @@ class AsyncMPClient:
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Run ``core_proc.UTILITIES[method]`` in the engine process; return its result."""
+        self.start()
         call_id = next(self._utility_ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._utility_calls[call_id] = fut
@@ -190,10 +195,11 @@ class AsyncMPClient:
             fut.set_result(result.result)
 
     def shutdown(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-        if self._loop is not None and self.dead is None and not self._loop.is_closed():
-            self._loop.remove_reader(self.proc.sentinel)
+        if self._loop is not None and not self._loop.is_closed():
+            if self._reader is not None:
+                self._reader.cancel()
+            if self.dead is None:
+                self._loop.remove_reader(self.proc.sentinel)
         self._finalizer()
 
 

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagoda
 from pagoda.bench.throughput import _hardware
 from pagoda.config import EngineConfig
-from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.protocol import (
@@ -65,6 +65,14 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         return APIError(str(exc.detail), exc.status_code).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> Response:
+        return APIError(f"the engine stopped: {exc}", 503).response()
+
+    @app.exception_handler(RequestRefusedError)
+    async def _refused(request: Request, exc: RequestRefusedError) -> Response:
+        return APIError(str(exc)).response()
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:

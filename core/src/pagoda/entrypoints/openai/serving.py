@@ -122,8 +122,11 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
     """Items of several async iterators as they come, tagged with the iterator's index.
     Closing the merged iterator closes every input (aborting their requests)."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
         return
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
     done = object()
