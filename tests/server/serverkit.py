@@ -18,7 +18,11 @@ _START_TIMEOUT_S = 240
 
 
 class Server:
-    def __init__(self, *extra: str, api_key: str | None = API_KEY) -> None:
+    def __init__(
+        self, *extra: str, api_key: str | None = API_KEY, engine_flags: bool = True
+    ) -> None:
+        """``extra``: more ``pagoda serve`` arguments; ``engine_flags``: pass the context and KV
+        cache size as flags (leave them to a ``--config`` file in ``extra`` otherwise)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -27,8 +31,8 @@ class Server:
         args = [
             sys.executable, "-m", "pagoda.entrypoints.cli", "serve",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(MAX_MODEL_LEN),
-            "--kv-cache-memory-bytes", str(256 << 20),
+            *(["--max-model-len", str(MAX_MODEL_LEN)] if engine_flags else []),
+            *(["--kv-cache-memory-bytes", str(256 << 20)] if engine_flags else []),
             *(["--api-key", api_key] if api_key else []),
             *extra,
         ]  # fmt: skip

@@ -17,8 +17,15 @@ ERROR_DEADLINE_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def doomed_server():
-    srv = Server(api_key=None)
+def doomed_server(tmp_path_factory, smollm2_gguf):
+    config = tmp_path_factory.mktemp("doomed") / "engine.yaml"
+    config.write_text(
+        "model: {max_model_len: 1536}\n"
+        "cache: {kv_cache_memory_bytes: 134217728}\n"
+        "server: {served_model_name: doomed, port: 1}\n"  # the --port flag wins over the file
+    )
+    # `pagoda serve MODEL --config FILE`, the model given as the positional argument.
+    srv = Server(str(smollm2_gguf), "--config", str(config), api_key=None, engine_flags=False)
     yield srv
     srv.stop()
 
@@ -26,7 +33,9 @@ def doomed_server():
 def test_killed_engine_fails_requests_in_flight_and_health(doomed_server: Server) -> None:
     srv = doomed_server
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
+    models = client.models.list().data
+    model = models[0].id
+    assert model == "doomed" and models[0].model_extra["max_model_len"] == 1536
     long = {"max_tokens": 900, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
     ended: dict[str, tuple[float, BaseException | None]] = {}
     streaming = threading.Event()

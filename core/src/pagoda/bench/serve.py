@@ -50,7 +50,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles")
+    p.add_argument("--percentiles", default="90,99", help="comma-separated percentiles")
     p.add_argument(
         "--output-json",
         default=None,

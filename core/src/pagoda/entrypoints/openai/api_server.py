@@ -64,7 +64,8 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(str(exc.detail), exc.status_code).response()
+        where = f"{request.method} {request.url.path}"
+        return APIError(f"{exc.detail}: {where}", exc.status_code).response()
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> Response:

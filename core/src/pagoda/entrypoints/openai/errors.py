@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +14,8 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+_DEFAULT_TYPE = {4: "invalid_request_error", 5: "internal_server_error"}
 
 
 class APIError(Exception):
@@ -36,7 +37,7 @@ class APIError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, HTTPStatus(self.status).phrase),
+                "type": _TYPES.get(self.status, _DEFAULT_TYPE[self.status // 100]),
                 "param": self.param,
                 "code": self.code,
             }
@@ -52,7 +53,8 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError("the request body is invalid")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Drop "body" and the union member tags pydantic adds ("str", "list[str]").
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _is_type_tag(p)]
     if first.get("type") == "json_invalid":
         return APIError(f"the request body is not valid JSON: {first.get('msg')}")
     if first.get("type") == "extra_forbidden":
@@ -63,4 +65,12 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = ".".join(loc)
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return APIError(f"{where}: {msg}{more}" if where else f"{msg}{more}", param=where or None)
+    if where and f"`{where}`" not in msg:
+        msg = f"{where}: {msg}"
+    return APIError(msg + more, param=where or None)
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "float", "bool", "list", "dict", "none")
+    )
