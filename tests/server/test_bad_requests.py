@@ -133,6 +133,30 @@ BAD = [
         "logit_bias",
     ),
     ("tokenize with no input", "/tokenize", {}, 400, ["prompt"], None),
+    (
+        "stop token id outside the vocabulary",
+        COMPLETIONS,
+        {"prompt": "Hi", "stop_token_ids": [10_000_000]},
+        400,
+        ["stop_token_ids", "vocabulary"],
+        "stop_token_ids",
+    ),
+    (
+        "seed beyond 64 bits",
+        COMPLETIONS,
+        {"prompt": "Hi", "seed": 2**64 - 1, "n": 2},
+        400,
+        ["seed"],
+        "seed",
+    ),
+    (
+        "stream_options without stream",
+        CHAT,
+        {"messages": MESSAGES, "stream_options": {"include_usage": True}},
+        400,
+        ["stream_options"],
+        None,
+    ),
 ]
 
 

@@ -12,10 +12,12 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
+    from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.llm import LLM
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "EngineConfig",
     "SamplingParams",
     "RequestOutput",
@@ -30,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from pagoda.entrypoints.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from pagoda.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     if name == "EngineConfig":
         from pagoda.config import EngineConfig
 

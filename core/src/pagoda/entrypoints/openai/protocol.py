@@ -46,7 +46,7 @@ class _SamplingFields(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
@@ -105,6 +105,12 @@ class _SamplingFields(_Body):
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys are token ids; got {key!r}")
         return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("`stream_options` is only allowed with `stream` set to true")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -75,7 +76,7 @@ class Serving:
         except EngineDeadError as e:
             raise APIError(f"the engine is not running: {e}", 503) from e
         except (ValueError, TypeError) as e:
-            raise APIError(str(e)) from e
+            raise bad_value(e) from e
         return self.engine.stream(request_id, stream)
 
 
@@ -95,11 +96,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def sampling_error(e: ValueError) -> APIError:
-    """A ``SamplingParams`` error as a 400 naming the field."""
+def bad_value(e: ValueError | TypeError) -> APIError:
+    """A 400 for a value the engine refused, naming the field of a ``SamplingParams`` error."""
     msg = str(e)
-    param = msg.removeprefix("SamplingParams.").split("=")[0].split(":")[0]
-    return APIError(msg, param=param if param.isidentifier() else None)
+    param = None
+    if msg.startswith("SamplingParams."):
+        param = re.split(r"[=:\s]", msg.removeprefix("SamplingParams."), maxsplit=1)[0]
+    return APIError(msg, param=param)
 
 
 def error_of(e: BaseException) -> APIError:

@@ -14,10 +14,10 @@ from pagoda.entrypoints.openai.logprobs import chat_logprobs
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.entrypoints.openai.serving import (
     Serving,
+    bad_value,
     error_of,
     new_id,
     now,
-    sampling_error,
     sse,
     usage,
 )
@@ -61,7 +61,7 @@ class ServingChat(Serving):
                 req.num_logprobs,
             )
         except ValueError as e:
-            raise sampling_error(e) from e
+            raise bad_value(e) from e
         rid = new_id("chatcmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         outputs = self.submit(rid, prompt, params, kind, req.priority)

@@ -13,11 +13,11 @@ from pagoda.entrypoints.openai.logprobs import CompletionLogprobs
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving import (
     Serving,
+    bad_value,
     error_of,
     merge,
     new_id,
     now,
-    sampling_error,
     sse,
     usage,
 )
@@ -44,7 +44,7 @@ class ServingCompletion(Serving):
                     self.max_tokens(req.max_tokens, len(p.token_ids), "prompt"), num_lp
                 )
             except ValueError as e:
-                raise sampling_error(e) from e
+                raise bad_value(e) from e
             if req.echo and num_lp is not None:
                 sp.prompt_logprobs = num_lp
             params.append(sp)
