@@ -21,6 +21,7 @@ from pagoda.engine.core_client import AsyncMPClient, EngineDeadError
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.metrics import EngineMetrics
+from pagoda.engine.model_info import ModelInfo
 from pagoda.engine.request_stream import OutputKind, RequestStream
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class AsyncLLM:
         self._seq_to_request: dict[str, str] = {}
         self._seq_ids: dict[str, list[str]] = {}  # request id -> its core sequences
         self._stats_task: asyncio.Task[None] | None = None
+        ModelInfo.from_config(config)  # a bad model or config fails here, before any process starts
         self.client = AsyncMPClient(config, self._on_outputs, self._on_dead)
         try:
             self.engine = LLMEngine(config, engine_core=self.client)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,7 +22,7 @@ import pagoda
 from pagoda.bench.throughput import _hardware
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
-from pagoda.engine.core_client import EngineDeadError
+from pagoda.engine.core_client import EngineDeadError, EngineStartError
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -186,7 +187,11 @@ def run_server(config: EngineConfig) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
-    engine = AsyncLLM(config)
+    try:
+        engine = AsyncLLM(config)
+    except (EngineStartError, OSError) as e:
+        print(f"pagoda: error: {e}", file=sys.stderr)
+        return 1
     try:
         names = model_names(engine, config)
         app = build_app(engine, names, config.server.api_key)
