@@ -96,3 +96,20 @@ class AttentionBackend(ABC):
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
         """Per-step planning (for example splitting decodes from prefills); once per step."""
         return common
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this step's keys and values in their slots of a cache in the default layout
+    (``[2, num_blocks, block_size, num_kv_heads, head_size]``); returns the key and value caches."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    heads, size = key.shape[1], key.shape[2]
+    slots = slot_mapping[:num_tokens]
+    key_cache.view(-1, heads, size).index_copy_(0, slots, key[:num_tokens])
+    value_cache.view(-1, heads, size).index_copy_(0, slots, value[:num_tokens])
+    return key_cache, value_cache

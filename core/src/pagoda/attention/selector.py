@@ -23,8 +23,8 @@ def select_attention_backend(
     return select(
         "attention_backends",
         name,
-        supports=lambda b: b.supports(device, dtype, head_size) and b.supports_block_size(
-            block_size
+        supports=lambda b: (
+            b.supports(device, dtype, head_size) and b.supports_block_size(block_size)
         ),
         needs=f"device={device.type}, dtype={str(dtype).removeprefix('torch.')}, "
         f"head_size={head_size}, block_size={block_size}",

@@ -13,7 +13,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagoda.attention.backend import AttentionBackend, AttentionImpl, CommonAttentionMetadata
+from pagoda.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    CommonAttentionMetadata,
+    write_kv_cache,
+)
 
 
 @dataclass
@@ -103,11 +108,9 @@ class TorchNativeImpl(AttentionImpl):
     ) -> torch.Tensor:
         md = attn_metadata
         num_tokens = md.common.num_actual_tokens
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        h, d = self.num_kv_heads, self.head_size
-        slots = md.common.slot_mapping[:num_tokens]
-        key_cache.view(-1, h, d).index_copy_(0, slots, key[:num_tokens])
-        value_cache.view(-1, h, d).index_copy_(0, slots, value[:num_tokens])
+        key_cache, value_cache = write_kv_cache(
+            key, value, kv_cache, md.common.slot_mapping, num_tokens
+        )
 
         if md.all_decode:
             return self._decode(query[:num_tokens], key_cache, value_cache, md)

@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda.attention.backend import AttentionBackend, AttentionImpl, CommonAttentionMetadata
+from pagoda.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    CommonAttentionMetadata,
+    write_kv_cache,
+)
 
 _WORKSPACE_BYTES = 256 << 20
 _wrappers: dict[tuple[str, int | None], dict[str, Any]] = {}
@@ -102,14 +107,10 @@ class FlashInferImpl(AttentionImpl):
         md = attn_metadata
         c = md.common
         n = c.num_actual_tokens
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        h, d = self.num_kv_heads, self.head_size
-        slots = c.slot_mapping[:n]
-        key_cache.view(-1, h, d).index_copy_(0, slots, key[:n])
-        value_cache.view(-1, h, d).index_copy_(0, slots, value[:n])
+        key_cache, value_cache = write_kv_cache(key, value, kv_cache, c.slot_mapping, n)
         wrappers = _wrappers_for(query.device)
         wrapper = wrappers["decode" if md.decode_only else "prefill"]
-        plan_key = (self.num_heads, h, d, query.dtype, self.scale)
+        plan_key = (self.num_heads, self.num_kv_heads, self.head_size, query.dtype, self.scale)
         if md.planned_for != plan_key:  # NOTE: the first layer plans; the others reuse it.
             self._plan(wrapper, md, query.dtype, key_cache.shape[1])
             md.planned_for = plan_key

@@ -8,7 +8,12 @@ from functools import cache
 
 import torch
 
-from pagoda.attention.backend import AttentionBackend, AttentionImpl, CommonAttentionMetadata
+from pagoda.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    CommonAttentionMetadata,
+    write_kv_cache,
+)
 
 # Below this many keys per split, splitting the context costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
@@ -84,11 +89,7 @@ class TritonAttentionImpl(AttentionImpl):
 
         c = attn_metadata.common
         n = c.num_actual_tokens
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        h, d = self.num_kv_heads, self.head_size
-        slots = c.slot_mapping[:n]
-        key_cache.view(-1, h, d).index_copy_(0, slots, key[:n])
-        value_cache.view(-1, h, d).index_copy_(0, slots, value[:n])
+        key_cache, value_cache = write_kv_cache(key, value, kv_cache, c.slot_mapping, n)
         out = torch.empty_like(query)
         paged_attention(
             query,
