@@ -41,13 +41,16 @@ def test_greedy_completion_streamed_equals_non_streamed(client, model_name: str)
     assert full.object == "text_completion" and len(full.choices) == 1
     assert full.choices[0].text and full.choices[0].finish_reason in ("stop", "length")
     assert full.usage.prompt_tokens > 0
+    options = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's extra option
     texts, chunks = _stream_completion(
-        client, model_name, prompt=PROMPT, stream_options={"include_usage": True}, **GREEDY
+        client, model_name, prompt=PROMPT, stream_options=options, **GREEDY
     )
     assert texts[0] == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == full.choices[0].finish_reason and not any(finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    running = [c.usage.completion_tokens for c in chunks]
+    assert running == sorted(running) and running[0] >= 1
 
 
 def test_greedy_chat_streamed_equals_non_streamed(client, model_name: str) -> None:

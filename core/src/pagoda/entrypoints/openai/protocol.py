@@ -116,6 +116,11 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's option: usage so far in every chunk of a stream."""
+        return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ``ValueError`` naming a field for a bad combination."""
         fields = self.model_fields_set

@@ -154,7 +154,10 @@ class ServingChat(Serving):
                     }
                     if c.finished():
                         choice["stop_reason"] = c.stop_reason
-                    yield chunk([choice])
+                    if req.continuous_usage:
+                        yield chunk([choice], usage=usage(num_prompt, completion_tokens))
+                    else:
+                        yield chunk([choice])
             if req.include_usage:
                 yield chunk([], usage=usage(num_prompt, completion_tokens))
         except Exception as e:

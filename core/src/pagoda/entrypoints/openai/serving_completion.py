@@ -149,6 +149,7 @@ class ServingCompletion(Serving):
         ended: set[int] = set()
         offsets: dict[int, CompletionLogprobs] = {}
         completion_tokens = 0
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
         try:
             async for i, out in merged:
                 for c in out.outputs:
@@ -169,9 +170,10 @@ class ServingCompletion(Serving):
                         "model": model,
                         "choices": [choice],
                     }
+                    if req.continuous_usage:
+                        chunk["usage"] = usage(prompt_tokens, completion_tokens)
                     yield sse(chunk)
             if req.include_usage:
-                prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 yield sse(
                     {
                         "id": rid,
