@@ -10,16 +10,14 @@ attention FLOP/s. The torch reference runs in the same process where its memory 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.bench.report import commit as report_commit
+from pagoda.bench.report import save_report
 from pagoda.plugins import get_registry
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -136,12 +134,7 @@ def main() -> None:
                 }
             )
             torch.cuda.empty_cache()
-    commit = (
-        subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        or "unknown"
-    )
+    commit = report_commit()
     report = {
         "benchmark": "attention_kernels",
         "gpu": torch.cuda.get_device_name(device),
@@ -157,9 +150,7 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "results": rows,
     }
-    out = Path(args.output_json or f"benchmarks/results/attention-kernels-{commit}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(report, f"attention-kernels-{commit}", args.output_json)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s on {report['gpu']}")
     print(
         f"{'backend':<14}{'kind':<9}{'batch':>6}{'ctx':>7}{'us':>10}{'TB/s|TFLOPs':>13}{'frac':>7}"

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from pagoda import LLM, SamplingParams
-from pagoda.bench.throughput import _commit, _hardware, make_prompts
+from pagoda.bench.report import commit, hardware, save_report
+from pagoda.bench.throughput import make_prompts
 
 
 def _timed(fn: Callable[..., Any], bucket: list[float]) -> Callable[..., Any]:
@@ -80,8 +81,8 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "model": llm.engine.info.name,
         "device": runner.device.type,
-        "hardware": _hardware(runner.device),
-        "commit": _commit(),
+        "hardware": hardware(runner.device),
+        "commit": commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "workload": {
             "batch": args.batch,
@@ -99,13 +100,11 @@ def main() -> int:
             ),
         },
     }
-    path = Path(
-        args.output_json
-        or Path("benchmarks/results")
-        / f"sampler-share-{report['model']}-{report['device']}-{report['commit']}.json"
+    path = save_report(
+        report,
+        f"sampler-share-{report['model']}-{report['device']}-{report['commit']}",
+        args.output_json,
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
     r = report["results"]
     print(
         f"decode step {r['decode_step_ms_median']} ms, sampler {r['sampler_ms_median']} ms: "

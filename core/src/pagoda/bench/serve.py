@@ -14,12 +14,11 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pagoda.bench.throughput import _commit
+from pagoda.bench.report import commit, save_report
 
 # Text to cut prompts from; any text works, its tokens only need to be real ones.
 _CORPUS = (
@@ -187,7 +186,7 @@ def _report(
         "model": model,
         "server": {k: v for k, v in version.items() if k != "version"},
         "pagoda": version.get("version"),
-        "commit": _commit(),
+        "commit": commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "pagoda " + " ".join(sys.argv[1:]),
         "workload": {
@@ -231,12 +230,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         print(f"error: {err}")
     if not args.no_save:
         device = report["server"].get("device", "unknown")
-        path = Path(
-            args.output_json
-            or Path("benchmarks/results")
-            / f"serve-{report['model']}-{device}-{report['commit']}.json"
+        path = save_report(
+            report, f"serve-{report['model']}-{device}-{report['commit']}", args.output_json
         )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
         print(f"results: {path}")
     return 0 if r["failed"] == 0 else 1

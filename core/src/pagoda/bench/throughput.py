@@ -8,15 +8,12 @@ generation, model loading excluded. The ratio of the two is what to compare acro
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from pagoda.bench.report import commit, hardware, save_report
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -118,31 +115,6 @@ def _figures(elapsed: float, n_out: int, prompts: list[list[int]], load_s: float
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-def _hardware(device: Any) -> str:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-
-
 def run_throughput(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     import torch
 
@@ -188,8 +160,8 @@ def run_throughput(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         "model": info.name,
         "dtype": str(info.dtype).replace("torch.", ""),
         "device": info.device.type,
-        "hardware": _hardware(info.device),
-        "commit": _commit(),
+        "hardware": hardware(info.device),
+        "commit": commit(),
         "torch": torch.__version__,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "workload": {
@@ -200,13 +172,9 @@ def run_throughput(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         },
         "results": results,
     }
-    path = Path(
-        args.output_json
-        or Path("benchmarks/results")
-        / f"throughput-{info.name}-{info.device.type}-{report['commit']}.json"
+    path = save_report(
+        report, f"throughput-{info.name}-{info.device.type}-{report['commit']}", args.output_json
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'engine':<14}{'output tok/s':>14}{'elapsed s':>12}")
     for name in ("pagoda", "transformers"):
         if name in results:

@@ -1,0 +1,48 @@
+"""What every benchmark report carries: the commit, the hardware, and where the JSON goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def commit() -> str:
+    """The short commit of the working tree (``PAGODA_COMMIT`` where there is no git)."""
+    if os.environ.get("PAGODA_COMMIT"):
+        return os.environ["PAGODA_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def hardware(device: Any) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+
+
+def save_report(report: dict[str, Any], name: str, output_json: str | None = None) -> Path:
+    """Write ``report`` to ``output_json``, or to ``benchmarks/results/<name>.json``."""
+    path = Path(output_json) if output_json else RESULTS_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return path
