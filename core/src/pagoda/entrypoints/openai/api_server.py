@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
-from pagoda.bench.throughput import _hardware
+from pagoda.bench.report import hardware
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
 from pagoda.engine.core_client import EngineDeadError, EngineStartError
@@ -113,7 +113,7 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
             "model": names[0],
             "device": info.device.type,
             "dtype": str(info.dtype).removeprefix("torch."),
-            "hardware": _hardware(info.device),
+            "hardware": hardware(info.device),
         }
 
     @app.get("/v1/models")
