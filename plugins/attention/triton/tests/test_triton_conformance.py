@@ -4,7 +4,9 @@ Triton interpreter on the CPU (float32, the kit's small shapes)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -13,6 +15,16 @@ if not torch.cuda.is_available():
 from pagoda.testing import AttentionBackendConformance  # noqa: E402
 
 _CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _allow_the_interpreter_for_these_tests() -> Iterator[None]:
+    """On a CPU the backend supports nothing unless asked for; these tests ask, then stop."""
+    os.environ["PAGODA_TRITON_ON_CPU"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["PAGODA_TRITON_ON_CPU"]
 
 
 class TestTritonConformance(AttentionBackendConformance):

@@ -21,7 +21,11 @@ _MAX_SPLITS = 16
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    # NOTE: the interpreter is for testing the kernels on a CPU; it must be asked for by name as
+    # well, or `attention.backend: auto` would pick a backend thousands of times slower.
+    return (
+        os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("PAGODA_TRITON_ON_CPU") == "1"
+    )
 
 
 @cache
