@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from pagoda.ops import rms_norm, rotary_embedding
 
 
 class RMSNorm(nn.Module):
@@ -20,14 +21,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise ``x``; with ``residual``, normalise ``x + residual`` and also return the sum
         (the next layer's residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -70,17 +64,9 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``: [tokens, heads, dim], ``k``: [tokens, kv_heads, dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+        """``q``: [tokens, heads, dim], ``k``: [tokens, kv_heads, dim]; may rotate them in place,
+        so use the returned tensors."""
+        return rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 class MergedLinear(nn.Linear):
@@ -110,8 +96,3 @@ class MergedLinear(nn.Linear):
             )
         with torch.no_grad():
             param[off : off + size].copy_(tensor)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -14,7 +14,8 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.loader.arch import ModelArchConfig
-from pagoda.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, silu_and_mul
+from pagoda.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from pagoda.ops import silu_and_mul
 
 
 class LlamaAttention(nn.Module):

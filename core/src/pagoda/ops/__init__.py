@@ -1,0 +1,107 @@
+"""The model's elementwise and normalisation operations: fused Triton kernels on CUDA, torch code
+elsewhere.
+
+Each public function takes the same tensors on every device and gives the same result up to the
+rounding of fp32 intermediates (the reduction order of a norm, the ``exp`` of SiLU). Triton is
+optional: without it, or with :func:`set_fused_ops` ``(False)``, or on a CPU, the torch reference in
+:mod:`pagoda.ops.reference` runs. The kernels launch on fixed grids computed from shapes alone and
+never read device memory on the host, so they can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+
+import torch
+
+from pagoda.ops import reference
+
+__all__ = [
+    "fused_ops_enabled",
+    "rms_norm",
+    "rotary_embedding",
+    "set_fused_ops",
+    "silu_and_mul",
+]
+
+_enabled = True
+
+
+def set_fused_ops(enabled: bool) -> None:
+    """Use the fused kernels where they can run (the default), or always the torch code.
+
+    NOTE: read at each call, so set it before a CUDA graph is captured: a replay keeps the kernels
+    that were captured.
+    """
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def fused_ops_enabled() -> bool:
+    return _enabled
+
+
+@cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if not _enabled:
+        return False
+    if x.is_cuda:
+        return _have_triton()
+    # NOTE: the interpreter runs the kernels on a CPU for tests; it must be asked for by name as
+    # well (as the Triton attention backend does), or every CPU model of a test session that set
+    # TRITON_INTERPRET would run interpreted kernels, thousands of times slower.
+    return (
+        x.device.type == "cpu"
+        and os.environ.get("TRITON_INTERPRET") == "1"
+        and os.environ.get("PAGODA_TRITON_ON_CPU") == "1"
+        and _have_triton()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * rmsnorm(x)`` over the last dimension; with ``residual``, of ``x + residual``,
+    returned with that sum (the next layer's residual). ``x``: [tokens, hidden] or
+    [tokens, heads, head_dim] (strided views are fine); the inputs are not modified."""
+    if _use_triton(x):
+        from pagoda.ops.triton_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x`` = [..., 2 * I] holding gate then up; returns [..., I]."""
+    if _use_triton(x):
+        from pagoda.ops.triton_activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return reference.silu_and_mul(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding (rotate halves) of ``q``: [tokens, heads, head_dim] and
+    ``k``: [tokens, kv_heads, head_dim] at ``positions`` [tokens], from float32 tables ``cos`` and
+    ``sin`` [max_position, head_dim / 2]. The fused kernel rotates ``q`` and ``k`` in place (strided
+    views, such as the split of a qkv projection, are fine); use the returned tensors."""
+    if _use_triton(q):
+        from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+        return rotary_embedding_triton(positions, q, k, cos, sin)
+    return reference.rotary_embedding(positions, q, k, cos, sin)

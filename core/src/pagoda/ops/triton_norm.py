@@ -1,0 +1,111 @@
+"""RMSNorm in Triton, with the residual add fused in: one read of ``x`` and ``residual``, one write
+of the output and of the new residual.
+
+Rows are normalised whole: a program holds ``BLOCK_M`` rows of ``BLOCK_N`` (the row length rounded
+up to a power of two) columns, several rows at once when rows are short (Qwen3's per-head q/k
+norm). Rounding follows :func:`pagoda.ops.reference.rms_norm`: the sum is rounded to the input
+dtype, the normalised value is rounded to it before the weight multiplies it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements a program normalises at once when rows are short.
+_TILE = 2048
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    num_rows,
+    heads,
+    n,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    stride_rh,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+    # A row is (token, head); plain 2-D inputs have one head.
+    t = (rows // heads).to(tl.int64)
+    h = rows % heads
+    x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + cols[None, :], mask=mask)
+    dense = rows.to(tl.int64)[:, None] * n + cols[None, :]
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + (t * stride_rt + h * stride_rh)[:, None] + cols[None, :], mask=mask)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + dense, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)
+    y = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)
+    tl.store(out_ptr + dense, (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A [tokens, hidden] or [tokens, heads, dim] tensor with unit stride in its last dimension,
+    and its token and head strides."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 2:
+        return t, t.stride(0), 0
+    if t.dim() == 3:
+        return t, t.stride(0), t.stride(1)
+    raise ValueError(f"rms_norm takes a 2-D or 3-D tensor, got shape {tuple(t.shape)}")
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    x, sxt, sxh = _rows(x)
+    n = x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.shape[0] * heads
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
+    res_out = None
+    if residual is not None:
+        residual, srt, srh = _rows(residual)
+        res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    if num_rows > 0:
+        block_n = triton.next_power_of_2(n)
+        block_m = min(max(_TILE // block_n, 1), triton.next_power_of_2(num_rows))
+        _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            res_out if res_out is not None else out,
+            num_rows,
+            heads,
+            n,
+            sxt,
+            sxh,
+            srt if residual is not None else 0,
+            srh if residual is not None else 0,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=min(max(block_m * block_n // 256, 1), 8),
+        )
+    return out if res_out is None else (out, res_out)

@@ -1,0 +1,201 @@
+"""On a GPU: the fused kernels of `pagoda.ops` against the torch code at Llama-3.1-8B's and
+Qwen3-0.6B's shapes in bf16, replayed from a CUDA graph, and an engine with fused ops on against one
+with them off (random-weight two-layer models)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import pagoda.ops as ops
+from pagoda import LLM, SamplingParams
+from pagoda.config.model import ModelConfig
+from pagoda.loader import ModelArchConfig
+from pagoda.models.layers import RotaryEmbedding
+from pagoda.ops import reference
+
+from .gpu_helpers import check_same_or_near_tie, last_logits
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
+MODELS = ["llama-3.1-8b", "qwen3-0.6b"]
+BF16 = torch.bfloat16
+
+
+def _arch(name: str) -> ModelArchConfig:
+    return ModelArchConfig.from_hf_config(json.loads((CONFIGS / name / "config.json").read_text()))
+
+
+def _rand(*shape: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=gen, device="cuda").to(BF16)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within bf16 tolerance, and rounded like torch: a float32 intermediate computed in another
+    order (a norm's sum, SiLU's exp) may flip the last bit of a rare element, no more."""
+    torch.testing.assert_close(got, want)
+    assert (got != want).float().mean().item() <= 0.01
+
+
+def _qkv_views(tokens: int, a: ModelArchConfig):
+    q_size, kv_size = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    q, k, v = _rand(tokens, q_size + 2 * kv_size, seed=3).split([q_size, kv_size, kv_size], -1)
+    return (
+        q.view(tokens, a.num_attention_heads, a.head_dim),
+        k.view(tokens, a.num_key_value_heads, a.head_dim),
+        v,
+    )
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("tokens", [1, 257, 8192])
+def test_fused_add_rms_norm_matches_torch(name: str, tokens: int) -> None:
+    from pagoda.ops.triton_norm import rms_norm_triton
+
+    a = _arch(name)
+    x, res = _rand(tokens, a.hidden_size), _rand(tokens, a.hidden_size, seed=1)
+    weight = 1 + 0.1 * _rand(a.hidden_size, seed=2)
+    out, new_res = rms_norm_triton(x, weight, a.rms_norm_eps, res)
+    want_out, want_res = reference.rms_norm(x, weight, a.rms_norm_eps, res)
+    assert torch.equal(new_res, want_res)
+    _close(out, want_out)
+    eps = a.rms_norm_eps
+    _close(rms_norm_triton(x, weight, eps), reference.rms_norm(x, weight, eps))
+
+
+@pytest.mark.parametrize("tokens", [1, 257, 8192])
+def test_per_head_qk_norm_on_strided_views_matches_torch(tokens: int) -> None:
+    from pagoda.ops.triton_norm import rms_norm_triton
+
+    a = _arch("qwen3-0.6b")
+    q, k, _ = _qkv_views(tokens, a)
+    weight = 1 + 0.1 * _rand(a.head_dim, seed=4)
+    for t in (q, k):
+        _close(rms_norm_triton(t, weight, 1e-6), reference.rms_norm(t, weight, 1e-6))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("tokens", [1, 257, 8192])
+def test_silu_and_mul_matches_torch(name: str, tokens: int) -> None:
+    from pagoda.ops.triton_activation import silu_and_mul_triton
+
+    x = 2 * _rand(tokens, 2 * _arch(name).intermediate_size)
+    _close(silu_and_mul_triton(x), reference.silu_and_mul(x))
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("tokens", [1, 257, 8192])
+def test_rotary_in_place_on_qkv_views_equals_torch(name: str, tokens: int) -> None:
+    from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+    a = _arch(name)
+    rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+    rope = rope.cuda()
+    q, k, v = _qkv_views(tokens, a)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    positions = torch.randint(0, a.max_position_embeddings, (tokens,), generator=gen, device="cuda")
+    want_q, want_k = reference.rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    v0 = v.clone()
+    rotary_embedding_triton(positions, q, k, rope.cos, rope.sin)
+    # Same float32 operations in the same order (no fused multiply-add): bit for bit.
+    assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, v0)
+
+
+def test_kernels_replay_from_a_cuda_graph_on_new_inputs() -> None:
+    from pagoda.ops.triton_activation import silu_and_mul_triton
+    from pagoda.ops.triton_norm import rms_norm_triton
+    from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+    a = _arch("qwen3-0.6b")
+    rope = RotaryEmbedding(a.head_dim, 4096, a.rope_theta, a.rope_scaling).cuda()
+    n = 64
+    x, res, weight = _rand(n, a.hidden_size), _rand(n, a.hidden_size, seed=1), _rand(a.hidden_size)
+    gate_up = _rand(n, 2 * a.intermediate_size, seed=2)
+    q, k, _ = _qkv_views(n, a)
+    positions = torch.arange(n, device="cuda")
+
+    def step():
+        out, new_res = rms_norm_triton(x, weight, 1e-6, res)
+        return (
+            out,
+            new_res,
+            silu_and_mul_triton(gate_up),
+            rotary_embedding_triton(positions, q, k, rope.cos, rope.sin),
+        )
+
+    step()  # compile and load the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, new_res, act, _ = step()
+    for t, seed in ((x, 10), (res, 11), (gate_up, 12), (q, 13), (k, 14)):
+        t.copy_(_rand(*t.shape, seed=seed))
+    positions.copy_(torch.randperm(4096, device="cuda")[:n])
+    want_out, want_res = reference.rms_norm(x, weight, 1e-6, res)
+    want_act = reference.silu_and_mul(gate_up)
+    want_q, want_k = reference.rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(new_res, want_res) and torch.equal(q, want_q) and torch.equal(k, want_k)
+    _close(out, want_out)
+    _close(act, want_act)
+
+
+@pytest.fixture
+def fused_ops_restored():
+    yield
+    ops.set_fused_ops(True)
+
+
+def _engine(model_dir: Path, fused: bool) -> LLM:
+    ops.set_fused_ops(fused)
+    # NOTE: where the configuration has the switch, the engine sets it from there.
+    key = {"fused_ops": fused} if "fused_ops" in ModelConfig.model_fields else {}
+    llm = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=1024,
+        kv_cache_memory_bytes=2 << 30,
+        **key,
+    )
+    model = llm.engine.engine_core.executor.worker.model_runner.model
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():  # realistically scaled, the same in both engines; norms not all 1
+        for name, p in sorted(model.named_parameters()):
+            scale, shift = (0.2, 1.0) if name.endswith("norm.weight") else (0.02, 0.0)
+            r = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)
+            p.copy_((r * scale + shift).to(p.dtype))
+    return llm
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_engine_with_fused_ops_matches_torch_ops(
+    name: str, tmp_path: Path, fused_ops_restored: None
+) -> None:
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    cfg["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 100000, int(n)).tolist() for n in rng.integers(8, 300, 8)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    def run(llm: LLM, fused: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        ops.set_fused_ops(fused)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], [last_logits(llm, p) for p in prompts]
+
+    ref = _engine(tmp_path, False)
+    want, want_logits = run(ref, False)
+    fused = _engine(tmp_path, True)
+    got, got_logits = run(fused, True)  # decode steps replay graphs captured with the kernels
+    for g, w in zip(got_logits, want_logits):
+        assert ((g - w).norm() / w.norm()).item() < 2e-2  # a prefill's logits, bf16 rounding
+    ops.set_fused_ops(False)
+    for p, w, g in zip(prompts, want, got):
+        check_same_or_near_tie(ref, p, w, g)

@@ -1,0 +1,256 @@
+"""The fused Triton kernels of `pagoda.ops` against its torch reference, on small shapes: under the
+Triton interpreter on a CPU, natively on a GPU; and when the model takes which path.
+
+NOTE: the interpreter rounds float32 to bfloat16 toward zero where a GPU rounds to nearest, so on a
+CPU bfloat16 results are compared within a few bfloat16 steps; float16 and float32 are exact there
+wherever the arithmetic is the same (sums, rotations).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from importlib.util import find_spec
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+
+import pagoda.ops as ops  # noqa: E402
+from pagoda.models.layers import RotaryEmbedding  # noqa: E402
+from pagoda.ops import reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+needs_triton = pytest.mark.skipif(find_spec("triton") is None, reason="needs triton")
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Let the model run the kernels on CPU tensors (interpreted) for one test, then stop."""
+    monkeypatch.setenv("PAGODA_TRITON_ON_CPU", "1")
+    ops.set_fused_ops(True)
+    yield
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if DEVICE == "cpu" and got.dtype == torch.bfloat16:
+        # Up to three roundings toward zero (sum, normalised value, product) of one step each.
+        torch.testing.assert_close(got, want, rtol=3 * 2**-7, atol=1e-3)
+    elif exact:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got, want)
+        if got.dtype != torch.float32:
+            # Rounded at the same points as torch: only a last-bit difference of a float32
+            # intermediate (reduction order, exp) may flip a rounding, which is rare.
+            assert (got != want).float().mean().item() <= 0.01
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 1024])
+def test_rms_norm_with_residual_matches_torch_and_returns_the_sum(
+    dtype: torch.dtype, hidden: int
+) -> None:
+    from pagoda.ops.triton_norm import rms_norm_triton
+
+    x, res = _rand(5, hidden, dtype=dtype), _rand(5, hidden, dtype=dtype, seed=1)
+    weight = _rand(hidden, dtype=dtype, seed=2).abs() + 0.5
+    x0, res0 = x.clone(), res.clone()
+    out, new_res = rms_norm_triton(x, weight, 1e-6, res)
+    want_out, want_res = reference.rms_norm(x, weight, 1e-6, res)
+    _same(new_res, want_res, exact=True)
+    _same(out, want_out, exact=False)
+    assert torch.equal(x, x0) and torch.equal(res, res0)  # the inputs are left alone
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_residual_matches_torch(dtype: torch.dtype) -> None:
+    from pagoda.ops.triton_norm import rms_norm_triton
+
+    x, weight = _rand(3, 576, dtype=dtype), _rand(576, dtype=dtype, seed=1)
+    _same(rms_norm_triton(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), exact=False)
+
+
+def _qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """q, k, v as the attention layer gets them: strided views of one qkv projection output."""
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = _rand(tokens, q_size + 2 * kv_size, dtype=dtype, seed=3)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return qkv, q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_per_head_rms_norm_on_strided_q_view_matches_torch(
+    dtype: torch.dtype, head_dim: int
+) -> None:
+    from pagoda.ops.triton_norm import rms_norm_triton
+
+    _, q, _, _ = _qkv_views(5, 4, 2, head_dim, dtype)
+    assert not q.is_contiguous()
+    weight = _rand(head_dim, dtype=dtype, seed=4)
+    _same(rms_norm_triton(q, weight, 1e-6), reference.rms_norm(q, weight, 1e-6), exact=False)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [200, 1100])
+def test_silu_and_mul_matches_torch(dtype: torch.dtype, inter: int) -> None:
+    from pagoda.ops.triton_activation import silu_and_mul_triton
+
+    x = _rand(3, 2 * inter, dtype=dtype) * 4
+    _same(silu_and_mul_triton(x), reference.silu_and_mul(x), exact=False)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_rotates_strided_q_and_k_in_place_like_torch(
+    dtype: torch.dtype, head_dim: int
+) -> None:
+    from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    rope = RotaryEmbedding(head_dim, 4096, 500000.0, scaling).to(DEVICE)
+    qkv, q, k, v = _qkv_views(6, 6, 2, head_dim, dtype)
+    positions = torch.tensor([4095, 0, 17, 17, 1000, 3], device=DEVICE)  # any order, repeats
+    want_q, want_k = reference.rotary_embedding(positions, q, k, rope.cos, rope.sin)
+    v0 = v.clone()
+    got_q, got_k = rotary_embedding_triton(positions, q, k, rope.cos, rope.sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    _same(got_q, want_q, exact=True)
+    _same(got_k, want_k, exact=True)
+    assert torch.equal(v, v0)  # the rest of the qkv output is untouched
+
+
+def test_cpu_tensors_take_the_torch_path_unless_the_interpreter_is_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.zeros(2, 8)
+    monkeypatch.delenv("PAGODA_TRITON_ON_CPU", raising=False)
+    assert not ops._use_triton(x)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PAGODA_TRITON_ON_CPU", "1")
+    assert ops._use_triton(x) == (find_spec("triton") is not None)
+    monkeypatch.setattr(ops, "_have_triton", lambda: False)  # triton is optional
+    assert not ops._use_triton(x)
+
+
+def test_set_fused_ops_false_selects_the_torch_path(fused_on_cpu: None) -> None:
+    x = torch.zeros(2, 8)
+    try:
+        ops.set_fused_ops(False)
+        assert not ops.fused_ops_enabled() and not ops._use_triton(x)
+    finally:
+        ops.set_fused_ops(True)
+    assert ops.fused_ops_enabled()
+
+
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count the model's calls of each kernel (the dispatch imports them at each call)."""
+    import pagoda.ops.triton_activation as act
+    import pagoda.ops.triton_norm as norm
+    import pagoda.ops.triton_rotary as rot
+
+    calls = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
+    for module, attr, key in [
+        (norm, "rms_norm_triton", "rms_norm"),
+        (act, "silu_and_mul_triton", "silu_and_mul"),
+        (rot, "rotary_embedding_triton", "rotary"),
+    ]:
+        fn = getattr(module, attr)
+
+        def counted(*args, _fn=fn, _key=key):
+            calls[_key] += 1
+            return _fn(*args)
+
+        monkeypatch.setattr(module, attr, counted)
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_model_forward_with_fused_ops_matches_torch_path(
+    name: str, fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if DEVICE != "cpu":
+        pytest.skip("the GPU tier compares whole models at real shapes")
+    from pagoda.attention.backend import CommonAttentionMetadata
+    from pagoda.attention.layer import Attention, set_forward_context
+    from pagoda.attention.torch_native import TorchNativeBackend
+    from pagoda.loader import ModelArchConfig
+    from pagoda.models.llama import LlamaForCausalLM
+
+    arch = "Qwen3ForCausalLM" if name == "qwen3" else "LlamaForCausalLM"
+    cfg = ModelArchConfig.from_hf_config(
+        dict(
+            architectures=[arch],
+            vocab_size=64,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+        )
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, TorchNativeBackend).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in n else p.normal_(0, 0.2)
+    n, block, blocks = 9, 4, [2, 1, 3]
+    shape = TorchNativeBackend.get_kv_cache_shape(4, block, 2, 16)
+    common = CommonAttentionMetadata(
+        num_reqs=1,
+        num_actual_tokens=n,
+        max_query_len=n,
+        max_seq_len=n,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_table=torch.tensor([blocks], dtype=torch.int32),
+        slot_mapping=torch.tensor([blocks[i // block] * block + i % block for i in range(n)]),
+        query_start_loc_cpu=np.array([0, n]),
+        seq_lens_cpu=np.array([n]),
+        block_size=block,
+    )
+    ids, pos = torch.randint(0, 64, (n,)), torch.arange(n)
+
+    def forward() -> torch.Tensor:
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.kv_cache = torch.zeros(shape)
+        with torch.inference_mode(), set_forward_context(TorchNativeBackend.build_metadata(common)):
+            return model(ids, pos)
+
+    calls = _count_kernel_calls(monkeypatch)
+    fused = forward()
+    assert calls == {"rms_norm": 5 + 4 * (name == "qwen3"), "silu_and_mul": 2, "rotary": 2}
+    ops.set_fused_ops(False)
+    try:
+        want = forward()
+    finally:
+        ops.set_fused_ops(True)
+    torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-5)
