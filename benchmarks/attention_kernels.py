@@ -16,35 +16,13 @@ import numpy as np
 import torch
 
 from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.bench.device import copy_bandwidth, time_fn
 from pagoda.bench.report import commit as report_commit
 from pagoda.bench.report import save_report
 from pagoda.plugins import get_registry
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = _time(lambda: y.copy_(x), 20)
-    return 2 * x.numel() / t
-
-
-def _time(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / iters
 
 
 def _setup(batch: int, ctx: int, q_len: int, device: torch.device):
@@ -87,7 +65,7 @@ def bench_case(backend_cls, batch: int, ctx: int, q_len: int, device: torch.devi
         md = backend_cls.build_metadata(common)
         impl.forward(q, k, v, kv, md)
 
-    return _time(step, 10)
+    return time_fn(step, 10, device)
 
 
 def main() -> None:

@@ -46,3 +46,35 @@ def save_report(report: dict[str, Any], name: str, output_json: str | None = Non
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     return path
+
+
+def throughput_figures(
+    elapsed: float, input_tokens: int, output_tokens: int, load_s: float
+) -> dict[str, Any]:
+    """An engine's figures on a workload: tokens per second of generation, loading excluded."""
+    return {
+        "elapsed_s": round(elapsed, 3),
+        "load_s": round(load_s, 3),
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": round(output_tokens / elapsed, 2),
+        "total_tokens_per_s": round((output_tokens + input_tokens) / elapsed, 2),
+    }
+
+
+def versions() -> dict[str, str]:
+    """The versions of the libraries a benchmark's figures depend on."""
+    import torch
+
+    out = {"torch": torch.__version__}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def slug(text: str) -> str:
+    """``text`` as a file-name part: ``NVIDIA H200`` -> ``nvidia-h200``."""
+    return "-".join("".join(c if c.isalnum() or c == "." else " " for c in text).lower().split())

@@ -63,15 +63,6 @@ def config_from_args(
     return EngineConfig.load(args.config, overrides, flags=_flags(args))
 
 
-def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags given, nested as ``{section: {key: value}}``."""
-    nested: dict[str, Any] = {}
-    for dotted, (value, _) in _flags(args).items():
-        section, key = dotted.split(".", 1)
-        nested.setdefault(section, {})[key] = value
-    return nested
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
 
@@ -120,7 +111,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pagoda.bench.throughput import run_throughput
 
-    return run_throughput(args, engine_overrides(args))
+    return run_throughput(args, config_from_args(args))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

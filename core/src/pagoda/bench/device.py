@@ -1,0 +1,51 @@
+"""What a device can move: timing on the device's own clock, and its copy bandwidth."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def time_fn(fn: Callable[[], Any], iters: int, device: Any) -> float:
+    """Seconds per call of ``fn``, after one untimed call; CUDA events on a GPU."""
+    import torch
+
+    fn()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1000 / iters
+
+
+def copy_bandwidth(device: Any, nbytes: int | None = None, iters: int = 20) -> float:
+    """Bytes per second of a large copy on ``device``, counting what it reads and what it writes.
+
+    1 GiB on a GPU, 256 MiB on a CPU unless ``nbytes`` says otherwise: large enough that caches
+    do not serve it.
+    """
+    import torch
+
+    if nbytes is None:
+        nbytes = 1 << 30 if device.type == "cuda" else 256 << 20
+    seconds = _copy_seconds(device, nbytes, iters)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # an engine started next sizes its KV cache from free memory
+    return 2 * nbytes / seconds
+
+
+def _copy_seconds(device: Any, nbytes: int, iters: int) -> float:
+    import torch
+
+    x = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    return time_fn(lambda: y.copy_(x), iters, device)
