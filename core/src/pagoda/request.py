@@ -51,6 +51,9 @@ class Request:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens being sampled by steps that ran but whose output the scheduler has not seen yet
+    # (with async scheduling, the next step is scheduled before the last one's output is back).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING

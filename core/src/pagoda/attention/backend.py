@@ -97,6 +97,21 @@ class AttentionBackend(ABC):
         """Per-step planning (for example splitting decodes from prefills); once per step."""
         return common
 
+    @classmethod
+    def build_graph_metadata(cls, common: CommonAttentionMetadata) -> Any:
+        """The metadata captured in a decode CUDA graph of ``common.num_reqs`` requests (one per
+        batch size): ``common`` views the runner's persistent buffers and holds worst-case
+        lengths (``max_seq_len`` is the model's limit). Default: ``build_metadata``."""
+        return cls.build_metadata(common)
+
+    @classmethod
+    def prepare_graph_replay(cls, metadata: Any, common: CommonAttentionMetadata) -> None:
+        """Before each replay, outside the graph: bring ``metadata`` (from
+        ``build_graph_metadata``) up to this step, whose ``common`` is padded to the graph's batch
+        size (padding rows attend to one slot of block 0). Default: nothing, for backends whose
+        kernels read all they need from the persistent buffers."""
+        return None
+
 
 def write_kv_cache(
     key: torch.Tensor,

@@ -41,6 +41,11 @@ class ModelConfig(_Section):
     enforce_eager: bool = Field(
         False, description="never replay CUDA graphs (decode steps run eagerly)"
     )
+    fused_ops: bool = Field(
+        True,
+        description="on CUDA, fused Triton kernels for RMSNorm with the residual add, SiLU times"
+        " up, and rotary embedding",
+    )
 
 
 class CacheConfig(_Section):
@@ -68,6 +73,11 @@ class SchedulerConfig(_Section):
     enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
     policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="fcfs: arrival order; priority: lowest priority value first"
+    )
+    async_scheduling: bool = Field(
+        True,
+        description="schedule and prepare step N+1 while the device runs step N (a request"
+        " that step N ends costs one wasted token)",
     )
 
 

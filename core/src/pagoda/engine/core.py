@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 from pagoda.config import EngineConfig
 from pagoda.engine.model_info import ModelInfo
+from pagoda.executor.base import PendingOutput
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.scheduler.output import EngineCoreOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
 
 
@@ -16,9 +19,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
         self.config = config
         self.info = info
+        start = time.perf_counter()
         executor_cls = get_registry("executors").get(config.parallel.executor)
         self.executor = executor_cls(config, info)
         self.num_blocks = self.executor.initialize()
+        # Seconds per start-up phase, and the whole of it (``engine_core_s``).
+        self.startup_times = dict(self.executor.startup_times)
+        self.startup_times["engine_core_s"] = time.perf_counter() - start
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
             config.cache.block_size,
@@ -33,6 +40,9 @@ class EngineCore:
         )
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
+        self.async_scheduling = config.scheduler.async_scheduling
+        # The step launched last whose output is not read yet (async scheduling).
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -41,10 +51,29 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-            return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        """Schedule and run one step; the outputs of the requests it advanced.
+
+        With async scheduling the step is launched before the previous one's output is read,
+        and this returns the previous step's outputs: the host schedules and prepares step N+1
+        while the device runs step N.
+        """
+        so = self.scheduler.schedule()
+        launched = None
+        if not so.is_empty or so.finished_req_ids:
+            launched = (so, self.executor.launch(so))
+        previous, self._in_flight = self._in_flight, None
+        outputs = self._finish(*previous) if previous else []
+        if launched is not None:
+            if self.async_scheduling and not so.is_empty:
+                self._in_flight = launched
+            else:  # NOTE: a step that only drops finished requests has nothing to overlap
+                outputs += self._finish(*launched)
+        return outputs
+
+    def _finish(
+        self, scheduler_output: SchedulerOutput, pending: PendingOutput
+    ) -> list[EngineCoreOutput]:
+        runner_output = pending.get()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._step_end is not None:  # plugin seam
             self._step_end(
@@ -53,6 +82,8 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        # NOTE: a step still in flight once every request ended holds only dropped tokens; the
+        # next step() reads it (or nothing ever needs to).
         return self.scheduler.has_unfinished_requests()
 
     def shutdown(self) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.executor.base import Executor
+from pagoda.executor.base import Executor, PendingOutput
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.worker import Worker
 
@@ -13,10 +13,14 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_kv_cache(num_blocks)
+        self.startup_times = dict(self.worker.model_runner.startup_times)
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.worker.model_runner.launch(scheduler_output)
 
     def shutdown(self) -> None:
         self.worker = None  # type: ignore[assignment]

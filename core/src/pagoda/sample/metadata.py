@@ -60,6 +60,13 @@ class LogprobsTensors:
             torch.cat([p.ranks for p in parts]),
         )
 
+    def to_host(self) -> LogprobsTensors:
+        """Copies on the host, started without waiting (pinned when on CUDA); read them only
+        after the device has passed this point (an event)."""
+        return LogprobsTensors(
+            *(t.to("cpu", non_blocking=True) for t in (self.token_ids, self.logprobs, self.ranks))
+        )
+
     def to_arrays(self) -> LogprobsArrays:
         return LogprobsArrays(
             self.token_ids.cpu().numpy(), self.logprobs.cpu().numpy(), self.ranks.cpu().numpy()

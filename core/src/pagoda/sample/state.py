@@ -112,6 +112,10 @@ class SamplingRows:
         ones = torch.ones(len(rows), dtype=torch.float32, device=self.device)
         self._counts.index_put_((self._to_dev(rows), sampled), ones, accumulate=True)
 
+    def needs_token_history(self, rows: np.ndarray) -> bool:
+        """Whether sampling ``rows`` reads their earlier token ids on the host (bad words)."""
+        return bool(self.bad_words.has[rows].any())
+
     def _to_dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
 

@@ -7,6 +7,12 @@ preemption (recompute from scratch) only move ``num_computed_tokens``.
 
 NOTE: ``num_computed_tokens`` is advanced at the end of ``schedule()``, by the tokens scheduled
 in that step; the request data sent to the runner carries the value from before the step.
+
+A step that computes all of a request's tokens samples one more; until its output comes back
+that token is a placeholder (``Request.num_output_placeholders``) that counts as known. With
+async scheduling the engine schedules step N+1 before step N's output is back, so a decoding
+request is scheduled for the token step N is still sampling, and the runner takes its id from
+the device. A request that step N ends was scheduled once more for nothing: that token is dropped.
 """
 
 from __future__ import annotations
@@ -208,12 +214,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
+            known = req.num_tokens + req.num_output_placeholders
             num_new = min(
-                req.num_tokens - req.num_computed_tokens,
+                known - req.num_computed_tokens,
                 step.budget,
                 self.max_model_len - req.num_computed_tokens,
             )
-            if num_new <= 0:
+            if num_new <= 0 or self._ends_before(req, known):
                 i += 1
                 continue
             blocks = kv.allocate_slots(req, num_new)
@@ -256,6 +263,8 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids | step.preempted, set()
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
             r.num_computed_tokens += step.num_scheduled[r.request_id]
+            if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
+                r.num_output_placeholders += 1  # this step samples the next token
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached_data,
@@ -295,6 +304,15 @@ class Scheduler:
             self.running.append(req)
             step.add(req, num_new, blocks, is_new=True)
 
+    def _ends_before(self, req: Request, known: int) -> bool:
+        """Whether the tokens still being sampled for ``req`` surely end it (max_tokens or
+        max_model_len), so that scheduling it again would compute a token nobody gets."""
+        if not req.num_output_placeholders:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        n_out = known - req.num_prompt_tokens
+        return (max_tokens is not None and n_out >= max_tokens) or known >= self.max_model_len
+
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
             return max(self.running, key=_priority_key)
@@ -317,6 +335,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # what is in flight for it is dropped
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add_preempted(req)
@@ -331,9 +350,11 @@ class Scheduler:
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # aborted since it was scheduled
+                continue  # ended or preempted since it was scheduled: its token is dropped
             new_token_ids: list[int] = []
-            for token in sampled.get(req_id, ()):
+            tokens = sampled.get(req_id, ())
+            req.num_output_placeholders = max(req.num_output_placeholders - len(tokens), 0)
+            for token in tokens:
                 req.output_token_ids.append(token)
                 new_token_ids.append(token)
                 if self._check_stop(req, token):

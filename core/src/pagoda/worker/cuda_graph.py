@@ -7,6 +7,7 @@ writes its key and value into block 0 (never handed out) and attends to that one
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ class DecodeGraphs:
         self.buckets = graph_buckets(min(runner.max_num_reqs, runner.max_num_tokens))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.metadata: dict[int, object] = {}  # the attention metadata each graph captured
         self.replays = 0
 
     @property
@@ -58,7 +60,7 @@ class DecodeGraphs:
             seq_lens_cpu=np.full(b, r.max_model_len),
             block_size=r.block_size,
         )
-        return r.attn_backend.build_metadata(common)
+        return r.attn_backend.build_graph_metadata(common)
 
     def _pad(self, n: int, b: int) -> None:
         r = self.runner
@@ -73,11 +75,12 @@ class DecodeGraphs:
     def capture(self) -> float:
         r = self.runner
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.int32, device=r.device)
+        self._arange_np = np.arange(self.max_batch + 1, dtype=np.int64)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):
             self._pad(0, b)
-            md = self._metadata(b)
+            md = self.metadata[b] = self._metadata(b)
             with set_forward_context(md):
                 r.model(r.input_ids[:b], r.positions[:b])  # warm-up: compile and autotune
                 torch.cuda.synchronize()
@@ -101,9 +104,23 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, n: int, b: int) -> torch.Tensor:
-        """Replay bucket ``b`` for the ``n`` requests in the buffers; their hidden states."""
+    def run(self, common: CommonAttentionMetadata, b: int) -> torch.Tensor:
+        """Replay bucket ``b`` for the step ``common`` (its ``num_reqs`` requests are in the
+        buffers); their hidden states."""
+        n = common.num_reqs
         self._pad(n, b)
+        padded = dataclasses.replace(
+            common,
+            num_reqs=b,
+            num_actual_tokens=b,
+            query_start_loc=self.runner.query_start_loc[: b + 1],
+            seq_lens=self.runner.seq_lens[:b],
+            block_table=self.runner.block_table[:b],
+            slot_mapping=self.runner.slot_mapping[:b],
+            query_start_loc_cpu=self._arange_np[: b + 1],
+            seq_lens_cpu=np.concatenate([common.seq_lens_cpu, np.ones(b - n, dtype=np.int64)]),
+        )
+        self.runner.attn_backend.prepare_graph_replay(self.metadata[b], padded)
         self.replays += 1
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -54,13 +54,19 @@ class InputBatch:
         return self.sampling.metadata(rows, self.token_ids, self.num_tokens, self.num_prompt)
 
     def append_sampled(self, rows: np.ndarray, sampled: torch.Tensor) -> np.ndarray:
-        """Append each row's sampled token; returns them on the host."""
+        """Append each row's sampled token now (waits for the device); returns them."""
         self.sampling.record_sampled(rows, sampled)
         tokens = sampled.cpu().numpy()
-        n_tok = self.num_tokens[rows]
-        self.token_ids[rows, n_tok] = tokens
-        self.num_tokens[rows] = n_tok + 1
+        self.token_ids[rows, self.append_placeholders(rows)] = tokens
         return tokens
+
+    def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
+        """Each row gains the token its step is sampling, still on the device: its id is -1 here
+        until the step's output comes back (``StepOutput.get``). Returns the positions."""
+        pos = self.num_tokens[rows].copy()
+        self.token_ids[rows, pos] = -1
+        self.num_tokens[rows] = pos + 1
+        return pos
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         if not block_ids:

@@ -8,6 +8,8 @@ replay CUDA graphs over the same memory.
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,15 +20,20 @@ from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
+from pagoda.ops import set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
 from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
-from pagoda.scheduler.output import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.profile import profile_peak_activations
+from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
+
+logger = logging.getLogger(__name__)
 
 _CPU_KV_CACHE_BYTES = 4 << 30
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose full-vocabulary logits exist at once
@@ -77,6 +84,10 @@ class ModelRunner:
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Seconds spent in each start-up phase: load_weights_s, profile_s, kv_cache_s,
+        # graph_capture_s (those that ran).
+        self.startup_times: dict[str, float] = {}
+        self.memory_profile: dict[str, int] = {}
 
     def _alloc_buffers(self) -> None:
         d, n, r = self.device, self.max_num_tokens, self.max_num_reqs
@@ -88,10 +99,19 @@ class ModelRunner:
         self.block_table = torch.zeros(r, self.max_blocks_per_req, dtype=torch.int32, device=d)
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=d)
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
+        self._pin = d.type == "cuda"
+        # Launched steps whose output was not read yet (at most one after ``_settle``), and the
+        # ids the last sampling step drew, on the device, with each row's index in them.
+        self._unread: list[StepOutput] = []
+        self._prev_sampled = torch.zeros(r, dtype=torch.int64, device=d)
+        self._prev_index = np.full(r, -1, dtype=np.int64)
 
     # ---- loading -------------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        start = time.perf_counter()
+        # NOTE: process-wide, read at each call: set before any graph is captured.
+        set_fused_ops(self.config.model.fused_ops)
         model_cls = get_registry("models").get(self.arch.architecture)
         with _default_dtype(self.dtype), torch.device(self.device):
             model = model_cls(self.arch, self.attn_backend)
@@ -100,6 +120,9 @@ class ModelRunner:
         else:
             model.load_weights(iter_safetensors(self.hf_dir))
         self.model = model.eval()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_times["load_weights_s"] = time.perf_counter() - start
 
     def kv_cache_block_bytes(self) -> int:
         a = self.arch
@@ -113,11 +136,7 @@ class ModelRunner:
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            activations = self.max_num_tokens * self.arch.hidden_size * 4 * 16 + (
-                self.max_num_reqs * self.arch.vocab_size * 4 * 4
-            )
-            budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
+            budget = self._gpu_kv_budget()
         else:
             # NOTE: no more than every running request could fill at once, so small models on a
             # CPU do not zero gigabytes they never use.
@@ -132,7 +151,40 @@ class ModelRunner:
             )
         return int(num_blocks)
 
+    def _gpu_kv_budget(self) -> int:
+        """What ``cache.gpu_memory_utilization`` of the GPU leaves for the KV cache once the
+        weights, everything else on the device (CUDA context, libraries' workspaces, other
+        processes) and the activations of the largest step (measured) are counted."""
+        start = time.perf_counter()
+        activations = profile_peak_activations(self)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Decode graphs keep their own pool: activations of up to max_num_reqs tokens.
+        graphs = 0
+        if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
+            graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
+        limit = total * self.config.cache.gpu_memory_utilization
+        budget = int(limit - (total - free) - activations - graphs)
+        self.startup_times["profile_s"] = time.perf_counter() - start
+        self.memory_profile = {
+            "total_bytes": total,
+            "used_before_kv_bytes": total - free,
+            "peak_activation_bytes": activations,
+            "graph_reserve_bytes": int(graphs),
+            "kv_cache_bytes": max(budget, 0),
+        }
+        logger.info(
+            "GPU memory: %.2f GiB in use after loading, %.2f GiB peak activations, "
+            "%.2f GiB for the KV cache (gpu_memory_utilization=%.2f)",
+            (total - free) / 2**30,
+            activations / 2**30,
+            max(budget, 0) / 2**30,
+            self.config.cache.gpu_memory_utilization,
+        )
+        return budget
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        start = time.perf_counter()
         a = self.arch
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
@@ -143,6 +195,7 @@ class ModelRunner:
             if isinstance(module, Attention):
                 module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(module.kv_cache)
+        self.startup_times["kv_cache_s"] = time.perf_counter() - start
         self.decode_graphs: DecodeGraphs | None = None
         self.graph_capture_s = 0.0
         if (
@@ -152,6 +205,7 @@ class ModelRunner:
         ):
             self.decode_graphs = DecodeGraphs(self)
             self.graph_capture_s = self.decode_graphs.capture()
+            self.startup_times["graph_capture_s"] = self.graph_capture_s
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -163,7 +217,7 @@ class ModelRunner:
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request may still hold its old row
-            ib.add(new)
+            self._prev_index[ib.add(new)] = -1
             req_ids.append(new.req_id)
             computed.append(new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
@@ -172,13 +226,38 @@ class ModelRunner:
             computed.append(cached.num_computed_tokens)
         return req_ids, np.asarray(computed, dtype=np.int64)
 
-    @torch.inference_mode()
+    def _to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Copy ``src`` into the persistent buffer view ``dst`` without making the host wait: on
+        CUDA through pinned memory, whose block the allocator keeps until the copy has run."""
+        t = torch.from_numpy(np.ascontiguousarray(src))
+        if self._pin:
+            t = t.pin_memory()
+        dst.copy_(t, non_blocking=True)
+
+    def _as_device(self, a: np.ndarray) -> torch.Tensor:
+        """A new device tensor holding ``a``, copied like ``_to_device``."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its output."""
+        return self.launch(so).get()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> StepOutput:
+        """Launch one step; its output comes from ``get()`` on what this returns.
+
+        The tokens sampled by the previous step may still be on the device (their rows hold -1):
+        they reach this step's input ids there, without a host round trip.
+        """
+        self._settle()
         req_ids, starts = self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
         ib = self.input_batch
+        if so.total_num_scheduled_tokens == 0:
+            return StepOutput(ib, [])
         rows = np.fromiter((ib.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if self._unread and ib.sampling.needs_token_history(rows):
+            self._unread.pop().get()  # bad words read the ids on the host: wait for them
         counts = np.fromiter(
             (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
@@ -196,14 +275,15 @@ class ModelRunner:
         bs = self.block_size
         slots = block_table[tok_req, positions // bs].astype(np.int64) * bs + positions % bs
 
-        self.input_ids[:total].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:total].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:total].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.query_start_loc[: num_reqs + 1].copy_(torch.from_numpy(qsl), non_blocking=True)
-        self.seq_lens[:num_reqs].copy_(torch.from_numpy(seq_lens), non_blocking=True)
-        self.block_table[:num_reqs, :max_blocks].copy_(
-            torch.from_numpy(block_table), non_blocking=True
-        )
+        self._to_device(self.input_ids[:total], input_ids)
+        unknown = np.flatnonzero(input_ids < 0)
+        if len(unknown):
+            self._fill_from_device(unknown, token_rows[unknown])
+        self._to_device(self.positions[:total], positions)
+        self._to_device(self.slot_mapping[:total], slots)
+        self._to_device(self.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
+        self._to_device(self.seq_lens[:num_reqs], seq_lens.astype(np.int32))
+        self._to_device(self.block_table[:num_reqs, :max_blocks], block_table)
         common = CommonAttentionMetadata(
             num_reqs=num_reqs,
             num_actual_tokens=total,
@@ -218,30 +298,50 @@ class ModelRunner:
             block_size=bs,
         )
 
-        # Requests whose known tokens are all computed after this step sample one more.
-        sampling = seq_lens >= ib.num_tokens[rows]
-        sample_idx = np.nonzero(sampling)[0]
-        num_sampling = len(sample_idx)
-
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
         if bucket is not None:
-            hidden = graphs.run(num_reqs, bucket)
+            hidden = graphs.run(common, bucket)
         else:
             with set_forward_context(self.attn_backend.build_metadata(common)):
                 hidden = self.model(self.input_ids[:total], self.positions[:total])
-        out = ModelRunnerOutput(req_ids, [[] for _ in req_ids])
-        if num_sampling:
+
+        out = StepOutput(ib, req_ids)
+        # Requests whose known tokens are all computed after this step sample one more.
+        sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
+        if len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
+        if self.device.type == "cuda":
+            out.event = torch.cuda.Event()
+            out.event.record()
+        self._unread.append(out)
         return out
+
+    def _settle(self) -> None:
+        """Keep at most one launched step unread, the last: the next step may take its sampled
+        ids from the device, but older placeholders must be on the host by now. (The engine reads
+        each output before the launch after next, so this does not wait.)"""
+        *older, last = self._unread or [None]
+        for step in older:
+            step.get()
+        self._unread = [last] if last is not None and not last.done else []
+
+    def _fill_from_device(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        """Input ids at flat ``positions`` are the tokens the previous step sampled for ``rows``,
+        still on the device."""
+        src = self._prev_index[rows]
+        if not self._unread or (src < 0).any():
+            raise RuntimeError("an input token is neither on the host nor just sampled; runner bug")
+        idx = self._as_device(np.stack([positions, src]).astype(np.int64))
+        self.input_ids[idx[0]] = self._prev_sampled[idx[1]]
 
     # ---- sampling and logprobs -----------------------------------------------------------------
 
     def _sample(
         self,
         hidden: torch.Tensor,
-        out: ModelRunnerOutput,
+        out: StepOutput,
         rows: np.ndarray,
         sample_idx: np.ndarray,
         qsl: np.ndarray,
@@ -250,26 +350,29 @@ class ModelRunner:
         from the hidden state of their last scheduled token."""
         ib = self.input_batch
         n = len(sample_idx)
-        self.logits_indices[:n].copy_(torch.from_numpy(qsl[1:][sample_idx] - 1))
+        self._to_device(self.logits_indices[:n], qsl[1:][sample_idx] - 1)
         logits = self.model.compute_logits(hidden[self.logits_indices[:n]])
         sample_rows = rows[sample_idx]
         md = ib.sampling_metadata(sample_rows)
         if self.sampler.logits_processors:
             md.req_ids = [out.req_ids[i] for i in sample_idx]
         result = self.sampler(logits, md)
-        tokens = ib.append_sampled(sample_rows, result.sampled)
-        for i, t in zip(sample_idx.tolist(), tokens.tolist()):
-            out.sampled_token_ids[i] = [t]
+        ib.sampling.record_sampled(sample_rows, result.sampled)
+        out.sample_idx = sample_idx
+        out.sample_rows = sample_rows
+        out.sample_pos = ib.append_placeholders(sample_rows)
+        self._prev_sampled = result.sampled
+        self._prev_index[:] = -1
+        self._prev_index[sample_rows] = np.arange(n)
+        out.sampled = result.sampled.to("cpu", non_blocking=True)
         if result.logprobs is not None:
-            arrays = result.logprobs.to_arrays()
-            ks = ib.sampling.logprobs[sample_rows]
-            for j in np.nonzero(ks >= 0)[0].tolist():
-                out.logprobs[out.req_ids[sample_idx[j]]] = arrays.select(j, j + 1, int(ks[j]))
+            out.logprobs = result.logprobs.to_host()
+            out.logprobs_ks = ib.sampling.logprobs[sample_rows]
 
     def _prompt_logprobs(
         self,
         hidden: torch.Tensor,
-        out: ModelRunnerOutput,
+        out: StepOutput,
         rows: np.ndarray,
         starts: np.ndarray,
         counts: np.ndarray,
@@ -288,16 +391,15 @@ class ModelRunner:
         first = np.cumsum(n_pos) - n_pos
         local = self._arange[: int(n_pos.sum())] - np.repeat(first, n_pos)
         positions = np.repeat(starts[want], n_pos) + local
-        hidden_idx = torch.from_numpy(np.repeat(qsl[want], n_pos) + local).to(self.device)
+        hidden_idx = self._as_device(np.repeat(qsl[want], n_pos) + local)
         targets = ib.token_ids[np.repeat(rows[want], n_pos), positions + 1]
-        targets_t = torch.from_numpy(targets).to(self.device)
+        targets_t = self._as_device(targets)
         k = int(ks[want].max())
         parts = []
         for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):
             idx = slice(s, s + _PROMPT_LOGPROBS_CHUNK)
             logits = self.model.compute_logits(hidden[hidden_idx[idx]])
             parts.append(gather_logprobs(logits.log_softmax(dim=-1), k, targets_t[idx]))
-        arrays = LogprobsTensors.cat(parts).to_arrays()
-        for j, i in enumerate(want.tolist()):
-            chunk = arrays.select(int(first[j]), int(first[j] + n_pos[j]), int(ks[i]))
-            out.prompt_logprobs[out.req_ids[i]] = PromptLogprobs(int(starts[i]), chunk)
+        out.prompt_logprobs = PromptLogprobsPart(
+            LogprobsTensors.cat(parts).to_host(), want, first, n_pos, starts, ks
+        )

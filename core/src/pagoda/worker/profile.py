@@ -1,0 +1,98 @@
+"""The profiling pass that sizes the KV cache on a GPU.
+
+The largest step the scheduler can send (``max_num_batched_tokens`` prompt tokens spread over
+up to ``max_num_seqs`` requests) runs once through the model over a throwaway cache, and its
+logits through the costliest sampling path (a full-vocabulary softmax and sort, as top-p takes).
+The peak of device memory above what was allocated before, less the throwaway cache, is what
+every step may need besides the weights and the KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.layer import Attention, set_forward_context
+from pagoda.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagoda.worker.model_runner import ModelRunner
+
+
+def _profile_batch(runner: ModelRunner) -> np.ndarray:
+    """Prompt lengths of the profiled step: as many tokens as one step may hold, over as many
+    requests as may run, none longer than the model's limit."""
+    n_tok = min(runner.max_num_tokens, runner.max_num_reqs * runner.max_model_len)
+    n_req = min(runner.max_num_reqs, n_tok)
+    lens = np.full(n_req, n_tok // n_req, dtype=np.int64)
+    lens[: n_tok % n_req] += 1
+    return lens
+
+
+@torch.inference_mode()
+def profile_peak_activations(runner: ModelRunner) -> int:
+    """Bytes of device memory the largest step takes beyond the weights (CUDA only)."""
+    dev, bs, a = runner.device, runner.block_size, runner.arch
+    lens = _profile_batch(runner)
+    n_req, n_tok = len(lens), int(lens.sum())
+    blocks_per_req = cdiv(lens, bs)
+    layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    # One throwaway cache shared by every layer: the pass needs somewhere to write, not a
+    # faithful cache; block 0 stays unused as in the real one.
+    shape = runner.attn_backend.get_kv_cache_shape(
+        int(blocks_per_req.sum()) + 1, bs, a.num_key_value_heads, a.head_dim
+    )
+    cache = torch.zeros(shape, dtype=runner.dtype, device=dev)
+    for m in layers:
+        m.kv_cache = cache
+
+    qsl = np.zeros(n_req + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    first_block = 1 + np.concatenate([[0], np.cumsum(blocks_per_req)[:-1]])
+    positions = np.arange(n_tok) - np.repeat(qsl[:-1], lens)
+    slots = (np.repeat(first_block, lens) + positions // bs) * bs + positions % bs
+    width = int(blocks_per_req.max())
+    table = first_block[:, None] + np.arange(width)[None, :]
+    table = np.where(np.arange(width)[None, :] < blocks_per_req[:, None], table, 0)
+
+    runner.input_ids[:n_tok].zero_()
+    runner.positions[:n_tok].copy_(torch.from_numpy(positions))
+    runner.slot_mapping[:n_tok].copy_(torch.from_numpy(slots))
+    runner.query_start_loc[: n_req + 1].copy_(torch.from_numpy(qsl.astype(np.int32)))
+    runner.seq_lens[:n_req].copy_(torch.from_numpy(lens.astype(np.int32)))
+    runner.block_table[:n_req, :width].copy_(torch.from_numpy(table.astype(np.int32)))
+    common = CommonAttentionMetadata(
+        num_reqs=n_req,
+        num_actual_tokens=n_tok,
+        max_query_len=int(lens.max()),
+        max_seq_len=int(lens.max()),
+        query_start_loc=runner.query_start_loc[: n_req + 1],
+        seq_lens=runner.seq_lens[:n_req],
+        block_table=runner.block_table[:n_req],
+        slot_mapping=runner.slot_mapping[:n_tok],
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+        block_size=bs,
+    )
+    with set_forward_context(runner.attn_backend.build_metadata(common)):
+        hidden = runner.model(runner.input_ids[:n_tok], runner.positions[:n_tok])
+    last = torch.from_numpy(qsl[1:] - 1).to(dev)
+    logits = runner.model.compute_logits(hidden[last])
+    torch.sort(logits.softmax(dim=-1), dim=-1, descending=True)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base - cache.numel() * cache.element_size()
+
+    del hidden, logits, cache
+    for m in layers:
+        m.kv_cache = torch.empty(0)
+    runner.block_table.zero_()
+    torch.cuda.empty_cache()
+    return max(int(peak), 0)
