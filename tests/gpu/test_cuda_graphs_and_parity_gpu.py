@@ -76,14 +76,23 @@ def test_qwen3_greedy_matches_transformers_in_bf16(qwen3_dir: Path) -> None:
     print(f"{exact} of 16 prompts identical for 32 tokens")
 
 
-def test_cuda_graph_decode_matches_eager(qwen3_dir: Path) -> None:
+def _installed(backend: str) -> bool:
+    from pagoda.plugins import get_registry
+
+    return backend in get_registry("attention_backends").names()
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_cuda_graph_decode_matches_eager(qwen3_dir: Path, backend: str) -> None:
+    if not _installed(backend):
+        pytest.skip(f"the {backend} attention plugin is not installed")
     prompts = [{"prompt_token_ids": p} for p in _prompts(151936)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     common = dict(
         model=str(qwen3_dir),
         dtype="bfloat16",
         max_model_len=1024,
-        attention_backend="triton",
+        attention_backend=backend,
         kv_cache_memory_bytes=8 << 30,
         max_num_seqs=32,
     )
@@ -92,9 +101,50 @@ def test_cuda_graph_decode_matches_eager(qwen3_dir: Path) -> None:
     assert runner.decode_graphs is not None and runner.graph_capture_s > 0
     got = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
     assert runner.decode_graphs.replays >= 31  # every decode step of the batch replayed
+    del graphed
     eager = LLM(enforce_eager=True, **common)
     assert eager.engine.engine_core.executor.worker.model_runner.decode_graphs is None
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     # Same kernels, but cuBLAS may pick another algorithm for a padded batch: ties may flip.
     for p, g, w in zip(prompts, got, want):
         check_same_or_near_tie(eager, p["prompt_token_ids"], w, g)
+
+
+def test_decode_steps_wait_for_the_device_only_for_the_sampled_ids(qwen3_dir: Path) -> None:
+    """Steady decoding makes no synchronizing CUDA call (torch's sync debug mode raises on
+    one); the host waits only on each step's event, after the next step is launched."""
+    llm = LLM(
+        model=str(qwen3_dir),
+        dtype="bfloat16",
+        max_model_len=1024,
+        attention_backend="triton",
+        kv_cache_memory_bytes=4 << 30,
+        max_num_seqs=32,
+    )
+    prompts = [{"prompt_token_ids": p} for p in _prompts(151936)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    for _ in range(4):  # prefill and the first decodes, outside the check
+        engine.step()
+    runner = engine.engine_core.executor.worker.model_runner
+    waits = []
+    original = torch.cuda.Event.synchronize
+
+    def counted(event):
+        waits.append(event)
+        return original(event)
+
+    torch.cuda.Event.synchronize = counted
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.Event.synchronize = original
+    assert runner.decode_graphs.replays >= 16
+    assert len(waits) <= steps  # one wait per step at most

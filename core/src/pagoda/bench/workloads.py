@@ -33,7 +33,7 @@ class Preset:
 
 
 def _llama8b(n: int, inp: int, out: int, static: int, peer_n: int) -> Preset:
-    engine = {"max_num_seqs": 256, "max_model_len": inp + out}
+    engine = {"max_num_seqs": 256, "max_model_len": inp + out, "max_num_batched_tokens": 8192}
     return Preset("llama-3.1-8b", n, (inp, inp), (out, out), engine, static, peer_n, True)
 
 
@@ -44,7 +44,7 @@ PRESETS: dict[str, Preset] = {
         256,
         (100, 1024),
         (100, 1024),
-        {"max_num_seqs": 256, "max_model_len": 2048},
+        {"max_num_seqs": 256, "max_model_len": 2048, "max_num_batched_tokens": 8192},
         static_batch_size=128,
     ),
     "b": _llama8b(1000, 1024, 128, static=64, peer_n=256),  # prefill-heavy

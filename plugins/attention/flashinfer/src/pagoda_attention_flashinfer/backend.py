@@ -4,6 +4,11 @@ Per step, ``build_metadata`` turns the block table into FlashInfer's page indice
 layer plans the wrapper (FlashInfer needs the head counts and dtype, which the layers know) and
 every other layer of the step reuses that plan. Steps where every request decodes one token use
 the decode wrapper; any other step uses the prefill wrapper, which also handles the decodes in it.
+
+Decode CUDA graphs: each captured batch size gets its own decode wrapper made with
+``use_cuda_graph`` over fixed page-table buffers. The runner's warm-up pass before capture plans
+it (so nothing is planned inside the graph); before each replay ``prepare_graph_replay`` plans it
+again for the step, which rewrites those buffers and the plan the captured kernels read.
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ from pagoda.attention.backend import (
 
 _WORKSPACE_BYTES = 256 << 20
 _wrappers: dict[tuple[str, int | None], dict[str, Any]] = {}
+_workspaces: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """One float workspace per device, shared by every wrapper (one runs at a time)."""
+    key = (device.type, device.index)
+    if key not in _workspaces:
+        _workspaces[key] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+    return _workspaces[key]
 
 
 def _wrappers_for(device: torch.device) -> dict[str, Any]:
@@ -30,7 +44,7 @@ def _wrappers_for(device: torch.device) -> dict[str, Any]:
     if key not in _wrappers:
         import flashinfer
 
-        workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        workspace = _workspace(device)
         _wrappers[key] = {
             "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
             "decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -49,11 +63,16 @@ class FlashInferMetadata:
     kv_indices: torch.Tensor  # device int32
     kv_last_page_len: torch.Tensor  # host int32
     planned_for: tuple | None = field(default=None)
+    # Graph metadata only: the batch size's own decode wrapper, and the layer-side plan inputs
+    # that ``prepare_graph_replay`` plans it with again.
+    wrapper: Any = None
+    plan_args: tuple | None = None
 
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     priority = 100
+    supports_cuda_graph = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
@@ -80,19 +99,51 @@ class FlashInferBackend(AttentionBackend):
         width = common.block_table.shape[1]
         rows = np.repeat(np.arange(n), num_pages)
         cols = np.arange(int(kv_indptr[-1])) - np.repeat(kv_indptr[:-1], num_pages)
-        flat = torch.from_numpy(rows * width + cols).to(
-            common.block_table.device, non_blocking=True
-        )
+        flat = _host(rows * width + cols).to(common.block_table.device, non_blocking=True)
         kv_indices = common.block_table.reshape(-1).index_select(0, flat)
         last = (seq_lens - (num_pages - 1) * page).astype(np.int32)
         return FlashInferMetadata(
             common=common,
             decode_only=common.max_query_len == 1,
-            qo_indptr=torch.from_numpy(common.query_start_loc_cpu[: n + 1].astype(np.int32)),
-            kv_indptr=torch.from_numpy(kv_indptr),
+            qo_indptr=_host(common.query_start_loc_cpu[: n + 1].astype(np.int32)),
+            kv_indptr=_host(kv_indptr),
             kv_indices=kv_indices,
-            kv_last_page_len=torch.from_numpy(last),
+            kv_last_page_len=_host(last),
         )
+
+    @classmethod
+    def build_graph_metadata(cls, common: CommonAttentionMetadata) -> FlashInferMetadata:
+        import flashinfer
+
+        b, width = common.num_reqs, common.block_table.shape[1]
+        device = common.block_table.device
+        md = cls.build_metadata(common)
+        md.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            _workspace(device),
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(b * width, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=device),
+        )
+        return md
+
+    @classmethod
+    def prepare_graph_replay(cls, metadata: Any, common: CommonAttentionMetadata) -> None:
+        md: FlashInferMetadata = metadata
+        if md.plan_args is None:
+            raise RuntimeError("a FlashInfer decode graph is replayed before it was planned")
+        step = cls.build_metadata(common)
+        md.kv_indptr, md.kv_indices = step.kv_indptr, step.kv_indices
+        md.kv_last_page_len = step.kv_last_page_len
+        _plan(md.wrapper, md, *md.plan_args)
+
+
+def _host(a: np.ndarray) -> torch.Tensor:
+    """A host tensor FlashInfer may copy to the device without making the host wait."""
+    t = torch.from_numpy(a)
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 class FlashInferImpl(AttentionImpl):
@@ -108,43 +159,51 @@ class FlashInferImpl(AttentionImpl):
         c = md.common
         n = c.num_actual_tokens
         key_cache, value_cache = write_kv_cache(key, value, kv_cache, c.slot_mapping, n)
-        wrappers = _wrappers_for(query.device)
-        wrapper = wrappers["decode" if md.decode_only else "prefill"]
+        if md.wrapper is not None:
+            wrapper = md.wrapper
+        else:
+            wrapper = _wrappers_for(query.device)["decode" if md.decode_only else "prefill"]
         plan_key = (self.num_heads, self.num_kv_heads, self.head_size, query.dtype, self.scale)
         if md.planned_for != plan_key:  # NOTE: the first layer plans; the others reuse it.
-            self._plan(wrapper, md, query.dtype, key_cache.shape[1])
+            md.plan_args = (*plan_key, key_cache.shape[1])
+            _plan(wrapper, md, *md.plan_args)
             md.planned_for = plan_key
-        out = wrapper.run(query[:n], (key_cache, value_cache))
+        # NOTE: models may hand q over as a strided view of the qkv projection.
+        out = wrapper.run(query[:n].contiguous(), (key_cache, value_cache))
         if n == query.shape[0]:
             return out
         full = torch.empty_like(query)
         full[:n] = out
         return full
 
-    def _plan(self, wrapper: Any, md: FlashInferMetadata, dtype: torch.dtype, page: int) -> None:
-        common = dict(
-            num_qo_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            page_size=page,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-            sm_scale=self.scale,
+
+def _plan(
+    wrapper: Any,
+    md: FlashInferMetadata,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    scale: float,
+    page: int,
+) -> None:
+    common = dict(
+        num_qo_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=page,
+        q_data_type=dtype,
+        kv_data_type=dtype,
+        sm_scale=scale,
+    )
+    if md.decode_only:
+        wrapper.plan(md.kv_indptr, md.kv_indices, md.kv_last_page_len, head_dim=head_size, **common)
+    else:
+        wrapper.plan(
+            md.qo_indptr,
+            md.kv_indptr,
+            md.kv_indices,
+            md.kv_last_page_len,
+            head_dim_qk=head_size,
+            causal=True,
+            **common,
         )
-        if md.decode_only:
-            wrapper.plan(
-                md.kv_indptr,
-                md.kv_indices,
-                md.kv_last_page_len,
-                head_dim=self.head_size,
-                **common,
-            )
-        else:
-            wrapper.plan(
-                md.qo_indptr,
-                md.kv_indptr,
-                md.kv_indices,
-                md.kv_last_page_len,
-                head_dim_qk=self.head_size,
-                causal=True,
-                **common,
-            )
