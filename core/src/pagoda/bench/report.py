@@ -44,7 +44,9 @@ def save_report(report: dict[str, Any], name: str, output_json: str | None = Non
     """Write ``report`` to ``output_json``, or to ``benchmarks/results/<name>.json``."""
     path = Path(output_json) if output_json else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    # NOTE: paths under the home folder are written as ~/...: the report travels, the home not.
+    text = json.dumps(report, indent=2).replace(str(Path.home()) + "/", "~/")
+    path.write_text(text + "\n")
     return path
 
 

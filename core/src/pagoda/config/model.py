@@ -63,12 +63,12 @@ class CacheConfig(_Section):
 
 
 class SchedulerConfig(_Section):
-    max_num_seqs: int = Field(128, ge=1, description="requests running at once")
+    max_num_seqs: int = Field(256, ge=1, description="requests running at once")
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,
-        description="token budget per step; default 2048 (or max_model_len if larger"
-        " and chunked prefill is off)",
+        description="token budget per step; default 8192 on a GPU, 2048 on a CPU (or"
+        " max_model_len if larger and chunked prefill is off)",
     )
     enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
     policy: Literal["fcfs", "priority"] = Field(

@@ -42,7 +42,9 @@ class ModelInfo:
         sc = config.scheduler
         budget = sc.max_num_batched_tokens
         if budget is None:
-            budget = 2048 if sc.enable_chunked_prefill else max(2048, max_model_len)
+            # A GPU runs 8192 tokens about as fast per token as 2048; a CPU is slower per step.
+            base = 8192 if device.type == "cuda" else 2048
+            budget = base if sc.enable_chunked_prefill else max(base, max_model_len)
         if not sc.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 f"scheduler.max_num_batched_tokens={budget} is smaller than max_model_len="
