@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import set_forward_context
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.metadata: dict[int, object] = {}  # the attention metadata each graph captured
         self.replays = 0
+        # Whether the backend re-plans before a replay; the padded step is built only then.
+        base = AttentionBackend.prepare_graph_replay.__func__
+        self._replans = runner.attn_backend.prepare_graph_replay.__func__ is not base
 
     @property
     def max_batch(self) -> int:
@@ -109,18 +112,19 @@ class DecodeGraphs:
         buffers); their hidden states."""
         n = common.num_reqs
         self._pad(n, b)
-        padded = dataclasses.replace(
-            common,
-            num_reqs=b,
-            num_actual_tokens=b,
-            query_start_loc=self.runner.query_start_loc[: b + 1],
-            seq_lens=self.runner.seq_lens[:b],
-            block_table=self.runner.block_table[:b],
-            slot_mapping=self.runner.slot_mapping[:b],
-            query_start_loc_cpu=self._arange_np[: b + 1],
-            seq_lens_cpu=np.concatenate([common.seq_lens_cpu, np.ones(b - n, dtype=np.int64)]),
-        )
-        self.runner.attn_backend.prepare_graph_replay(self.metadata[b], padded)
+        if self._replans:
+            padded = dataclasses.replace(
+                common,
+                num_reqs=b,
+                num_actual_tokens=b,
+                query_start_loc=self.runner.query_start_loc[: b + 1],
+                seq_lens=self.runner.seq_lens[:b],
+                block_table=self.runner.block_table[:b],
+                slot_mapping=self.runner.slot_mapping[:b],
+                query_start_loc_cpu=self._arange_np[: b + 1],
+                seq_lens_cpu=np.concatenate([common.seq_lens_cpu, np.ones(b - n, dtype=np.int64)]),
+            )
+            self.runner.attn_backend.prepare_graph_replay(self.metadata[b], padded)
         self.replays += 1
         self.graphs[b].replay()
         return self.outputs[b][:n]
