@@ -1,0 +1,147 @@
+"""Where a decode step's time goes: the engine's wall time per step against the GPU time of its
+parts, at one batch size on random weights.
+
+A batch of requests is prefilled, then steady decode steps are timed three ways: the wall interval
+between ``LLMEngine.step()`` calls (what the throughput benchmark sees), the GPU time of the decode
+graph's replay alone and of the logits and sampling alone (CUDA events), and a torch profiler
+trace of a few engine steps summed by kernel. Wall well above the GPU parts means the host is the
+bottleneck; otherwise the kernel table says which kernels to work on.
+
+    python benchmarks/profile_decode.py [--config llama-3.1-8b] [--batch 256] [--input-len 640]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.bench.report import commit, hardware, save_report
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def _events_ms(fn, iters: int) -> float:
+    """Mean GPU milliseconds of ``fn`` over ``iters`` back-to-back calls."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _kernel_table(prof, steps: int, top: int) -> list[dict]:
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name if len(ev.name) <= 90 else ev.name[:87] + "..."
+            totals[name] += ev.time_range.elapsed_us()
+            counts[name] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    return [
+        {"kernel": k, "ms_per_step": round(v / 1e3 / steps, 4), "calls_per_step": counts[k] / steps}
+        for k, v in rows[:top]
+    ] + [{"kernel": "(all kernels)", "ms_per_step": round(sum(totals.values()) / 1e3 / steps, 4)}]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="llama-3.1-8b", help="folder under benchmarks/configs")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=640)
+    p.add_argument("--steps", type=int, default=24, help="steady decode steps timed")
+    p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--top", type=int, default=18, help="kernels listed")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+
+    folder, _ = ensure_random_weights(CONFIGS / args.config, 0, torch.device("cuda"))
+    b = args.batch
+    new_tokens = 3 * args.steps + 64
+    llm = LLM(
+        model=str(folder),
+        max_num_seqs=b,
+        max_model_len=args.input_len + new_tokens + 8,
+        attention_backend=args.attention_backend,
+    )
+    engine = llm.engine
+    vocab = engine.info.arch.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(b):
+        ids = rng.integers(100, vocab - 100, args.input_len).tolist()
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    core = engine.engine_core
+    # Prefill, then a few decode steps to reach the steady state.
+    while core.scheduler.requests and any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()
+    ):
+        engine.step()
+    for _ in range(4):
+        engine.step()
+
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prof_steps = 6
+        for _ in range(prof_steps):
+            engine.step()
+        torch.cuda.synchronize()
+    table = _kernel_table(prof, prof_steps, args.top)
+
+    runner = core.executor.worker.model_runner
+    graphs = runner.decode_graphs
+    parts: dict[str, float] = {}
+    with torch.inference_mode():
+        if graphs is not None and b in graphs.graphs:
+            parts["graph_replay_ms"] = _events_ms(graphs.graphs[b].replay, 20)
+            hidden = graphs.outputs[b]
+        else:
+            hidden = torch.randn(
+                b, engine.info.arch.hidden_size, device="cuda", dtype=torch.bfloat16
+            )
+        parts["logits_ms"] = _events_ms(lambda: runner.model.compute_logits(hidden), 20)
+        logits = runner.model.compute_logits(hidden)
+        parts["argmax_ms"] = _events_ms(lambda: logits.argmax(dim=-1), 20)
+    engine.shutdown()
+
+    report = {
+        "benchmark": "profile_decode",
+        "model": args.config,
+        "batch": b,
+        "input_len": args.input_len,
+        "attention_backend": args.attention_backend,
+        "gpu": hardware(torch.device("cuda")),
+        "commit": commit(),
+        "wall_ms_per_step": round(wall_ms, 3),
+        "parts_gpu_ms": {k: round(v, 3) for k, v in parts.items()},
+        "kernels": table,
+    }
+    path = save_report(report, f"profile-decode-{args.config}-b{b}", args.output_json)
+    print(f"{args.config} batch {b}, context ~{args.input_len}: wall {wall_ms:.2f} ms a step")
+    for k, v in parts.items():
+        print(f"  {k:<18}{v:8.3f} ms")
+    print(f"{'kernel':<92}{'ms/step':>9}{'calls':>7}")
+    for row in table:
+        calls = row.get("calls_per_step")
+        calls = "" if calls is None else f"{calls:7.0f}"
+        print(f"{row['kernel']:<92}{row['ms_per_step']:>9.3f}{calls}")
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

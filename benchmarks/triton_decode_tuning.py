@@ -1,0 +1,114 @@
+"""Launch settings of the Triton paged-attention kernel for decode, swept at Llama-3.1-8B's heads.
+
+Each case is a batch of decode requests whose contexts are uniform in [ctx/5, 9*ctx/5] (a
+workload's spread), over a shuffled block table. Settings: keys per loop iteration (tile_n),
+warps, pipeline stages, and the page layout: token-major pages (``[block, token, head, dim]``, the
+default cache) or head-major pages (``[block, head, token, dim]``, one head's page contiguous).
+The figure is KV bytes read per second against the measured copy bandwidth.
+
+    python benchmarks/triton_decode_tuning.py [--batch 256] [--ctx 640]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+from pagoda_attention_triton.kernels import paged_attention
+
+from pagoda.bench.device import copy_bandwidth, time_fn
+from pagoda.bench.report import commit, hardware, save_report
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def _case(batch: int, ctx: int, head_major: bool, device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lens = torch.randint(ctx // 5, 9 * ctx // 5 + 1, (batch,), generator=g)
+    blocks = (lens + PAGE - 1) // PAGE
+    max_blocks = int(blocks.max())
+    num_blocks = int(blocks.sum()) + 1
+    shape = (2, num_blocks, KV_HEADS, PAGE, HEAD_DIM) if head_major else None
+    if head_major:
+        kv = torch.randn(shape, dtype=DTYPE, device=device).transpose(2, 3)
+    else:
+        kv = torch.randn(2, num_blocks, PAGE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).int()
+    bt = torch.zeros(batch, max_blocks, dtype=torch.int32)
+    off = 0
+    for i, nb in enumerate(blocks.tolist()):
+        bt[i, :nb] = perm[off : off + nb]
+        off += nb
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+    return kv, bt.to(device), lens.int().to(device), qsl, q, kv_bytes, int(lens.max())
+
+
+def _sweep(case: tuple, batch: int, head_major: bool, bw: float) -> list[dict]:
+    kv, bt, lens, qsl, q, kv_bytes, max_len = case
+    out = torch.empty_like(q)
+    rows = []
+    for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        setting = {"head_major": head_major, "tile_n": tile_n, "num_warps": warps}
+        setting["num_stages"] = stages
+        run = functools.partial(
+            paged_attention,
+            q, kv[0], kv[1], out, bt, lens, qsl, batch, batch, 1, max_len, HEAD_DIM**-0.5, 1,
+            tile_n=tile_n, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+        try:
+            t = time_fn(run, 20, q.device)
+        except Exception as e:  # a setting the compiler refuses (shared memory, say)
+            rows.append({**setting, "error": type(e).__name__})
+            continue
+        rows.append({**setting, "us": round(t * 1e6, 1), "of_copy_bw": round(kv_bytes / t / bw, 3)})
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--ctx", type=int, default=640)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device, iters=20)
+    rows = []
+    for head_major in (False, True):
+        rows += _sweep(_case(args.batch, args.ctx, head_major, device), args.batch, head_major, bw)
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    report = {
+        "benchmark": "triton_decode_tuning",
+        "batch": args.batch,
+        "ctx": args.ctx,
+        "gpu": hardware(device),
+        "commit": commit(),
+        "copy_bandwidth_GBps": round(bw / 1e9, 1),
+        "rows": rows,
+    }
+    path = save_report(report, f"triton-decode-tuning-b{args.batch}-c{args.ctx}", args.output_json)
+    default = [
+        r
+        for r in rows
+        if not r["head_major"]
+        and r["tile_n"] == 64
+        and r["num_warps"] == 4
+        and r["num_stages"] == 3
+    ]
+    print(f"batch {args.batch}, contexts ~{args.ctx}; copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'us':>9}{'of copy bw':>11}")
+    for r in default + ok[:12]:
+        lay = "head-major" if r["head_major"] else "token-major"
+        print(
+            f"{lay:<12}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}{r['us']:>9.1f}"
+            f"{r['of_copy_bw']:>11.3f}"
+        )
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
