@@ -145,6 +145,23 @@ def test_bad_prompts_raise_clear_errors_and_leave_the_engine_working(llm: LLM) -
     assert _all_blocks_free(llm)
 
 
+def test_logprobs_beyond_max_logprobs_are_refused_unless_the_limit_is_lifted(llm: LLM) -> None:
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{field}=21: more than model.max_logprobs=20"):
+            llm.generate("Hello", SamplingParams(max_tokens=2, **{field: 21}))
+    assert not llm.engine.has_unfinished_requests()
+    within = SamplingParams(max_tokens=2, temperature=0.0, logprobs=20)
+    assert all(len(pos) >= 20 for pos in llm.generate("Hello", within)[0].outputs[0].logprobs)
+    assert _all_blocks_free(llm)
+    unlimited = LLM(max_model_len=256, max_logprobs=-1)
+    wide = SamplingParams(max_tokens=2, temperature=0.0, logprobs=64, prompt_logprobs=64)
+    out = unlimited.generate("Hello there", wide)[0]
+    # The top 64 of each position, and the chosen token where it is not among them.
+    assert len(out.outputs[0].logprobs) == 2
+    assert all(len(pos) in (64, 65) for pos in out.outputs[0].logprobs)
+    assert all(len(pos) in (64, 65) for pos in out.prompt_logprobs[1:])
+
+
 def test_abort_returns_every_block(llm: LLM) -> None:
     engine = llm.engine
     for i in range(3):

@@ -41,6 +41,11 @@ class ModelConfig(_Section):
     enforce_eager: bool = Field(
         False, description="never replay CUDA graphs (decode steps run eagerly)"
     )
+    max_logprobs: int = Field(
+        20,
+        ge=-1,
+        description="most logprobs or prompt_logprobs one request may ask for; -1: no limit",
+    )
     fused_ops: bool = Field(
         True,
         description="on CUDA, fused Triton kernels for RMSNorm with the residual add, SiLU times"

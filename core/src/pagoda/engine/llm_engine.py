@@ -63,6 +63,7 @@ class LLMEngine:
     ) -> None:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
+        self._check_logprobs(params)
         eos_ids = self.extra_eos_ids | ({self.eos_token_id} - {None})
         vocab = self.info.arch.vocab_size
         seqs = []
@@ -93,6 +94,20 @@ class LLMEngine:
                     prefill_leader=seqs[0][0] if i else None,
                 )
             )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        # NOTE: every position returns k entries to the host and through the output processor,
+        # so an unbounded k would let one request stall the engine for everyone.
+        limit = self.config.model.max_logprobs
+        if limit < 0:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise ValueError(
+                    f"SamplingParams.{name}={k}: more than model.max_logprobs={limit} allows "
+                    "(the engine's configuration sets it; -1 lifts the limit)"
+                )
 
     def abort_request(self, request_ids: list[str]) -> None:
         seq_ids = []
