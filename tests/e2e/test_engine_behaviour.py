@@ -162,6 +162,20 @@ def test_logprobs_beyond_max_logprobs_are_refused_unless_the_limit_is_lifted(llm
     assert all(len(pos) in (64, 65) for pos in out.prompt_logprobs[1:])
 
 
+def test_a_batch_past_max_waiting_requests_is_refused_whole() -> None:
+    from pagoda.plugins import RequestRejectedError
+
+    small = LLM(max_model_len=256, max_waiting_requests=2)
+    with pytest.raises(RequestRejectedError, match="max_waiting_requests=2"):
+        small.generate(["one", "two", "three"], GREEDY)
+    assert not small.engine.has_unfinished_requests()
+    assert not small.engine.output_processor.has_unfinished()
+    assert _all_blocks_free(small)
+    # The samples of an admitted request all come in, past the limit or not.
+    outs = small.generate("one", SamplingParams(n=3, max_tokens=2, temperature=0.8))
+    assert len(outs[0].outputs) == 3
+
+
 def test_abort_returns_every_block(llm: LLM) -> None:
     engine = llm.engine
     for i in range(3):

@@ -111,3 +111,80 @@ def test_bad_input_raises_before_reaching_the_engine(llm: AsyncLLM) -> None:
 
     asyncio.run(run())
     assert llm.num_running_requests == 0
+
+
+def test_requests_past_max_waiting_requests_are_rejected_and_the_rest_run() -> None:
+    from pagoda.entrypoints.openai.serving import error_of
+    from pagoda.plugins import RequestRejectedError
+
+    overrides = {"max_model_len": 512, "kv_cache_memory_bytes": 64 << 20}
+    engine = AsyncLLM(
+        EngineConfig.load(overrides={**overrides, "max_num_seqs": 1, "max_waiting_requests": 1})
+    )
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[BaseException, list]:
+        running = engine.generate("Hello", long, "running")
+        await running.__anext__()  # it holds the batch's one seat until it is closed
+        # The engine takes messages in order: "waiting" waits, then "shed" finds it there.
+        waiting = asyncio.create_task(_collect(engine, "Hi", OutputKind.FINAL_ONLY, "waiting"))
+        await asyncio.sleep(0.05)  # the task submits its request before it first waits
+        with pytest.raises(RequestRejectedError, match="max_waiting_requests=1") as shed:
+            await _consume(engine.generate("Hey", GREEDY, "shed"))
+        await running.aclose()  # aborted: the waiting request gets the seat
+        return shed.value, await waiting
+
+    try:
+        error, waited = asyncio.run(run())
+        assert len(waited[-1].outputs[0].token_ids) == GREEDY.max_tokens
+        assert engine.num_running_requests == 0
+        api = error_of(error)
+        assert api.status == 429 and api.body()["error"]["type"] == "rate_limit_error"
+    finally:
+        engine.shutdown()
+
+
+def test_each_step_s_tokens_reach_the_iteration_tokens_histogram(llm: AsyncLLM) -> None:
+    def sample(suffix: str) -> float:
+        labels = {"model_name": llm.metrics._model_name}
+        value = llm.metrics.registry.get_sample_value(
+            f"pagoda:iteration_tokens_total_{suffix}", labels
+        )
+        return value or 0.0
+
+    prompt = {"prompt_token_ids": [4000 + 7 * i for i in range(37)]}  # nothing of it is cached
+    before: list[float] = []
+
+    async def run() -> None:
+        # An aborted request's last step is read with the next step that runs (its tokens are
+        # dropped): a first request takes in what earlier tests left.
+        await _consume(llm.generate("Hello", GREEDY, "flush"))
+        before.extend((sample("sum"), sample("count")))
+        await _consume(llm.generate(prompt, GREEDY, "steps"))
+
+    asyncio.run(run())
+    # One step prefills the 37 prompt tokens and samples the first output token; each of the
+    # other nine output tokens takes a step that computes the token before it.
+    assert sample("sum") - before[0] == 37 + 9
+    assert sample("count") - before[1] == 10
+
+
+def test_prefix_cache_evictions_reach_their_counter(llm: AsyncLLM) -> None:
+    labels = {"model_name": llm.metrics._model_name}
+
+    def evicted() -> float:
+        name = "pagoda:prefix_cache_evicted_blocks_total"
+        return llm.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    prompts = [{"prompt_token_ids": [3000 + 11 * j + i for j in range(400)]} for i in range(8)]
+
+    async def run() -> tuple[float, int]:
+        await _consume(llm.generate("Hello", GREEDY, "flush-evictions"))
+        before, free = evicted(), await llm.num_free_blocks()
+        for i, prompt in enumerate(prompts):  # one after another: each frees its blocks to cache
+            await _consume(llm.generate(prompt, GREEDY, f"evict-{i}"))
+        return evicted() - before, free
+
+    count, free = asyncio.run(run())
+    # Each request fills 25 blocks with its prompt; past the free pool, cached ones are reused.
+    assert count >= 8 * 25 - free > 0

@@ -6,12 +6,14 @@ import zmq
 
 from pagoda.engine import wire
 from pagoda.engine.core_proc import EngineLoop
+from pagoda.plugins import RequestRejectedError
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 
 
 class _Core:
-    """Just enough of an EngineCore: refuses prompts that start with token 0."""
+    """Just enough of an EngineCore: refuses prompts that start with token 0 as bad input and
+    those that start with token 1 as an admission rule would."""
 
     def __init__(self) -> None:
         self.added: list[str] = []
@@ -19,7 +21,9 @@ class _Core:
 
     def add_request(self, request: Request) -> None:
         if request.prompt_token_ids[0] == 0:
-            raise ValueError("rejected by an admission rule")
+            raise ValueError("the prompt is bad")
+        if request.prompt_token_ids[0] == 1:
+            raise RequestRejectedError("too many requests wait")
         self.added.append(request.request_id)
 
     def abort_requests(self, ids: list[str]) -> None:
@@ -38,7 +42,7 @@ def test_refused_request_gets_an_error_and_the_others_are_added() -> None:
         core = _Core()
         loop = EngineLoop(core, engine_in, engine_out)
         enc = wire.Encoder()
-        for rid, first in (("good", 5), ("bad", 0), ("also-good", 6)):
+        for rid, first in (("good", 5), ("bad", 0), ("shed", 1), ("also-good", 6)):
             req = Request(rid, [first, 1], SamplingParams(max_tokens=2))
             to_engine.send(enc.encode(wire.AddRequest.from_request(req)))
         to_engine.send(enc.encode(wire.AbortRequests(["good"])))
@@ -46,8 +50,9 @@ def test_refused_request_gets_an_error_and_the_others_are_added() -> None:
         assert engine_in.poll(2000)
         reply = loop._handle_inputs()
         assert core.added == ["good", "also-good"] and core.aborted == ["good"]
-        assert [(e.request_id, e.message) for e in reply.errors] == [
-            ("bad", "rejected by an admission rule")
+        assert [(e.request_id, e.message, e.rejected) for e in reply.errors] == [
+            ("bad", "the prompt is bad", False),
+            ("shed", "too many requests wait", True),
         ]
         utility = wire.engine_decoder().decode(from_engine.recv()).utility
         assert utility.call_id == 1 and "unknown utility" in utility.error

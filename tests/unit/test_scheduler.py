@@ -167,6 +167,28 @@ def test_add_request_rejects_a_prompt_as_long_as_max_model_len() -> None:
     assert sched.num_waiting == 1
 
 
+def test_max_waiting_requests_sheds_new_requests_and_admits_samples_of_an_admitted_one() -> None:
+    from pagoda.plugins import RequestRejectedError
+
+    sched = make_scheduler(max_num_seqs=1, max_waiting_requests=2)
+    runner = FakeRunner(block_size=4)
+    sched.add_request(make_request("a", prompt_of(8, seed=1)))
+    step(sched, runner)  # a runs; nothing waits
+    sched.add_request(make_request("b", prompt_of(8, seed=2)))
+    sched.add_request(make_request("c", prompt_of(8, seed=3)))
+    with pytest.raises(RequestRejectedError, match=r"'d'.*2 requests.*max_waiting_requests=2"):
+        sched.add_request(make_request("d", prompt_of(8, seed=4)))
+    assert "d" not in sched.requests and sched.num_waiting == 2
+    # The other samples of an admitted request (n > 1) follow their first one in.
+    sample = make_request("1_c", prompt_of(8, seed=3))
+    sample.prefill_leader = "c"
+    sched.add_request(sample)
+    assert sched.num_waiting == 3
+    sched.finish_requests(["b", "1_c"])  # room again: new requests come in
+    sched.add_request(make_request("e", prompt_of(8, seed=5)))
+    assert sched.num_waiting == 2
+
+
 def test_add_request_rejects_a_duplicate_id() -> None:
     sched = make_scheduler()
     sched.add_request(make_request("r", [5]))

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagoda.plugins.hookspecs import Register, hookimpl
+
+if TYPE_CHECKING:
+    from pagoda.request import Request
+    from pagoda.scheduler.scheduler import Scheduler
 
 PAGODA_PLUGIN_API = 1
 
@@ -21,3 +27,16 @@ def register_executors(register: Register) -> None:
 def register_models(register: Register) -> None:
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         register(arch, "pagoda.models.llama:LlamaForCausalLM")
+
+
+@hookimpl
+def admit_request(request: Request, scheduler: Scheduler) -> str | None:
+    """Load shedding: ``scheduler.max_waiting_requests``. The samples of a request with n > 1
+    after the first come in with it (they name it as their ``prefill_leader``)."""
+    limit = scheduler.max_waiting_requests
+    if limit is None or request.prefill_leader is not None or scheduler.num_waiting < limit:
+        return None
+    return (
+        f"{scheduler.num_waiting} requests are already waiting for the running batch "
+        f"(scheduler.max_waiting_requests={limit}); retry later"
+    )

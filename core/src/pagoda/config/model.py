@@ -79,6 +79,12 @@ class SchedulerConfig(_Section):
     policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="fcfs: arrival order; priority: lowest priority value first"
     )
+    max_waiting_requests: int | None = Field(
+        None,
+        ge=1,
+        description="refuse new requests (HTTP 429) while this many sequences (a request's n"
+        " samples each count) wait for the running batch; None: no limit",
+    )
     async_scheduling: bool = Field(
         True,
         description="schedule and prepare step N+1 while the device runs step N (a request"

@@ -24,6 +24,7 @@ from pagoda.engine.metrics import EngineMetrics
 from pagoda.engine.model_info import ModelInfo
 from pagoda.engine.request_stream import OutputKind, RequestStream
 from pagoda.outputs import RequestOutput
+from pagoda.plugins import RequestRejectedError
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,8 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         self.abort(request_id)  # the other samples of the request, if any
         if stream is not None:
-            stream.fail(RequestRefusedError(err.message))
+            error = RequestRejectedError if err.rejected else RequestRefusedError
+            stream.fail(error(err.message))
 
     def _forget(self, request_id: str) -> list[str]:
         seq_ids = self._seq_ids.pop(request_id, [])

@@ -23,6 +23,7 @@ import zmq
 
 from pagoda.config import EngineConfig
 from pagoda.engine import wire
+from pagoda.plugins import PLUGIN_API_VERSION, RequestRejectedError, hookimpl, register_plugin
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         from pagoda.engine.model_info import ModelInfo
 
         info = ModelInfo.from_config(config)
+        # NOTE: registered before the core is built, which binds its seams then.
+        stats = _StatsTracker()
+        register_plugin(stats, "pagoda-engine-stats")
         core = EngineCore(config, info)
     except Exception:
         out_sock.send(encoder.encode(wire.EngineFailed(traceback.format_exc())))
@@ -64,7 +68,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         sys.exit(1)
     out_sock.send(encoder.encode(wire.EngineReady(core.num_blocks, info.max_model_len)))
     try:
-        EngineLoop(core, in_sock, out_sock).run()
+        EngineLoop(core, in_sock, out_sock, stats).run()
     except Exception:
         logger.exception("the engine core failed")
         out_sock.send(encoder.encode(wire.EngineFailed(traceback.format_exc())))
@@ -75,7 +79,13 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
 
 
 class EngineLoop:
-    def __init__(self, core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket) -> None:
+    def __init__(
+        self,
+        core: Any,
+        in_sock: zmq.Socket,
+        out_sock: zmq.Socket,
+        stats: _StatsTracker | None = None,
+    ) -> None:
         self.core = core
         self.in_sock = in_sock
         self.out_sock = out_sock
@@ -84,7 +94,8 @@ class EngineLoop:
         self.parent_pid = os.getppid()
         self.poller = zmq.Poller()
         self.poller.register(in_sock, zmq.POLLIN)
-        self.stats = _StatsTracker(core)
+        self.stats = stats if stats is not None else _StatsTracker()
+        self.stats.core = core
         self.running = True
 
     def run(self) -> None:
@@ -132,7 +143,9 @@ class EngineLoop:
             request = msg.to_request()
             self.core.add_request(request)
         except Exception as e:  # refused alone; the client turns it into a 4xx
-            reply.errors.append(wire.RequestError(msg.request_id, str(e) or type(e).__name__))
+            message = str(e) or type(e).__name__
+            rejected = isinstance(e, RequestRejectedError)
+            reply.errors.append(wire.RequestError(msg.request_id, message, rejected))
             return
         self.stats.arrived(request)
 
@@ -149,13 +162,30 @@ class EngineLoop:
 
 
 class _StatsTracker:
-    """Gathers ``SchedulerStats``: the state now, and the events since the previous call."""
+    """Gathers ``SchedulerStats``: the state now, and the events since the previous call.
 
-    def __init__(self, core: Any) -> None:
-        self.core = core
+    It is also a plugin of the engine core's ``on_step_end`` seam, which gives it each step's
+    token count (``pagoda:iteration_tokens_total``), and of the KV cache manager's
+    ``on_blocks_evicted`` (``pagoda:prefix_cache_evicted_blocks``).
+    """
+
+    PAGODA_PLUGIN_API = PLUGIN_API_VERSION
+
+    def __init__(self) -> None:
+        self.core: Any = None  # set by the engine loop
         self.unscheduled: dict[str, Any] = {}  # request id -> request, until first scheduled
         self.preemptions_seen = 0
         self.last: tuple[int, int, float] | None = None
+        self.iteration_tokens: list[int] = []
+        self.evicted_blocks = 0
+
+    @hookimpl
+    def on_step_end(self, scheduler_output: Any) -> None:
+        self.iteration_tokens.append(scheduler_output.total_num_scheduled_tokens)
+
+    @hookimpl
+    def on_blocks_evicted(self, block_ids: list[int]) -> None:
+        self.evicted_blocks += len(block_ids)
 
     def arrived(self, request: Any) -> None:
         self.unscheduled[request.request_id] = request
@@ -181,8 +211,18 @@ class _StatsTracker:
         preemptions, self.preemptions_seen = total - self.preemptions_seen, total
         self.last = self._state()
         running, waiting, usage = self.last
+        steps, self.iteration_tokens = self.iteration_tokens, []
+        evicted, self.evicted_blocks = self.evicted_blocks, 0
         return wire.SchedulerStats(
-            running, waiting, usage, prefix.queries, prefix.hits, preemptions, queue_times
+            running,
+            waiting,
+            usage,
+            prefix.queries,
+            prefix.hits,
+            preemptions,
+            queue_times,
+            steps,
+            evicted,
         )
 
 

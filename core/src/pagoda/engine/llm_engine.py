@@ -82,18 +82,23 @@ class LLMEngine:
             child = child.resolve(self.tokenizer, vocab, eos_ids)
             seqs.append((request_id if params.n == 1 else f"{i}_{request_id}", child))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
-        for i, (seq_id, child) in enumerate(seqs):
-            self.engine_core.add_request(
-                Request(
-                    request_id=seq_id,
-                    prompt_token_ids=prompt_token_ids,
-                    sampling_params=child,
-                    eos_token_id=self.eos_token_id,
-                    priority=priority,
-                    # Samples after the first wait for its prompt's blocks (prefilled once).
-                    prefill_leader=seqs[0][0] if i else None,
+        try:
+            for i, (seq_id, child) in enumerate(seqs):
+                self.engine_core.add_request(
+                    Request(
+                        request_id=seq_id,
+                        prompt_token_ids=prompt_token_ids,
+                        sampling_params=child,
+                        eos_token_id=self.eos_token_id,
+                        priority=priority,
+                        # Samples after the first wait for its prompt's blocks (prefilled once).
+                        prefill_leader=seqs[0][0] if i else None,
+                    )
                 )
-            )
+        except BaseException:
+            # Refused by the core (an admission rule, say): no part of the request stays.
+            self.abort_request([request_id])
+            raise
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         # NOTE: every position returns k entries to the host and through the output processor,

@@ -1,7 +1,10 @@
-"""Serving metrics: Prometheus series with vLLM's names under ``pagoda:``, and a periodic log line.
+"""Serving metrics: Prometheus series under ``pagoda:`` (vLLM's names where vLLM has the series),
+and a periodic log line.
 
-Fed by ``AsyncLLM``'s output loop: request timings are taken in the API process, the scheduler's
-state (running, waiting, KV cache usage, prefix cache, queue times) comes with engine outputs.
+Fed by ``AsyncLLM``'s output loop: request timings are taken in the API process; the scheduler's
+state (running, waiting, KV cache usage, prefix cache, queue times), the tokens of each step and
+the evicted prefix-cache blocks (observed through the ``on_step_end`` and ``on_blocks_evicted``
+seams) come with engine outputs.
 """
 
 from __future__ import annotations
@@ -91,6 +94,9 @@ _LATENCY_BUCKETS = [
 ]
 
 
+_ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
 @dataclass(slots=True)
 class _SeqTimes:
     arrival: float
@@ -121,6 +127,10 @@ class EngineMetrics:
             "pagoda:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_hits = counter("pagoda:prefix_cache_hits", "Prompt tokens found cached.")
+        self.evicted_blocks = counter(
+            "pagoda:prefix_cache_evicted_blocks",
+            "Prefix-cached KV blocks evicted (handed to other requests).",
+        )
         self.preemptions = counter("pagoda:num_preemptions", "Requests preempted.")
         self.prompt_tokens = counter("pagoda:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pagoda:generation_tokens", "Generated tokens.")
@@ -132,6 +142,11 @@ class EngineMetrics:
         )
         self.e2e = histogram(
             "pagoda:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "pagoda:iteration_tokens_total",
+            "Tokens computed by one engine step.",
+            _ITERATION_TOKENS_BUCKETS,
         )
         self.queue_time = histogram(
             "pagoda:request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
@@ -190,8 +205,11 @@ class EngineMetrics:
             self.prefix_queries.inc(stats.prefix_cache_queries)
             self.prefix_hits.inc(stats.prefix_cache_hits)
             self.preemptions.inc(stats.num_preemptions)
+            self.evicted_blocks.inc(stats.evicted_blocks)
             for q in stats.queue_times:
                 self.queue_time.observe(q)
+            for n in stats.iteration_tokens:
+                self.iteration_tokens.observe(n)
             self._log.stats = stats
             self._log.prefix_queries += stats.prefix_cache_queries
             self._log.prefix_hits += stats.prefix_cache_hits

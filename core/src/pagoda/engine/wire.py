@@ -81,6 +81,8 @@ class SchedulerStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     queue_times: list[float] = []  # seconds from arrival to first scheduling, newly scheduled
+    iteration_tokens: list[int] = []  # tokens each step since the previous stats computed
+    evicted_blocks: int = 0  # prefix-cached blocks handed to other requests since then
 
 
 class RequestError(msgspec.Struct):
@@ -88,6 +90,7 @@ class RequestError(msgspec.Struct):
 
     request_id: str
     message: str
+    rejected: bool = False  # by an admission rule (``admit_request``), not for bad input
 
 
 class UtilityResult(msgspec.Struct):

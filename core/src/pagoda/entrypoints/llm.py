@@ -72,12 +72,17 @@ class LLM:
         # Validate everything first, so a bad prompt leaves no half-submitted batch behind.
         processed = [self.engine.input_processor.process(p) for p in prompts]
         ids = []
-        for i, (p, sp) in enumerate(zip(processed, params)):
-            rid = self.engine.new_request_id()
-            self.engine.add_processed(
-                rid, p.prompt, p.prompt_token_ids, sp, 0 if priority is None else priority[i]
-            )
-            ids.append(rid)
+        try:
+            for i, (p, sp) in enumerate(zip(processed, params)):
+                rid = self.engine.new_request_id()
+                self.engine.add_processed(
+                    rid, p.prompt, p.prompt_token_ids, sp, 0 if priority is None else priority[i]
+                )
+                ids.append(rid)
+        except BaseException:
+            # A request the engine refused (an admission rule, say) takes the batch with it.
+            self.engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm and len(ids) > 1)
 
     def chat(

@@ -126,12 +126,13 @@ def admit_request(request: Request, scheduler: Scheduler) -> str | None:
     :param request: the request, already validated (non-empty prompt that fits the context);
         its ``prompt_token_ids``, ``sampling_params`` and ``priority`` may be read, not changed.
     :param scheduler: the scheduler, for its load (``num_waiting``, ``num_running``,
-        ``kv_cache_manager.usage``); read only.
+        ``kv_cache_manager.usage``, ``max_waiting_requests``); read only.
 
     Called once per request, when the scheduler receives it and before it is queued. Return a
     reason (a string) to reject it, which raises :class:`pagoda.plugins.RequestRejectedError`
-    with that reason to whoever submitted it; return None to let it in. The first non-None
-    result wins, and later implementations are not called.
+    with that reason to whoever submitted it (the HTTP server answers 429); return None to let
+    it in. The first non-None result wins, and later implementations are not called. The core's
+    own rule, ``scheduler.max_waiting_requests``, is an implementation of this hook.
     """
 
 
@@ -144,7 +145,8 @@ def on_blocks_evicted(block_ids: list[int], block_hashes: list[bytes]) -> None:
 
     Called by the KV cache manager while it schedules, once per allocation that evicted cached
     blocks, before the step that overwrites them runs: a plugin may still copy their contents
-    out. Every implementation is called; results are ignored.
+    out. Every implementation is called; results are ignored. The engine process's serving
+    statistics (``pagoda:prefix_cache_evicted_blocks``) are an implementation of this hook.
     """
 
 
@@ -180,7 +182,8 @@ def on_step_end(
 
     Called by the engine core at the end of every step that went to the executor, after the
     scheduler has taken the results in. Every implementation is called; results are ignored.
-    Keep it cheap: it runs between steps.
+    Keep it cheap: it runs between steps. The engine process's serving statistics
+    (``pagoda:iteration_tokens_total``) are an implementation of this hook.
     """
 
 

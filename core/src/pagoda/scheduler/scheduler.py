@@ -156,6 +156,8 @@ class Scheduler:
             )
         self.max_model_len = max_model_len
         self.max_num_seqs = scheduler_config.max_num_seqs
+        # Read by the built-in admission rule (``pagoda.builtin_plugin.admit_request``).
+        self.max_waiting_requests = scheduler_config.max_waiting_requests
         self.max_num_batched_tokens = budget
         self.enable_chunked_prefill = chunked
         self.policy = scheduler_config.policy

@@ -16,6 +16,7 @@ from pagoda.engine.core_client import EngineDeadError
 from pagoda.engine.request_stream import OutputKind
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.outputs import RequestOutput
+from pagoda.plugins import RequestRejectedError
 from pagoda.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -75,6 +76,8 @@ class Serving:
             )
         except EngineDeadError as e:
             raise APIError(f"the engine is not running: {e}", 503) from e
+        except RequestRejectedError as e:
+            raise rejected(e) from e
         except (ValueError, TypeError) as e:
             raise bad_value(e) from e
         return self.engine.stream(request_id, stream)
@@ -105,12 +108,20 @@ def bad_value(e: ValueError | TypeError) -> APIError:
     return APIError(msg, param=param)
 
 
+def rejected(e: RequestRejectedError) -> APIError:
+    """A 429 for a request an admission rule turned away (load shedding, a quota): the client
+    may retry later, as after OpenAI's "overloaded" answers."""
+    return APIError(str(e), 429, code="request_rejected")
+
+
 def error_of(e: BaseException) -> APIError:
     """An exception raised while a request runs, as the API error to send."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineDeadError):
         return APIError(f"the engine stopped: {e}", 503)
+    if isinstance(e, RequestRejectedError):
+        return rejected(e)
     if isinstance(e, (RequestRefusedError, ValueError)):
         return APIError(str(e))
     return APIError(f"internal error: {type(e).__name__}: {e}", 500)
