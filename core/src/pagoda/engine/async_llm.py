@@ -115,15 +115,10 @@ class AsyncLLM:
             holdback = max(len(s) for s in params.stop) - 1
         stream = RequestStream(OutputKind(output_kind), holdback)
         arrival = time.monotonic()
-        try:
-            self.engine.add_processed(
-                request_id, processed.prompt, processed.prompt_token_ids, params, priority
-            )
-        except BaseException:
-            # Take back whatever part of the request was registered or sent before the error.
-            if self.engine.output_processor.has_request(request_id):
-                self.engine.abort_request([request_id])
-            raise
+        # NOTE: a request it refuses leaves nothing registered or sent behind.
+        self.engine.add_processed(
+            request_id, processed.prompt, processed.prompt_token_ids, params, priority
+        )
         self._streams[request_id] = stream
         seq_ids = self.engine.output_processor.seq_ids(request_id)
         self._seq_ids[request_id] = seq_ids

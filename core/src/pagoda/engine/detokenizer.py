@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 try:
@@ -34,10 +35,9 @@ class IncrementalDetokenizer:
         self._fast = getattr(tokenizer, "_tokenizer", None) if DecodeStream is not None else None
         self._stream = None
         if self._fast is not None:
-            try:
+            # NOTE: tokenizers before 0.22 cannot start a stream from context ids (TypeError).
+            with contextlib.suppress(TypeError):
                 self._stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special_tokens)
-            except TypeError:  # tokenizers before 0.22 cannot start a stream from context ids
-                self._fast = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

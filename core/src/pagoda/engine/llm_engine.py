@@ -81,8 +81,8 @@ class LLMEngine:
             )
             child = child.resolve(self.tokenizer, vocab, eos_ids)
             seqs.append((request_id if params.n == 1 else f"{i}_{request_id}", child))
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
         try:
+            self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
             for i, (seq_id, child) in enumerate(seqs):
                 self.engine_core.add_request(
                     Request(
@@ -96,7 +96,8 @@ class LLMEngine:
                     )
                 )
         except BaseException:
-            # Refused by the core (an admission rule, say): no part of the request stays.
+            # Refused by the core (an admission rule, say) or the output processor: no part of
+            # the request stays registered or sent.
             self.abort_request([request_id])
             raise
 

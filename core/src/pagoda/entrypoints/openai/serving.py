@@ -76,8 +76,6 @@ class Serving:
             )
         except EngineDeadError as e:
             raise APIError(f"the engine is not running: {e}", 503) from e
-        except RequestRejectedError as e:
-            raise rejected(e) from e
         except (ValueError, TypeError) as e:
             raise bad_value(e) from e
         return self.engine.stream(request_id, stream)
