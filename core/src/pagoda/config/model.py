@@ -99,8 +99,19 @@ class AttentionConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model is split over")
-    executor: str = Field("uniproc", description="executor by name (`pagoda plugins`)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks (GPUs, or CPU processes) one model is split over"
+    )
+    executor: str = Field(
+        "auto",
+        description="executor by name (`pagoda plugins`): uniproc, multiproc, ray; auto: uniproc"
+        " for one rank, multiproc for more",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster the ray executor joins (`auto`, `ray://host:10001`, ...);"
+        " None: the one RAY_ADDRESS names, else a local one it starts",
+    )
 
 
 class SpeculativeConfig(_Section):

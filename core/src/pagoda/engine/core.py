@@ -6,7 +6,7 @@ import time
 
 from pagoda.config import EngineConfig
 from pagoda.engine.model_info import ModelInfo
-from pagoda.executor.base import PendingOutput
+from pagoda.executor.base import PendingOutput, executor_name
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
@@ -20,7 +20,7 @@ class EngineCore:
         self.config = config
         self.info = info
         start = time.perf_counter()
-        executor_cls = get_registry("executors").get(config.parallel.executor)
+        executor_cls = get_registry("executors").get(executor_name(config.parallel))
         self.executor = executor_cls(config, info)
         self.num_blocks = self.executor.initialize()
         # Seconds per start-up phase, and the whole of it (``engine_core_s``).

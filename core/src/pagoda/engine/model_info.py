@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.distributed import check_tensor_parallel
 from pagoda.loader import ModelArchConfig, load_hf_config, resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -29,6 +30,7 @@ class ModelInfo:
         mc = config.model
         resolved = resolve_model(mc.model, mc.load_format)
         arch = ModelArchConfig.from_hf_config(load_hf_config(resolved.hf_dir))
+        check_tensor_parallel(arch, config.parallel.tensor_parallel_size)
         device = _pick_device(mc.device)
         dtype = _pick_dtype(mc.dtype, arch, device)
         # NOTE: sliding-window attention is not implemented, so the context stops at the window.

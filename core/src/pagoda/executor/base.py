@@ -1,13 +1,33 @@
-"""The executor interface: how the engine core reaches its workers."""
+"""The executor interface: how the engine core reaches its workers.
+
+The engine core builds one executor (``parallel.executor``, by name from the ``executors``
+registry) and calls, in this order:
+
+1. ``__init__(config, info)``: once; nothing heavy yet.
+2. ``initialize()``: once; start the workers, load the model on each, size the KV cache (the
+   smallest number of blocks any worker can hold), allocate it, capture graphs; return the
+   number of blocks. ``startup_times`` is read right after.
+3. ``launch(scheduler_output)``: once per step, from one thread, in step order; ``get()`` on its
+   result is called exactly once per launch and in launch order, at most one step later (the
+   engine launches step N+1 before it reads step N: async scheduling). ``execute_model`` is the
+   same without the overlap.
+4. ``shutdown()``: once, also after an error; it must leave no process or device memory behind.
+
+An executor whose worker dies or hangs raises from ``get()`` (or ``initialize``) within seconds,
+with a message that names the worker; the engine then fails the requests in flight.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagoda.config import EngineConfig
 from pagoda.engine.model_info import ModelInfo
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.config.model import ParallelConfig
 
 
 class PendingOutput(Protocol):
@@ -37,7 +57,8 @@ class Executor(ABC):
         """Load the model on every worker, size and allocate the KV cache; return its blocks."""
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the sampled ids (and logprobs) of rank 0."""
 
     def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         """Start a step and return at once; ``get()`` on the result waits for its output.
@@ -50,3 +71,10 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 (optional to override)
         """Release workers and their memory."""
+
+
+def executor_name(parallel: ParallelConfig) -> str:
+    """``parallel.executor``, with ``auto`` resolved: uniproc for one rank, multiproc for more."""
+    if parallel.executor != "auto":
+        return parallel.executor
+    return "uniproc" if parallel.tensor_parallel_size == 1 else "multiproc"

@@ -9,6 +9,12 @@ from pagoda.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def initialize(self) -> int:
+        if self.config.parallel.tensor_parallel_size != 1:
+            raise ValueError(
+                "the uniproc executor runs one rank; for parallel.tensor_parallel_size="
+                f"{self.config.parallel.tensor_parallel_size} pick multiproc or ray "
+                "(parallel.executor)"
+            )
         self.worker = Worker(self.config, self.info)
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: norms, rotary embeddings, fused linears."""
+"""Building blocks shared by the model families: norms and rotary embeddings (the linear layers,
+split for tensor parallelism, are in ``parallel_layers``)."""
 
 from __future__ import annotations
 
@@ -67,32 +68,3 @@ class RotaryEmbedding(nn.Module):
         """``q``: [tokens, heads, dim], ``k``: [tokens, kv_heads, dim]; may rotate them in place,
         so use the returned tensors."""
         return rotary_embedding(positions, q, k, self.cos, self.sin)
-
-
-class MergedLinear(nn.Linear):
-    """Several projections of one input fused into one matmul (q/k/v, or gate/up).
-
-    ``shard_sizes`` gives each part's output rows in order; weights load part by part under their
-    own names. Tensor parallelism will split each part across ranks the same way.
-    """
-
-    def __init__(
-        self, in_features: int, shard_sizes: list[int], shard_names: list[str], bias: bool
-    ) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_names = shard_names
-        self.shard_offsets = {}
-        off = 0
-        for name, size in zip(shard_names, shard_sizes):
-            self.shard_offsets[name] = (off, size)
-            off += size
-
-    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
-        off, size = self.shard_offsets[shard]
-        param = getattr(self, param_name)
-        if tensor.shape[0] != size:
-            raise ValueError(
-                f"weight for {shard}.{param_name} has {tensor.shape[0]} rows, expected {size}"
-            )
-        with torch.no_grad():
-            param[off : off + size].copy_(tensor)

@@ -13,8 +13,18 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
+from pagoda.distributed import tp_shape
 from pagoda.loader.arch import ModelArchConfig
-from pagoda.models.layers import MergedLinear, RMSNorm, RotaryEmbedding
+from pagoda.loader.sharded import WeightSlice, as_slice
+from pagoda.models.layers import RMSNorm, RotaryEmbedding
+from pagoda.models.parallel_layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    Part,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    split_evenly,
+)
 from pagoda.ops import silu_and_mul
 
 
@@ -27,18 +37,28 @@ class LlamaAttention(nn.Module):
         layer_idx: int,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        # This rank's heads: the query heads split, the KV heads split or (fewer than ranks)
+        # replicated.
+        shape = tp_shape(cfg)
+        self.num_heads = shape.num_heads
+        self.num_kv_heads = shape.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
+        kv_total = cfg.num_key_value_heads * self.head_dim
+        kv_start = shape.kv_head_start * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
-            [self.q_size, self.kv_size, self.kv_size],
-            ["q_proj", "k_proj", "v_proj"],
+            [
+                split_evenly("q_proj", cfg.num_attention_heads * self.head_dim),
+                Part("k_proj", kv_total, kv_start, self.kv_size),
+                Part("v_proj", kv_total, kv_start, self.kv_size),
+            ],
             bias=cfg.attention_bias,
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False
+        )
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -70,13 +90,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size,
-            [cfg.intermediate_size] * 2,
-            ["gate_proj", "up_proj"],
+            [split_evenly(n, cfg.intermediate_size) for n in ("gate_proj", "up_proj")],
             bias=False,
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -112,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table for all layers (it is a buffer, not a weight).
         rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -138,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -149,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face-named weights; returns the names of the parameters that were set.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSlice]]) -> set[str]:
+        """Load Hugging Face-named weights (tensors, or lazy slices of a checkpoint of which
+        each parallel layer reads its rank's part); returns the names of the parameters set.
 
         Raises when a parameter stays unset or a weight has no home, naming it.
         """
@@ -172,12 +192,17 @@ class LlamaForCausalLM(nn.Module):
             shard = parts[-2] if len(parts) >= 2 else ""
             if shard in merged:
                 module_name = ".".join(parts[:-2] + [merged[shard]])
-                module = self.get_submodule(module_name)
-                module.load_shard(shard, parts[-1], tensor)
+                self.get_submodule(module_name).load_weight(parts[-1], tensor, shard)
                 loaded.add(f"{module_name}.{parts[-1]}")
                 continue
             if name not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no parameter in the model")
+            module = self.get_submodule(".".join(parts[:-1]))
+            if hasattr(module, "load_weight"):  # a parallel layer: it reads its own slice
+                module.load_weight(parts[-1], tensor)
+                loaded.add(name)
+                continue
+            tensor = as_slice(tensor).full()
             param = params[name]
             if param.shape != tensor.shape:
                 raise ValueError(

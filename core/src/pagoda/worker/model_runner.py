@@ -19,7 +19,9 @@ from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
+from pagoda.distributed import get_tp_size, tp_shape
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
+from pagoda.loader.sharded import iter_safetensors_slices
 from pagoda.ops import set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
@@ -75,6 +77,8 @@ class ModelRunner:
         self.attn_backend: type[AttentionBackend] = select_attention_backend(
             config.attention.backend, device, dtype, arch.head_dim, self.block_size
         )
+        # KV heads of this tensor-parallel rank: its KV cache holds those only.
+        self.num_kv_heads = tp_shape(arch).num_kv_heads
         self.sampler = Sampler()
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
@@ -118,7 +122,9 @@ class ModelRunner:
         if self.load_format == "dummy":
             init_dummy_(model, self.config.model.seed)
         else:
-            model.load_weights(iter_safetensors(self.hf_dir))
+            # NOTE: a tensor-parallel rank reads its slices of the files, not whole tensors.
+            read = iter_safetensors_slices if get_tp_size() > 1 else iter_safetensors
+            model.load_weights(read(self.hf_dir))
         self.model = model.eval()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -126,7 +132,7 @@ class ModelRunner:
 
     def kv_cache_block_bytes(self) -> int:
         a = self.arch
-        elems = 2 * self.block_size * a.num_key_value_heads * a.head_dim
+        elems = 2 * self.block_size * self.num_kv_heads * a.head_dim
         return elems * a.num_hidden_layers * self.dtype.itemsize
 
     def determine_num_blocks(self) -> int:
@@ -187,7 +193,7 @@ class ModelRunner:
         start = time.perf_counter()
         a = self.arch
         shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, a.num_key_value_heads, a.head_dim
+            num_blocks, self.block_size, self.num_kv_heads, a.head_dim
         )
         # Zeroed: padded slots are read under a mask, and 0 * NaN would poison the output.
         self.kv_caches = []

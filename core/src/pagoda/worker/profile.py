@@ -48,7 +48,7 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     # One throwaway cache shared by every layer: the pass needs somewhere to write, not a
     # faithful cache; block 0 stays unused as in the real one.
     shape = runner.attn_backend.get_kv_cache_shape(
-        int(blocks_per_req.sum()) + 1, bs, a.num_key_value_heads, a.head_dim
+        int(blocks_per_req.sum()) + 1, bs, runner.num_kv_heads, a.head_dim
     )
     cache = torch.zeros(shape, dtype=runner.dtype, device=dev)
     for m in layers:

@@ -1,0 +1,189 @@
+"""A tensor-parallel worker: one rank, in a process of its own (or a Ray actor).
+
+It joins the group, builds its ``Worker`` (its slice of the model, its KV heads), then serves
+its executor over ZMQ: start-up calls, then one ``Step`` per engine step. Every rank runs every
+step (the collectives need all); rank 0 sends the runner output back. A thread sends heartbeats,
+so that the executor notices a rank that hangs as well as one that dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from pagoda.config import EngineConfig
+from pagoda.distributed import messages as m
+from pagoda.engine.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between two heartbeats of a worker.
+HEARTBEAT_S = 0.5
+_SPIN_S = 1e-4  # rank 0's wait between "step done?" and "next step here?"
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank needs to start (handed to the process or actor at its creation)."""
+
+    config: EngineConfig
+    info: ModelInfo
+    rank: int
+    world_size: int
+    dist_init_method: str  # tcp://host:port of rank 0, for torch.distributed
+    steps_addr: str  # where this rank's steps come from (ZMQ, connect)
+    results_addr: str  # where replies go (ZMQ, connect)
+    device_index: int | None = None  # the CUDA device of this rank; None on a CPU
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class WorkerProc:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.worker: Any = None
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.connect(spec.steps_addr)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 2000)
+        self.outbox.connect(spec.results_addr)
+        self.encoder = m.encoder()
+        self.decoder = m.worker_decoder()
+        self._stop_beats = threading.Event()
+
+    def run(self) -> None:
+        """Serve until told to stop; an error is reported to the executor, then raised."""
+        self._send(m.Hello(self.rank, os.getpid(), socket.gethostname()))
+        beats = threading.Thread(target=self._beat, name="pagoda-heartbeat", daemon=True)
+        beats.start()
+        try:
+            self._serve()
+        except BaseException:
+            self._send(m.Failed(self.rank, traceback.format_exc()))
+            raise
+        finally:
+            self._stop_beats.set()
+            beats.join(2 * HEARTBEAT_S)
+            from pagoda.distributed import destroy_tensor_parallel
+
+            destroy_tensor_parallel()
+            self.ctx.destroy(linger=2000)
+
+    def _send(self, msg: Any) -> None:
+        self.outbox.send(self.encoder.encode(msg))
+
+    def _beat(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.spec.results_addr)
+        beat = self.encoder.encode(m.Heartbeat(self.rank))
+        try:
+            while not self._stop_beats.wait(HEARTBEAT_S):
+                try:
+                    sock.send(beat, zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+        finally:
+            sock.close()
+
+    # ---- start-up calls ------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        import torch
+
+        from pagoda.distributed import init_tensor_parallel
+        from pagoda.worker.worker import Worker
+
+        spec = self.spec
+        info = spec.info
+        if spec.device_index is not None:
+            info = dataclasses.replace(info, device=torch.device("cuda", spec.device_index))
+            backend = "nccl"
+        else:
+            info = dataclasses.replace(info, device=torch.device("cpu"))
+            # NOTE: the ranks share the machine's cores; each taking all of them thrashes.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+            backend = "gloo"
+        if info.device.type == "cuda":
+            torch.cuda.set_device(info.device)
+        init_tensor_parallel(spec.rank, spec.world_size, spec.dist_init_method, backend)
+        self.worker = Worker(spec.config, info)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def startup_times(self) -> dict[str, float]:
+        return dict(self.worker.model_runner.startup_times)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        pending: tuple[int, Any] | None = None  # rank 0: the step whose output is not sent yet
+        while True:
+            if pending is not None:
+                # Send it once the device is done, unless the next step comes first: then that
+                # one is prepared and launched before (the device stays busy).
+                while not self.inbox.poll(0):
+                    event = pending[1].event
+                    if event is None or event.query():
+                        self._send(m.StepDone(pending[0], pending[1].get()))
+                        pending = None
+                        break
+                    time.sleep(_SPIN_S)
+            msg = self.decoder.decode(self.inbox.recv(copy=False).buffer)
+            if isinstance(msg, m.Step):
+                so = m.scheduler_output_from_wire(msg.scheduler_output)
+                step = self.worker.model_runner.launch(so)
+                if self.rank == 0:
+                    if pending is not None:
+                        self._send(m.StepDone(pending[0], pending[1].get()))
+                    pending = (msg.seq, step)
+            elif isinstance(msg, m.Call):
+                self._call(msg)
+            elif isinstance(msg, m.Stop):
+                if pending is not None:
+                    self._send(m.StepDone(pending[0], pending[1].get()))
+                return
+
+    def _call(self, msg: m.Call) -> None:
+        result = getattr(self, msg.method)(*msg.args)
+        self._send(m.Reply(self.rank, msg.call_id, result))
+
+
+def run_worker_process(spec: WorkerSpec) -> None:
+    """Entry point of a worker process (the multiprocess executor's)."""
+    import signal
+    import sys
+
+    from pagoda.engine.core_proc import _die_with_parent
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(levelname)s %(asctime)s tp-rank-{spec.rank} %(name)s: %(message)s",
+    )
+    try:
+        WorkerProc(spec).run()
+    except Exception:
+        sys.exit(1)

@@ -1,0 +1,1 @@
+"""Pagoda's multiprocess executor (``parallel.executor: multiproc``)."""

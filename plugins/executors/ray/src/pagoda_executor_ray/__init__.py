@@ -1,0 +1,1 @@
+"""Pagoda's Ray executor (``parallel.executor: ray``)."""
