@@ -70,9 +70,9 @@ class ColumnParallelLinear(nn.Linear):
         off, part = self.parts[shard or ""]
         w = as_slice(w)
         label = f"{shard}.{param_name}" if shard else param_name
-        _check(label, w.shape[:1], (part.size,))
-        _check(label, w.shape[1:], tuple(getattr(self, param_name).shape[1:]))
-        _copy(getattr(self, param_name)[off : off + part.local], w.narrow(0, part.start, part.local))
+        param = getattr(self, param_name)
+        _check(label, w.shape, (part.size, *param.shape[1:]))
+        _copy(param[off : off + part.local], w.narrow(0, part.start, part.local))
 
 
 class RowParallelLinear(nn.Linear):
