@@ -1,0 +1,151 @@
+"""The proposer contract: what a speculative proposer receives each step and what it returns.
+
+A proposer guesses the next few tokens of each running request (its *drafts*); the target model
+scores every draft in the next step's forward and the rejection sampler keeps the longest prefix
+the target agrees with, plus one token of its own (``pagoda.spec_decode.rejection``). Output is
+the same as without speculation (greedy) or has the same distribution (sampling), whatever the
+proposer returns: a bad proposer only costs time.
+
+Life cycle, in the process that runs the model (every worker with several):
+
+1. ``__init__(ctx)``: once, when the model runner is built (before the weights load). ``ctx`` is
+   a :class:`ProposerContext`.
+2. ``propose(batch)``: once per engine step that sampled tokens, after that step's tokens are on
+   the host, for the requests that sampled (a request still prefilling its prompt is not in it).
+   Returns :class:`Drafts` for the *next* step.
+3. ``remove(req_ids)``: when requests finish, are aborted or preempted (their state may go).
+
+Drafts are a suggestion: the core may schedule fewer (token budget, ``max_tokens``, the context
+limit, KV cache pressure) or none (with async scheduling a draft computed for a position that is
+already in flight is dropped). A proposer must not assume its drafts were scheduled; the
+accepted tokens reach it as ordinary history in ``batch.token_ids`` at its next call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from pagoda.config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What a proposer learns about the engine once, at construction."""
+
+    config: SpeculativeConfig  # the ``speculative`` section (method, num_speculative_tokens, ...)
+    vocab_size: int
+    hidden_size: int
+    max_num_reqs: int  # rows of ``ProposalBatch.token_ids``
+    max_model_len: int
+    device: torch.device  # the target model's device
+    dtype: torch.dtype  # the target model's dtype (of ``ProposalBatch.hidden_states``)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+
+@dataclass
+class ProposalBatch:
+    """The requests to propose for in one call; ``n`` of them, index ``i`` in every array.
+
+    NOTE: ``token_ids`` is the model runner's own persistent array, passed without a copy: read
+    it, never write it, and copy what you keep between calls.
+    """
+
+    req_ids: list[str]  # [n]
+    rows: np.ndarray  # [n] int64: each request's row in ``token_ids``
+    token_ids: np.ndarray  # [max_num_reqs, >= max_model_len] int64, host; row r's history
+    num_tokens: np.ndarray  # [n] int64: known tokens (prompt + output, this step's included)
+    num_prompt_tokens: np.ndarray  # [n] int64
+    max_num_drafts: np.ndarray  # [n] int64, >= 1: drafts past this are dropped
+    # [n, hidden_size] in ``ctx.dtype`` on ``ctx.device``: the target's last hidden state at the
+    # position that produced each request's newest token. Only for ``needs_hidden_states``.
+    hidden_states: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def history(self, i: int) -> np.ndarray:
+        """Request ``i``'s tokens so far (a view; for tests and simple proposers)."""
+        return self.token_ids[self.rows[i], : self.num_tokens[i]]
+
+
+@dataclass
+class Drafts:
+    """A proposer's answer: up to ``k`` draft tokens per request of the batch.
+
+    ``token_ids[i, :m]`` are request ``i``'s drafts, where ``m`` is the count of leading entries
+    that are valid ids (``0 <= id < vocab_size``); ``-1`` pads. A row of ``-1`` proposes nothing.
+    ``probs``, if given, is the proposer's distribution q at each draft position, [n, k, vocab]
+    float32 on the device; without it every draft counts as certain (one-hot q), which is exact
+    for a proposer that does not sample its drafts (n-gram, greedy draft models).
+    """
+
+    token_ids: np.ndarray  # [n, k] int64
+    probs: torch.Tensor | None = None  # [n, k, vocab] float32 or None
+
+    @staticmethod
+    def empty(n: int) -> Drafts:
+        return Drafts(np.full((n, 0), -1, dtype=np.int64))
+
+    def counts(self, vocab_size: int, max_num_drafts: np.ndarray) -> np.ndarray:
+        """[n] int64: how many leading drafts of each request are usable ids (capped)."""
+        ids = self.token_ids
+        if ids.ndim != 2 or ids.shape[0] != len(max_num_drafts):
+            raise ValueError(
+                f"a proposer returned drafts of shape {ids.shape}; want [{len(max_num_drafts)}, k]"
+            )
+        ok = (ids >= 0) & (ids < vocab_size)
+        leading = np.cumprod(ok, axis=1).sum(axis=1) if ids.shape[1] else np.zeros(len(ids))
+        return np.minimum(leading.astype(np.int64), max_num_drafts)
+
+
+class SpeculativeProposer(ABC):
+    """Base class of proposers; register a subclass with ``register_spec_proposers``.
+
+    Class attributes say what the proposer needs from the core:
+    ``needs_hidden_states``: pass ``ProposalBatch.hidden_states`` (costs a device gather).
+    A proposer gets no KV cache of its own from the core in plugin API 1: a draft model keeps its
+    own (the target's blocks hold only the target's KV, draft positions included while they are
+    verified).
+    """
+
+    needs_hidden_states: ClassVar[bool] = False
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        """Drafts for every request of ``batch`` (see :class:`Drafts`). Called once per step on
+        the host, between steps; it should be vectorised over the batch (no Python loop over
+        tokens). It may keep per-request state between calls, keyed by ``req_ids``."""
+
+    def remove(self, req_ids: Iterable[str]) -> None:  # noqa: B027 (optional to override)
+        """Forget finished, aborted or preempted requests (their ids may come back later, as
+        a resumed request, with the same history)."""
+
+
+def build_proposer(ctx: ProposerContext) -> SpeculativeProposer | None:
+    """The proposer ``ctx.config.method`` names, or None when speculation is off. An unknown
+    method raises an error that lists the installed ones."""
+    method = ctx.config.method
+    if method is None:
+        return None
+    from pagoda.plugins import get_registry
+
+    cls = get_registry("spec_proposers").get(method)
+    proposer = cls(ctx)
+    if not isinstance(proposer, SpeculativeProposer):
+        raise TypeError(
+            f"speculative proposer {method!r} built a {type(proposer).__name__}, which is not a "
+            "pagoda.spec_decode.SpeculativeProposer"
+        )
+    return proposer

@@ -1,0 +1,208 @@
+"""The model runner's side of speculative decoding: score drafts, verify them, ask for more.
+
+A request with ``k`` scheduled drafts contributes ``k + 1`` consecutive *scoring rows*: row ``j``
+holds the target's logits after draft ``j - 1`` (row 0: after its last known token) and samples
+position ``num_tokens + j``. Every sampling setting applies to each row as if the drafts before
+it were output already (penalties count them, bad words and min_tokens see them, a seeded row
+draws by its position), so verified output equals what plain decoding would give.
+
+NOTE (for logits processors and grammar masks): in ``Sampler.process_logits`` a verification
+step's ``SamplingMetadata.req_ids`` repeats a request's id once per scoring row, in order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagoda.sample.ops import gather_logprobs
+from pagoda.sample.sampler import Sampler
+from pagoda.sample.state import SamplingRows, seeded_uniform
+from pagoda.spec_decode.proposer import ProposalBatch
+from pagoda.spec_decode.rejection import rejection_sample
+
+if TYPE_CHECKING:
+    from pagoda.scheduler.output import ModelRunnerOutput
+    from pagoda.worker.model_runner import ModelRunner
+    from pagoda.worker.step_output import StepOutput
+
+# Seeded rows draw their acceptance tests from a stream apart from their sampling draws.
+_ACCEPT_SEED_SALT = np.uint64(0x5EC0DEC0DE)
+
+
+def accept_uniform(sampling: SamplingRows, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One acceptance draw per scoring row: seeded rows' from (seed, position), others' from
+    torch's default generator (as unseeded sampling draws)."""
+    u = torch.rand(len(rows), dtype=torch.float64).numpy()
+    seeded = sampling.seeded[rows]
+    if seeded.any():
+        seeds = sampling.seed[rows[seeded]] ^ _ACCEPT_SEED_SALT
+        u[seeded] = seeded_uniform(seeds, positions[seeded])
+    return u
+
+
+def verify_drafts(
+    runner: ModelRunner,
+    hidden: torch.Tensor,
+    out: StepOutput,
+    rows: np.ndarray,
+    sample_idx: np.ndarray,
+    qsl: np.ndarray,
+    drafts: dict[str, list[int]],
+) -> None:
+    """Score and verify the drafts of the sampling requests ``sample_idx`` of the step; fills
+    ``out`` as ``ModelRunner._sample`` does, with [n, k + 1] tokens."""
+    ib = runner.input_batch
+    n = len(sample_idx)
+    sample_rows = rows[sample_idx]
+    req_ids = out.req_ids
+    nd = np.fromiter((len(drafts.get(req_ids[i], ())) for i in sample_idx), np.int64, count=n)
+    k = int(nd.max())
+    width = nd + 1
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(width[:-1], out=starts[1:])
+    total = int(width.sum())
+    offsets = runner._arange[:total] - np.repeat(starts, width)
+    hidden_idx = np.repeat(qsl[1:][sample_idx] - width, width) + offsets
+    rows_exp = np.repeat(sample_rows, width)
+    base = ib.num_tokens[sample_rows]
+    cols = np.arange(k)
+    at = np.minimum(base[:, None] + cols, ib.token_ids.shape[1] - 1)
+    draft_ids = ib.token_ids[sample_rows[:, None], at]
+    draft_ids = np.where(cols < nd[:, None], draft_ids, -1)
+
+    h = hidden[runner._as_device(hidden_idx)]
+    logits = runner.model.compute_logits(h)
+    md = ib.sampling.metadata(rows_exp, ib.token_ids, ib.num_tokens, ib.num_prompt, offsets)
+    if runner.sampler.logits_processors:
+        md.req_ids = [req_ids[i] for i in np.repeat(sample_idx, width).tolist()]
+    draft_t = runner._as_device(draft_ids)
+    if md.penalties is not None:
+        _count_drafts_before(md.penalties.output_counts, draft_ids, nd, starts, runner)
+    raw_logprobs = None
+    if md.max_num_logprobs is not None:
+        raw_logprobs = logits.float().log_softmax(dim=-1)
+    logits = runner.sampler.process_logits(logits, md)
+    argmax = logits.argmax(dim=-1)
+    probs = greedy = u_accept = None
+    starts_t = runner._as_device(starts)
+    if not md.all_greedy:
+        probs = Sampler.probs(logits, md)
+        if md.greedy_mask is not None:
+            greedy = md.greedy_mask[starts_t]
+        positions = ib.num_tokens[rows_exp] + offsets
+        u_accept = runner._as_device(accept_uniform(ib.sampling, rows_exp, positions))
+    tokens, num_emitted = rejection_sample(
+        argmax,
+        probs,
+        draft_t,
+        runner._as_device(nd),
+        starts_t,
+        greedy=greedy,
+        draft_probs=_draft_probs(runner, [req_ids[i] for i in sample_idx], draft_ids, nd, k),
+        uniform_accept=u_accept,
+        uniform_final=md.uniform,
+    )
+    ib.sampling.record_sampled(sample_rows, tokens)
+
+    drafted = nd > 0
+    sample_pos = base.copy()
+    if (~drafted).any():
+        sample_pos[~drafted] = ib.append_placeholders(sample_rows[~drafted])
+    out.sample_idx = sample_idx
+    out.sample_rows = sample_rows
+    out.sample_pos = sample_pos
+    out.drafted = drafted
+    runner._prev_sampled = tokens[:, 0].contiguous()
+    runner._prev_index[:] = -1
+    runner._prev_index[sample_rows[~drafted]] = np.flatnonzero(~drafted)
+    out.sampled = tokens.to("cpu", non_blocking=True)
+    if raw_logprobs is not None:
+        req_of_row = runner._as_device(np.repeat(np.arange(n), width))
+        row_tokens = tokens[req_of_row, runner._as_device(offsets)].clamp(min=0)
+        out.logprobs = gather_logprobs(raw_logprobs, md.max_num_logprobs, row_tokens).to_host()
+        out.logprobs_ks = ib.sampling.logprobs[sample_rows]
+        out.logprobs_starts = starts
+    if runner.proposer is not None and runner.proposer.needs_hidden_states:
+        out.proposer_hidden = h[starts_t + num_emitted - 1]
+
+
+def _count_drafts_before(
+    counts: torch.Tensor,
+    draft_ids: np.ndarray,
+    nd: np.ndarray,
+    starts: np.ndarray,
+    runner: ModelRunner,
+) -> None:
+    """Penalties: scoring row ``j`` of a request counts its drafts ``0 .. j - 1`` as output.
+    ``counts`` is the step's own [rows, vocab] copy."""
+    k = draft_ids.shape[1]
+    later, earlier = np.tril_indices(k + 1, -1)  # pairs (j, j') with j' < j
+    keep = later[None, :] <= nd[:, None]
+    vrow = (starts[:, None] + later[None, :])[keep]
+    tok = np.broadcast_to(draft_ids[:, earlier], keep.shape)[keep]
+    if len(vrow):
+        ones = torch.ones(len(vrow), dtype=counts.dtype, device=counts.device)
+        counts.index_put_((runner._as_device(vrow), runner._as_device(tok)), ones, accumulate=True)
+
+
+def _draft_probs(
+    runner: ModelRunner, req_ids: list[str], draft_ids: np.ndarray, nd: np.ndarray, k: int
+) -> torch.Tensor | None:
+    """[n, k, vocab] q of each draft, when the proposer gave probabilities for some request;
+    one-hot rows for the others."""
+    kept = runner._draft_probs
+    if not kept or not any(r in kept for r in req_ids):
+        return None
+    vocab = runner.arch.vocab_size
+    ids = runner._as_device(np.maximum(draft_ids, 0))
+    q = torch.nn.functional.one_hot(ids, vocab).float()
+    for i, req_id in enumerate(req_ids):
+        p = kept.get(req_id)
+        if p is not None and nd[i]:
+            q[i, : nd[i]] = p[: nd[i]]
+    return q
+
+
+def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutput) -> None:
+    """Ask the proposer for drafts for the requests that sampled in ``step`` (still running
+    in the same row), now that their tokens are on the host; they go out in ``output``."""
+    proposer = runner.proposer
+    ib = runner.input_batch
+    if proposer is None or step.num_emitted is None or not len(step.sample_idx):
+        return
+    req_ids = [step.req_ids[i] for i in step.sample_idx.tolist()]
+    owned = np.fromiter(
+        (ib.row_of.get(r, -1) == row for r, row in zip(req_ids, step.sample_rows.tolist())),
+        dtype=bool,
+        count=len(req_ids),
+    )
+    num_tokens = step.sample_pos + step.num_emitted
+    k = runner.config.speculative.num_speculative_tokens
+    max_drafts = np.minimum(k, runner.max_model_len - num_tokens)
+    keep = np.flatnonzero(owned & (max_drafts >= 1))
+    if not len(keep):
+        return
+    rows = step.sample_rows[keep]
+    hidden = step.proposer_hidden
+    batch = ProposalBatch(
+        req_ids=[req_ids[i] for i in keep.tolist()],
+        rows=rows,
+        token_ids=ib.token_ids,
+        num_tokens=num_tokens[keep],
+        num_prompt_tokens=ib.num_prompt[rows],
+        max_num_drafts=max_drafts[keep],
+        hidden_states=None if hidden is None else hidden[runner._as_device(keep)],
+    )
+    drafts = proposer.propose(batch)
+    counts = drafts.counts(runner.arch.vocab_size, batch.max_num_drafts)
+    ids = drafts.token_ids
+    for i in np.flatnonzero(counts).tolist():
+        req_id = batch.req_ids[i]
+        output.draft_token_ids[req_id] = ids[i, : counts[i]].tolist()
+        if drafts.probs is not None:
+            runner._draft_probs[req_id] = drafts.probs[i, : counts[i]]
+        else:
+            runner._draft_probs.pop(req_id, None)

@@ -1,0 +1,1 @@
+"""Prompt-lookup n-gram speculative proposer for Pagoda (``speculative.method: ngram``)."""
