@@ -207,7 +207,7 @@ class WorkerGroupExecutor(Executor):
                 rank = getattr(msg, "rank", 0)
                 self._last_seen[rank] = time.monotonic()
                 if isinstance(msg, m.Failed):
-                    raise self._fail(f"tensor-parallel worker rank {rank} failed:\n{msg.message}")
+                    raise self._fail(self._why_failed(msg))
                 if isinstance(msg, m.Reply) and msg.error is not None:
                     raise self._fail(f"tensor-parallel worker rank {rank}: {msg.error}")
                 if not isinstance(msg, m.Heartbeat):
@@ -217,6 +217,20 @@ class WorkerGroupExecutor(Executor):
             if time.monotonic() >= next_check:
                 self._check_workers()
                 next_check = time.monotonic() + _POLL_MS / 1e3
+
+    def _why_failed(self, msg: m.Failed) -> str:
+        """A rank's error, or, where it only lost a peer that died, the peer's death."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            dead = self.dead_worker()
+            if dead is not None and not dead.startswith(f"rank {msg.rank} "):
+                last = msg.message.strip().splitlines()[-1]
+                return (
+                    f"tensor-parallel worker {dead}; the engine stops (rank {msg.rank} then "
+                    f"lost it: {last})"
+                )
+            time.sleep(0.05)
+        return f"tensor-parallel worker rank {msg.rank} failed:\n{msg.message}"
 
     def _check_workers(self) -> None:
         dead = self.dead_worker()

@@ -1,0 +1,73 @@
+"""Tensor parallelism over gloo on CPU processes gives the greedy tokens of one process: tiny
+random Llama (one KV head, replicated) and Qwen3 (KV heads split, tied LM head) at two ranks,
+SmolLM2-135M-Instruct at three (9 heads, 3 KV heads), and through Ray on a local cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pagoda import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def _prompts(vocab: int, n: int = 4) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [{"prompt_token_ids": rng.integers(3, vocab, int(k)).tolist()} for k in [5, 17, 33, 9]][
+        :n
+    ]
+
+
+def _run(model: str, tp: int, executor: str, prompts: list, **kw) -> tuple[list, list]:
+    llm = LLM(
+        model=model,
+        tensor_parallel_size=tp,
+        executor=executor,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=16 << 20,
+        **kw,
+    )
+    try:
+        greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        with_lp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+        outs = llm.generate(prompts + prompts[:1], [greedy] * len(prompts) + [with_lp])
+    finally:
+        llm.engine.shutdown()
+    tokens = [o.outputs[0].token_ids for o in outs[:-1]]
+    return tokens, outs[-1].outputs[0].logprobs
+
+
+def _same(ref: tuple[list, list], got: tuple[list, list]) -> None:
+    assert got[0] == ref[0]
+    for want_pos, got_pos in zip(ref[1], got[1]):
+        assert want_pos.keys() == got_pos.keys()
+        for tok in want_pos:
+            assert got_pos[tok].logprob == pytest.approx(want_pos[tok].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_two_ranks_give_one_ranks_greedy_tokens_and_logprobs(tiny_models, kind: str) -> None:
+    model, prompts = str(tiny_models[kind]), _prompts(1001)
+    ref = _run(model, 1, "uniproc", prompts)
+    _same(ref, _run(model, 2, "multiproc", prompts))
+
+
+def test_smollm2_at_three_ranks_gives_one_ranks_greedy_tokens(smollm2_gguf: Path) -> None:
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+    ]
+    ref = _run(str(smollm2_gguf), 1, "uniproc", prompts)
+    _same(ref, _run(str(smollm2_gguf), 3, "multiproc", prompts))
+
+
+def test_ray_executor_on_a_local_cluster_gives_one_ranks_greedy_tokens(tiny_models) -> None:
+    pytest.importorskip("ray")
+    model, prompts = str(tiny_models["qwen3"]), _prompts(1001, 2)
+    ref = _run(model, 1, "uniproc", prompts)
+    _same(ref, _run(model, 2, "ray", prompts))
