@@ -20,6 +20,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The plugins of this repository, each its own distribution. Their kernel libraries are
   # GPU stacks; only Triton is installed here, for its interpreter (CPU tests of the kernels).
   "${pip[@]}" triton
+  # Ray, which the Ray executor plugin (pagoda-executor-ray) runs on; its tests start a local
+  # cluster.
+  "${pip[@]}" ray
   for plugin in $plugins; do
     "${pip[@]}" --no-deps -e "$plugin"
   done

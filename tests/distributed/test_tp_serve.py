@@ -49,7 +49,8 @@ def test_serve_at_two_ranks_streams_one_ranks_tokens_and_fails_cleanly(tiny_mode
         body = dict(model=name, prompt=PROMPT, max_tokens=12, temperature=0.0)
         whole = client.completions.create(**body, extra_body={"ignore_eos": True})
         assert whole.choices[0].text == want.text and whole.usage.completion_tokens == 12
-        chunks = list(client.completions.create(**body, stream=True, extra_body={"ignore_eos": True}))
+        stream = client.completions.create(**body, stream=True, extra_body={"ignore_eos": True})
+        chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
 
         engine = psutil.Process(srv.engine_pid())
