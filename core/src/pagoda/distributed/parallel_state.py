@@ -22,7 +22,9 @@ _size = 1
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -> None:
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str, backend: str, device: torch.device
+) -> None:
     """Join the group of ``size`` ranks at ``init_method`` (``tcp://host:port``) as ``rank``:
     ``backend`` is ``nccl`` on GPUs, ``gloo`` on CPUs."""
     global _rank, _size
@@ -34,6 +36,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str) -
             rank=rank,
             timeout=datetime.timedelta(minutes=30),
         )
+        # NOTE: the first collective sets the communicator up: here, not inside a graph capture.
+        dist.all_reduce(torch.zeros(1, device=device))
     _rank, _size = rank, size
 
 

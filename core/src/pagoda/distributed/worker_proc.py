@@ -121,7 +121,9 @@ class WorkerProc:
             backend = "gloo"
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
-        init_tensor_parallel(spec.rank, spec.world_size, spec.dist_init_method, backend)
+        init_tensor_parallel(
+            spec.rank, spec.world_size, spec.dist_init_method, backend, info.device
+        )
         self.worker = Worker(spec.config, info)
         self.worker.load_model()
 
