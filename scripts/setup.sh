@@ -14,6 +14,7 @@ stamp="$VENV/.pagoda-setup"
 plugins=$(ls -d plugins/*/*/ 2>/dev/null | while read -r d; do [ -f "$d/pyproject.toml" ] && echo "$d"; done)
 want=$(cat core/pyproject.toml $(ls examples/*/pyproject.toml plugins/*/*/pyproject.toml 2>/dev/null) scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "pagoda setup: installing torch, the Pagoda core and its plugins into $VENV (a few minutes; once, later runs skip it)" >&2
   # torch first: a pinned CPU build where one is at hand, else the registry's build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0" || "${pip[@]}" torch
   "${pip[@]}" -e "core[test]"
@@ -32,4 +33,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # The default model (SmolLM2-135M-Instruct, GGUF), fetched and converted once.
-"$VENV/bin/python" -c "from pagoda.loader import default_model_path, convert_gguf; convert_gguf(default_model_path())"
+"$VENV/bin/python" -c "import logging; logging.basicConfig(level=logging.INFO, format='pagoda setup: %(message)s'); from pagoda.loader import default_model_path, convert_gguf; convert_gguf(default_model_path())"

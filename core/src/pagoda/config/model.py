@@ -60,7 +60,18 @@ class CacheConfig(_Section):
         0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
     )
     kv_cache_memory_bytes: int | None = Field(
-        None, ge=1, description="KV cache size; default: 4 GiB on CPU, from utilization on GPU"
+        None,
+        ge=1,
+        description="KV cache size; default on a GPU: from gpu_memory_utilization; on a CPU: what"
+        " max_num_seqs requests of max_model_len tokens fill, at most cpu_kv_cache_fraction of"
+        " the available memory",
+    )
+    cpu_kv_cache_fraction: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="on a CPU without kv_cache_memory_bytes: the KV cache's limit as a fraction"
+        " of the memory available at start-up (pages are committed only as the cache fills)",
     )
     num_gpu_blocks_override: int | None = Field(
         None, ge=2, description="exact number of KV cache blocks (testing)"

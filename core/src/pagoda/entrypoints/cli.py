@@ -8,19 +8,25 @@ Every command that builds an engine takes the same engine arguments (:func:`add_
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
+import traceback
 import typing
 from typing import Any
 
 from pagoda.config import ConfigError, EngineConfig
 from pagoda.config.loader import flat_names, format_effective, sections
 
+logger = logging.getLogger("pagoda.cli")
+
 _DEST = "cfg__"
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config`` and a flag per configuration key (``--block-size``, ...) to ``parser``."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Add ``--config`` and a flag per configuration key (``--block-size``, ...) to ``parser``,
+    except the keys of the sections in ``skip``."""
     parser.add_argument(
         "--config", metavar="FILE", help="YAML or TOML file with the engine configuration"
     )
@@ -30,6 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         field = secs[section].model_fields[key]
         flag = "--" + flat.replace("_", "-")
         common: dict[str, Any] = {
+        if section in skip:
+            continue
             "dest": f"{_DEST}{section}__{key}",
             "default": None,
             "help": f"{field.description or ''} [{section}.{key}]".strip(),
@@ -66,7 +74,6 @@ def config_from_args(
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(config=config_from_args(args))
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -78,18 +85,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     use_chat = (
         args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
     )
-    for prompt in args.prompts:
-        if use_chat:
-            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        else:
-            out = llm.generate(prompt, params, use_tqdm=False)[0]
-        print(out.outputs[0].text)
+    prompts = args.prompts
+    gen_start = time.perf_counter()
+    # One batch: the engine runs every prompt at once; a bar shows progress for several.
+    bar = not getattr(args, "quiet", False)
+    if use_chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=bar)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=bar)
+    done = time.perf_counter()
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    logger.info(
+        "generated %d tokens for %d prompt%s in %.2f s (%.2f s since start)",
+        generated,
+        len(prompts),
+        "s" if len(prompts) > 1 else "",
+        done - gen_start,
+        done - start,
+    )
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        print(_format_answer(i, len(prompts), prompt, out, args.json), flush=True)
     return 0
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from pagoda.plugins import reload_plugins
     from pagoda.plugins.report import format_plugins, has_problems
+    config = config_from_args(args)
 
     # The report shows every failure in full; the discovery warnings would only repeat it.
     log = logging.getLogger("pagoda.plugins")
@@ -100,6 +122,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     finally:
         log.setLevel(level)
     print(format_plugins("json" if args.json else "table"))
+    start = time.perf_counter()
+    llm = _start_engine(LLM, config)
     return 1 if args.check and has_problems() else 0
 
 
@@ -112,6 +136,55 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pagoda.bench.throughput import run_throughput
 
     return run_throughput(args, config_from_args(args))
+
+def _start_engine(llm_cls: Any, config: EngineConfig) -> Any:
+    """Build the engine, logging each start-up phase with its time."""
+    model = config.model.model or "the default model"
+    logger.info("starting the engine for %s", model)
+    start = time.perf_counter()
+    llm = llm_cls(config=config)
+    core = getattr(llm.engine, "engine_core", None)
+    times = getattr(core, "startup_times", {})
+    if "load_weights_s" in times:
+        logger.info("model loaded in %.2f s", times["load_weights_s"])
+    if "kv_cache_s" in times:
+        blocks = getattr(core, "num_blocks", 0)
+        logger.info(
+            "KV cache of %d blocks (%d tokens) allocated in %.2f s",
+            blocks,
+            blocks * config.cache.block_size,
+            times["kv_cache_s"],
+        )
+    logger.info("ready in %.2f s", time.perf_counter() - start)
+    return llm
+
+
+ANSWER_SEPARATOR = "=" * 20
+
+
+def _format_answer(i: int, n: int, prompt: str, out: Any, as_json: bool) -> str:
+    """One answer: its text alone for a single prompt, under a separator line naming the prompt
+    for several; or one JSON line."""
+    c = out.outputs[0]
+    if as_json:
+        return json.dumps(
+            {
+                "index": i,
+                "prompt": prompt,
+                "text": c.text,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(c.token_ids),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            },
+            ensure_ascii=False,
+        )
+    if n == 1:
+        return c.text
+    shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+    head = f"{ANSWER_SEPARATOR} [{i + 1}/{n}] {shown!r} {ANSWER_SEPARATOR}"
+    return f"{head}\n{c.text}" + ("\n" if i + 1 < n else "")
+
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -128,10 +201,36 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM engine")
+    # --debug and --quiet work before and after the command (SUPPRESS: a subcommand's default
+    # does not undo the top level's flag).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log at DEBUG and show the traceback of an error",
+    )
+    common.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log warnings and errors only (no start-up phases)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="pagoda", description="Pagoda LLM engine", parents=[common]
+    )
+    parser.add_argument("--version", action="version", version=f"pagoda {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one or more prompts",
+        description="Generate an answer for each PROMPT, all in one batch. Several answers are "
+        f"printed each under a line '{ANSWER_SEPARATOR} [i/n] PROMPT {ANSWER_SEPARATOR}'.",
+        parents=[common],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument(
         "--chat",
@@ -139,36 +238,58 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="apply the chat template (default: when the model has one)",
     )
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", dest="seed", type=int, default=None)
-    add_engine_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
+    gen.add_argument("--top-k", type=int, default=0, help="0: off")
+    gen.add_argument(
+        "--sampling-seed", dest="seed", type=int, default=None, help="seed of the sampler"
+    )
+    gen.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON line per answer (text, token counts, finish reason)",
+    )
+    add_engine_args(gen, skip=OFFLINE_SKIP)
     gen.set_defaults(func=_cmd_generate)
 
-    plugins = sub.add_parser("plugins", help="list plugins, what they register, load errors")
+    plugins = sub.add_parser(
+        "plugins", help="list plugins, what they register, load errors", parents=[common]
+    )
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument(
         "--check", action="store_true", help="exit with status 1 if any plugin failed to load"
     )
     plugins.set_defaults(func=_cmd_plugins)
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pagoda-core")
+    except metadata.PackageNotFoundError:
+        from pagoda import __version__
+
+        return __version__
+
+
 
     config = sub.add_parser(
-        "config", help="print the effective configuration and where each value came from"
+        "config",
+        help="print the effective configuration and where each value came from",
+        parents=[common],
     )
     config.add_argument("--format", choices=("table", "yaml", "json"), default="table")
     add_engine_args(config)
     config.set_defaults(func=_cmd_config)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server", parents=[common])
     serve.add_argument(
         "model_arg", nargs="?", metavar="MODEL", help="model folder or .gguf file (as --model)"
     )
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks", parents=[common])
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput against transformers")
     from pagoda.bench.throughput import add_throughput_args
@@ -184,16 +305,76 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def configure_logging(debug: bool = False, quiet: bool = False) -> None:
+    """Pagoda's loggers to stderr: INFO (start-up phases with their times), DEBUG with
+    ``--debug``, WARNING with ``--quiet``; other libraries' loggers stay at WARNING."""
+    level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
+    log = logging.getLogger("pagoda")
+    log.setLevel(level)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s %(message)s", datefmt="%H:%M:%S")
+        )
+        log.addHandler(handler)
+    log.propagate = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors a user can act on: bad configuration or input, a missing file or plugin."""
     from pagoda.plugins import PluginError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, PluginError, ValueError, KeyError) as e:
-        print(f"pagoda: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("pagoda: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if debug:
+            traceback.print_exc()
+        print(f"pagoda: error: {_one_line(e)}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
     sys.exit(main())
+    # NOTE: RequestRejectedError (an admission rule refused a prompt) is a ValueError.
+    return (ConfigError, PluginError, ValueError, KeyError, OSError)
+
+
+def _one_line(e: BaseException) -> str:
+    """The error's message on one line: its lines joined, any traceback it quotes left out."""
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    lines: list[str] = []
+    cut = False
+    for line in text.strip().splitlines():
+        if line.startswith("Traceback (most recent call last)"):
+            cut = True
+            break
+        if line.strip():
+            lines.append(line.strip())
+    out = lines[0] if lines else type(e).__name__
+    for line in lines[1:]:
+        out += (" " if out.endswith(":") else "; ") + line
+    return out + (" (--debug shows the traceback)" if cut else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``pagoda`` command. A foreseeable error (configuration, input, missing model or
+    plugin) is one line on stderr and exit status 2; ``--debug`` shows its traceback."""
+    debug = getattr(args, "debug", False)
+    configure_logging(debug, getattr(args, "quiet", False))
+    # NOTE: anything else is a defect, and its traceback is what a bug report needs.

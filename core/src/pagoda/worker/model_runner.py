@@ -7,10 +7,8 @@ replay CUDA graphs over the same memory.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -22,6 +20,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed import get_tp_size, tp_shape
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
 from pagoda.loader.sharded import iter_safetensors_slices
+from pagoda.loader.construct import build_model
 from pagoda.ops import set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
@@ -34,21 +33,11 @@ from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.profile import profile_peak_activations
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
+from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 
 logger = logging.getLogger(__name__)
 
-_CPU_KV_CACHE_BYTES = 4 << 30
 _PROMPT_LOGPROBS_CHUNK = 256  # prompt positions whose full-vocabulary logits exist at once
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(prev)
 
 
 class ModelRunner:
@@ -117,8 +106,10 @@ class ModelRunner:
         # NOTE: process-wide, read at each call: set before any graph is captured.
         set_fused_ops(self.config.model.fused_ops)
         model_cls = get_registry("models").get(self.arch.architecture)
-        with _default_dtype(self.dtype), torch.device(self.device):
-            model = model_cls(self.arch, self.attn_backend)
+        # Parameters are allocated, not initialised: the weights (or dummy values) fill them next.
+        model = build_model(
+            model_cls, self.arch, self.attn_backend, device=self.device, dtype=self.dtype
+        )
         if self.load_format == "dummy":
             init_dummy_(model, self.config.model.seed)
         else:
@@ -144,10 +135,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = self._gpu_kv_budget()
         else:
-            # NOTE: no more than every running request could fill at once, so small models on a
-            # CPU do not zero gigabytes they never use.
-            useful = self.max_num_reqs * self.max_blocks_per_req + 1
-            budget = min(_CPU_KV_CACHE_BYTES, useful * self.kv_cache_block_bytes())
+            budget = self._cpu_kv_budget()
         num_blocks = budget // self.kv_cache_block_bytes()
         if num_blocks < 2:
             raise ValueError(
@@ -175,6 +163,26 @@ class ModelRunner:
         self.memory_profile = {
             "total_bytes": total,
             "used_before_kv_bytes": total - free,
+    def _cpu_kv_budget(self) -> int:
+        """No more than every running request can fill at once (``max_num_seqs`` requests of
+        ``max_model_len`` tokens, plus block 0), and at most ``cache.cpu_kv_cache_fraction`` of
+        the memory available now."""
+        useful = (self.max_num_reqs * self.max_blocks_per_req + 1) * self.kv_cache_block_bytes()
+        fraction = self.config.cache.cpu_kv_cache_fraction
+        available = available_memory_bytes()
+        budget = min(useful, int(available * fraction))
+        logger.info(
+            "KV cache: %.2f GiB (%d requests of %d tokens need %.2f GiB; limit %.2f of %.2f GiB "
+            "available); memory is committed as the cache fills",
+            budget / 2**30,
+            self.max_num_reqs,
+            self.max_model_len,
+            useful / 2**30,
+            fraction,
+            available / 2**30,
+        )
+        return budget
+
             "peak_activation_bytes": activations,
             "graph_reserve_bytes": int(graphs),
             "kv_cache_bytes": max(budget, 0),
@@ -195,11 +203,16 @@ class ModelRunner:
         shape = self.attn_backend.get_kv_cache_shape(
             num_blocks, self.block_size, self.num_kv_heads, a.head_dim
         )
-        # Zeroed: padded slots are read under a mask, and 0 * NaN would poison the output.
+        # NOTE: zeroed, because backends read never-written slots under a mask (the tail of a
+        # request's last block, block 0 in padded rows) and 0 * NaN would poison the output. On
+        # a CPU the zeros are the OS's fresh pages: no fill pass, memory committed as written.
         self.kv_caches = []
         for module in self.model.modules():
             if isinstance(module, Attention):
-                module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if self.device.type == "cpu":
+                    module.kv_cache = lazily_zeroed(shape, self.dtype)
+                else:
+                    module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(module.kv_cache)
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         self.decode_graphs: DecodeGraphs | None = None

@@ -71,6 +71,7 @@ class FlashInferMetadata:
 
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
+    requires = ("flashinfer",)
     priority = 100
     supports_cuda_graph = True
 

@@ -41,6 +41,7 @@ class TritonMetadata:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    requires = ("triton",)
     priority = 50
     # Launch parameters depend only on the batch size and worst-case length the runner captures
     # with; lengths and block tables are read from device buffers at replay.
