@@ -33,11 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
     group = parser.add_argument_group("engine configuration (flags override environment and file)")
     secs = sections()
     for flat, (section, key) in flat_names().items():
+        if section in skip:
+            continue
         field = secs[section].model_fields[key]
         flag = "--" + flat.replace("_", "-")
         common: dict[str, Any] = {
-        if section in skip:
-            continue
             "dest": f"{_DEST}{section}__{key}",
             "default": None,
             "help": f"{field.description or ''} [{section}.{key}]".strip(),
@@ -72,6 +72,7 @@ def config_from_args(
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
     from pagoda import LLM, SamplingParams
 
     params = SamplingParams(
@@ -81,6 +82,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
+    start = time.perf_counter()
+    llm = _start_engine(LLM, config)
     tokenizer = llm.get_tokenizer()
     use_chat = (
         args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
@@ -107,35 +110,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(_format_answer(i, len(prompts), prompt, out, args.json), flush=True)
     return 0
 
-
-def _cmd_plugins(args: argparse.Namespace) -> int:
-    from pagoda.plugins import reload_plugins
-    from pagoda.plugins.report import format_plugins, has_problems
-    config = config_from_args(args)
-
-    # The report shows every failure in full; the discovery warnings would only repeat it.
-    log = logging.getLogger("pagoda.plugins")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        reload_plugins()  # what is installed now, even if this process discovered plugins before
-    finally:
-        log.setLevel(level)
-    print(format_plugins("json" if args.json else "table"))
-    start = time.perf_counter()
-    llm = _start_engine(LLM, config)
-    return 1 if args.check and has_problems() else 0
-
-
-def _cmd_config(args: argparse.Namespace) -> int:
-    print(format_effective(config_from_args(args), args.format))
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from pagoda.bench.throughput import run_throughput
-
-    return run_throughput(args, config_from_args(args))
 
 def _start_engine(llm_cls: Any, config: EngineConfig) -> Any:
     """Build the engine, logging each start-up phase with its time."""
@@ -186,6 +160,32 @@ def _format_answer(i: int, n: int, prompt: str, out: Any, as_json: bool) -> str:
     return f"{head}\n{c.text}" + ("\n" if i + 1 < n else "")
 
 
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from pagoda.plugins import reload_plugins
+    from pagoda.plugins.report import format_plugins, has_problems
+
+    # The report shows every failure in full; the discovery warnings would only repeat it.
+    log = logging.getLogger("pagoda.plugins")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        reload_plugins()  # what is installed now, even if this process discovered plugins before
+    finally:
+        log.setLevel(level)
+    print(format_plugins("json" if args.json else "table"))
+    return 1 if args.check and has_problems() else 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    print(format_effective(config_from_args(args), args.format))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from pagoda.bench.throughput import run_throughput
+
+    return run_throughput(args, config_from_args(args))
+
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.entrypoints.openai.api_server import run_server
@@ -198,6 +198,17 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from pagoda.bench.serve import run_bench_serve
 
     return run_bench_serve(args)
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("pagoda-core")
+    except metadata.PackageNotFoundError:
+        from pagoda import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,17 +272,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="exit with status 1 if any plugin failed to load"
     )
     plugins.set_defaults(func=_cmd_plugins)
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("pagoda-core")
-    except metadata.PackageNotFoundError:
-        from pagoda import __version__
-
-        return __version__
-
-
 
     config = sub.add_parser(
         "config",
@@ -336,21 +336,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors a user can act on: bad configuration or input, a missing file or plugin."""
     from pagoda.plugins import PluginError
 
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print("pagoda: interrupted", file=sys.stderr)
-        return 130
-    except _user_errors() as e:
-        if debug:
-            traceback.print_exc()
-        print(f"pagoda: error: {_one_line(e)}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
     # NOTE: RequestRejectedError (an admission rule refused a prompt) is a ValueError.
     return (ConfigError, PluginError, ValueError, KeyError, OSError)
 
@@ -375,6 +360,21 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The ``pagoda`` command. A foreseeable error (configuration, input, missing model or
     plugin) is one line on stderr and exit status 2; ``--debug`` shows its traceback."""
+    args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     configure_logging(debug, getattr(args, "quiet", False))
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("pagoda: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if debug:
+            traceback.print_exc()
+        print(f"pagoda: error: {_one_line(e)}", file=sys.stderr)
+        return 2
     # NOTE: anything else is a defect, and its traceback is what a bug report needs.
+
+
+if __name__ == "__main__":
+    sys.exit(main())

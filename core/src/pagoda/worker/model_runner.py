@@ -30,10 +30,10 @@ from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
+from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.profile import profile_peak_activations
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
-from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 
 logger = logging.getLogger(__name__)
 
