@@ -22,6 +22,8 @@ from pagoda.config.loader import flat_names, format_effective, sections
 logger = logging.getLogger("pagoda.cli")
 
 _DEST = "cfg__"
+# Sections that mean nothing to a command that runs no server.
+OFFLINE_SKIP = ("server",)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

@@ -145,24 +145,6 @@ class ModelRunner:
             )
         return int(num_blocks)
 
-    def _gpu_kv_budget(self) -> int:
-        """What ``cache.gpu_memory_utilization`` of the GPU leaves for the KV cache once the
-        weights, everything else on the device (CUDA context, libraries' workspaces, other
-        processes) and the activations of the largest step (measured) are counted."""
-        start = time.perf_counter()
-        activations = profile_peak_activations(self)
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Decode graphs keep their own pool: activations of up to max_num_reqs tokens.
-        graphs = 0
-        if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
-            graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
-        limit = total * self.config.cache.gpu_memory_utilization
-        budget = int(limit - (total - free) - activations - graphs)
-        self.startup_times["profile_s"] = time.perf_counter() - start
-        self.memory_profile = {
-            "total_bytes": total,
-            "used_before_kv_bytes": total - free,
     def _cpu_kv_budget(self) -> int:
         """No more than every running request can fill at once (``max_num_seqs`` requests of
         ``max_model_len`` tokens, plus block 0), and at most ``cache.cpu_kv_cache_fraction`` of
@@ -183,6 +165,24 @@ class ModelRunner:
         )
         return budget
 
+    def _gpu_kv_budget(self) -> int:
+        """What ``cache.gpu_memory_utilization`` of the GPU leaves for the KV cache once the
+        weights, everything else on the device (CUDA context, libraries' workspaces, other
+        processes) and the activations of the largest step (measured) are counted."""
+        start = time.perf_counter()
+        activations = profile_peak_activations(self)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Decode graphs keep their own pool: activations of up to max_num_reqs tokens.
+        graphs = 0
+        if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
+            graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
+        limit = total * self.config.cache.gpu_memory_utilization
+        budget = int(limit - (total - free) - activations - graphs)
+        self.startup_times["profile_s"] = time.perf_counter() - start
+        self.memory_profile = {
+            "total_bytes": total,
+            "used_before_kv_bytes": total - free,
             "peak_activation_bytes": activations,
             "graph_reserve_bytes": int(graphs),
             "kv_cache_bytes": max(budget, 0),
