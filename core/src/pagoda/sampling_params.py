@@ -3,10 +3,76 @@
 from __future__ import annotations
 
 import dataclasses
+import json as _json
 from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, with vLLM's names: exactly one of
+
+    - ``json``: a JSON schema (a dict, or its JSON text); the output is one JSON value it accepts;
+    - ``regex``: the output fully matches this regular expression;
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: an EBNF grammar (GBNF style, root rule ``root``) the output is a sentence of;
+    - ``json_object=True``: the output is any JSON object.
+
+    A grammar backend (``structured_output.backend``) compiles it; the engine masks every
+    token the constraint does not allow, and the request ends when the constraint is complete.
+    Invalid values raise ``ValueError`` naming the field.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(
+                "StructuredOutputsParams: give exactly one of json, regex, choice, grammar, "
+                f"json_object=True; got {', '.join(set_) or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json: not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                "StructuredOutputsParams.json: a JSON schema is an object; got "
+                f"{type(self.json).__name__}"
+            )
+        if self.choice is not None:
+            self.choice = [str(c) for c in self.choice]
+            if not self.choice:
+                raise ValueError("StructuredOutputsParams.choice: give at least one choice")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"StructuredOutputsParams.{name}: must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        return next(k for k in _CONSTRAINTS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for equal constraints; compiled grammars are cached by
+        it."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind in ("json", "choice"):
+            return kind, _json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return kind, "" if kind == "json_object" else value
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -38,7 +104,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine (``resolve``): every id that stops the request (the model's EOS ids
     # unless ``ignore_eos``, and ``stop_token_ids``), and ``bad_words`` as token ids.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -56,6 +122,8 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -95,6 +163,9 @@ class SamplingParams:
             bad("allowed_token_ids", "must not be empty (leave it None to allow every token)")
         if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
             bad("bad_words", "bad words must be non-empty")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
 
     def resolve(self, tokenizer: Any, vocab_size: int, eos_token_ids: set[int]) -> SamplingParams:
         """A copy with what only the engine knows filled in: the ids that stop the request and
@@ -102,7 +173,8 @@ class SamplingParams:
         ``[0, vocab_size)``."""
         out = dataclasses.replace(self)
         out.all_stop_token_ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
+        # A grammar ends only with EOS, so a constrained request stops there despite ignore_eos.
+        if not self.ignore_eos or self.structured_outputs is not None:
             out.all_stop_token_ids |= eos_token_ids
         out.bad_words_token_ids = _bad_words_token_ids(self.bad_words or [], tokenizer)
 

@@ -131,7 +131,27 @@ class SpeculativeConfig(_Section):
 
 
 class StructuredOutputConfig(_Section):
-    backend: str = Field("auto", description="grammar backend by name, or auto: the best one")
+    backend: str = Field(
+        "auto",
+        description="grammar backend by name (`pagoda plugins`), e.g. xgrammar; auto: the best"
+        " one installed",
+    )
+    compile_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="a request whose grammar takes longer to compile fails alone, with an error",
+    )
+    compile_threads: int = Field(
+        2, ge=1, description="threads that compile grammars, off the engine loop"
+    )
+    grammar_cache_size: int = Field(
+        256, ge=1, description="compiled grammars kept, by their schema, regex or grammar text"
+    )
+    any_whitespace: bool = Field(
+        False,
+        description="JSON output may hold any whitespace between tokens; false: compact JSON"
+        " (small models otherwise tend to emit whitespace until max_tokens)",
+    )
 
 
 class ServerConfig(_Section):

@@ -194,6 +194,9 @@ class AsyncLLM:
             self._refused(err)
         if not msg.outputs:
             return
+        for out in msg.outputs:
+            if out.finish_reason == "error":  # failed alone in the core (its grammar, say)
+                self._refused(wire.RequestError(out.request_id, str(out.stop_reason)))
         outputs, to_abort = self.engine.output_processor.process_outputs(msg.outputs)
         if to_abort:  # ended here by a stop string
             self.client.abort_requests(to_abort)

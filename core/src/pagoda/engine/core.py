@@ -13,6 +13,7 @@ from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.output import EngineCoreOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
 
 class EngineCore:
@@ -38,6 +39,10 @@ class EngineCore:
         self.scheduler = Scheduler(
             sched_config, config.cache, self.kv_cache_manager, info.max_model_len
         )
+        # Structured output: grammars compile in its threads; this process's runner finds them.
+        self.structured_output = StructuredOutputManager(config, info)
+        register_manager(config, self.structured_output)
+        self.scheduler.structured_output = self.structured_output
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
         self.async_scheduling = config.scheduler.async_scheduling
@@ -58,6 +63,8 @@ class EngineCore:
         while the device runs step N.
         """
         so = self.scheduler.schedule()
+        if so.is_empty and self._in_flight is None and self.structured_output.num_pending:
+            self.structured_output.wait(0.05)  # nothing runs: wait for a grammar, do not spin
         launched = None
         if not so.is_empty or so.finished_req_ids:
             launched = (so, self.executor.launch(so))
@@ -68,6 +75,8 @@ class EngineCore:
                 self._in_flight = launched
             else:  # NOTE: a step that only drops finished requests has nothing to overlap
                 outputs += self._finish(*launched)
+        if self.scheduler.grammar_errors:
+            outputs += self.scheduler.take_grammar_errors()
         return outputs
 
     def _finish(
@@ -88,3 +97,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.structured_output.shutdown()
+        register_manager(self.config, None)

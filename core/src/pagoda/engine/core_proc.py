@@ -213,6 +213,7 @@ class _StatsTracker:
         running, waiting, usage = self.last
         steps, self.iteration_tokens = self.iteration_tokens, []
         evicted, self.evicted_blocks = self.evicted_blocks, 0
+        compile_times, grammar_queries, grammar_hits = self.core.structured_output.take_stats()
         return wire.SchedulerStats(
             running,
             waiting,
@@ -223,6 +224,9 @@ class _StatsTracker:
             queue_times,
             steps,
             evicted,
+            grammar_compile_times=compile_times,
+            grammar_cache_queries=grammar_queries,
+            grammar_cache_hits=grammar_hits,
         )
 
 

@@ -17,6 +17,7 @@ from pagoda.loader import load_tokenizer
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output.manager import validate_structured_outputs
 
 
 class LLMEngine:
@@ -64,6 +65,8 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         self._check_logprobs(params)
+        if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused here
+            validate_structured_outputs(self.config, params.structured_outputs)
         eos_ids = self.extra_eos_ids | ({self.eos_token_id} - {None})
         vocab = self.info.arch.vocab_size
         seqs = []

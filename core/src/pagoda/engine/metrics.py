@@ -69,6 +69,7 @@ _ITL_BUCKETS = [
     40.0,
     80.0,
 ]
+_COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]
 _LATENCY_BUCKETS = [
     0.3,
     0.5,
@@ -132,6 +133,19 @@ class EngineMetrics:
             "Prefix-cached KV blocks evicted (handed to other requests).",
         )
         self.preemptions = counter("pagoda:num_preemptions", "Requests preempted.")
+        self.grammar_compile = histogram(
+            "pagoda:structured_output_compile_seconds",
+            "Time to compile one structured-output grammar (off the engine loop).",
+            _COMPILE_BUCKETS,
+        )
+        self.grammar_queries = counter(
+            "pagoda:structured_output_cache_queries",
+            "Constrained requests looked up in the compiled-grammar cache.",
+        )
+        self.grammar_hits = counter(
+            "pagoda:structured_output_cache_hits",
+            "Constrained requests whose grammar was cached (or already compiling).",
+        )
         self.prompt_tokens = counter("pagoda:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pagoda:generation_tokens", "Generated tokens.")
         self.ttft = histogram(
@@ -210,6 +224,10 @@ class EngineMetrics:
                 self.queue_time.observe(q)
             for n in stats.iteration_tokens:
                 self.iteration_tokens.observe(n)
+            for s in stats.grammar_compile_times:
+                self.grammar_compile.observe(s)
+            self.grammar_queries.inc(stats.grammar_cache_queries)
+            self.grammar_hits.inc(stats.grammar_cache_hits)
             self._log.stats = stats
             self._log.prefix_queries += stats.prefix_cache_queries
             self._log.prefix_hits += stats.prefix_cache_hits

@@ -83,6 +83,9 @@ class SchedulerStats(msgspec.Struct):
     queue_times: list[float] = []  # seconds from arrival to first scheduling, newly scheduled
     iteration_tokens: list[int] = []  # tokens each step since the previous stats computed
     evicted_blocks: int = 0  # prefix-cached blocks handed to other requests since then
+    grammar_compile_times: list[float] = []  # seconds of each grammar compiled since then
+    grammar_cache_queries: int = 0  # constrained requests since then
+    grammar_cache_hits: int = 0  # of them, those whose grammar was cached or compiling
 
 
 class RequestError(msgspec.Struct):

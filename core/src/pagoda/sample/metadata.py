@@ -7,10 +7,14 @@ for costs nothing; ``SamplingMetadata.greedy()`` is the all-greedy fast path.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagoda.scheduler.output import LogprobsArrays
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.runner import GrammarMask
 
 
 @dataclass(slots=True)
@@ -40,6 +44,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, token, bias)
     penalties: Penalties | None = None
     req_ids: list[str] | None = None  # the request of each row, for logits processors
+    # Structured output: the step's token bitmask of the constrained rows (GrammarMask).
+    grammar: GrammarMask | None = None
 
     @classmethod
     def greedy(cls) -> SamplingMetadata:

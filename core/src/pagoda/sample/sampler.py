@@ -2,7 +2,7 @@
 model's device, with no Python loop over requests or tokens.
 
     1. logprobs of the model's own distribution (raw logits), when some row asked
-    2. logits in float32
+    2. logits in float32; the grammar bitmask of constrained rows (structured output)
     3. allowed_token_ids; 4. bad words and min_tokens (-inf); 5. logit_bias
     6. penalties: repetition, frequency, presence
        -> ``Sampler.logits_processors`` run here: the place for grammar masks and plugins
@@ -53,6 +53,8 @@ class Sampler(nn.Module):
     def process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Steps 2-6 and the logits processors: what greedy and random rows both see."""
         logits = logits.float()
+        if md.grammar is not None:  # structured output: tokens the grammar refuses get -inf
+            logits = md.grammar.apply(logits)
         if md.allowed_mask is not None:
             logits.masked_fill_(md.allowed_mask, float("-inf"))
         if md.banned is not None:

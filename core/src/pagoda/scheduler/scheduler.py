@@ -22,6 +22,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache.block_pool import KVCacheBlock
@@ -35,6 +36,9 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.manager import StructuredOutputManager
 
 
 def _priority_key(request: Request) -> tuple[int, float]:
@@ -171,6 +175,10 @@ class Scheduler:
         self._admit_hook = seam("admit_request")
         # Leader id -> the samples that wait for its prompt's blocks (see Request.prefill_leader).
         self.parked: dict[str, list[Request]] = {}
+        # Structured output: compiles grammars (set by the engine core); requests whose compile
+        # failed, for the next outputs.
+        self.structured_output: StructuredOutputManager | None = None
+        self.grammar_errors: list[EngineCoreOutput] = []
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -186,6 +194,10 @@ class Scheduler:
             )
         if self._admit_hook is not None:  # plugin seam: may raise RequestRejectedError
             check_admission(self._admit_hook, request, self)
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError(f"request {rid!r}: this engine has no structured output")
+            self.structured_output.submit(request)  # compiles off the loop; waits till ready
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         leader = self.requests.get(request.prefill_leader or "")
@@ -276,6 +288,44 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, step: _Step) -> None:
+        """Schedule waiting requests; those whose grammar is still compiling stay in the queue
+        and do not hold up the ones behind them."""
+        held = self._hold_grammar_waiters()
+        try:
+            self._schedule_ready_waiting(step)
+        finally:
+            for req in reversed(held):
+                self.waiting.add_preempted(req)
+
+    def _hold_grammar_waiters(self) -> list[Request]:
+        """Take out of the queue the requests whose grammar is not compiled yet; fail those
+        whose compile failed or timed out."""
+        so = self.structured_output
+        if so is None or not so.num_pending:
+            return []
+        held: list[Request] = []
+        for req in [r for r in self.waiting if r.sampling_params.structured_outputs is not None]:
+            try:
+                if so.poll(req):
+                    continue
+                self.waiting.remove(req)
+                held.append(req)
+            except ValueError as e:
+                self.waiting.remove(req)
+                req.status = RequestStatus.FINISHED_ERROR
+                req.stop_reason = str(e)
+                self._release(req)
+                self.grammar_errors.append(
+                    EngineCoreOutput(req.request_id, [], "error", req.stop_reason)
+                )
+        return held
+
+    def take_grammar_errors(self) -> list[EngineCoreOutput]:
+        """The outputs of requests failed since the last call (finish reason ``error``)."""
+        errors, self.grammar_errors = self.grammar_errors, []
+        return errors
+
+    def _schedule_ready_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
         while self.waiting and step.budget > 0:
             req = self.waiting.peek()
@@ -392,7 +442,8 @@ class Scheduler:
             is_eos = token == req.eos_token_id or (
                 token in sp.all_stop_token_ids and token not in stop_ids
             )
-            if is_eos and not sp.ignore_eos:
+            # NOTE: a grammar ends only with EOS, which then stops despite ignore_eos.
+            if is_eos and (not sp.ignore_eos or sp.structured_outputs is not None):
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
             if token in stop_ids:
@@ -407,6 +458,8 @@ class Scheduler:
         return False
 
     def _release(self, req: Request) -> None:
+        if self.structured_output is not None:
+            self.structured_output.forget(req.request_id)
         self._unpark(req)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]

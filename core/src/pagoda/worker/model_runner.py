@@ -28,6 +28,7 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.structured_output.runner import GrammarRows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
@@ -74,6 +75,8 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
         )
+        # Structured output: the constrained requests' matchers and each step's bitmask.
+        self.grammar = GrammarRows(config, arch.vocab_size, self.max_num_reqs)
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -232,11 +235,13 @@ class ModelRunner:
         ib = self.input_batch
         for req_id in so.finished_req_ids:
             ib.remove(req_id)
+            self.grammar.remove(req_id)
         req_ids: list[str] = []
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request may still hold its old row
             self._prev_index[ib.add(new)] = -1
+            self.grammar.add(new.req_id, new.sampling_params.structured_outputs)
             req_ids.append(new.req_id)
             computed.append(new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
@@ -346,6 +351,11 @@ class ModelRunner:
             step.get()
         self._unread = [last] if last is not None and not last.done else []
 
+    def _read_unread(self) -> None:
+        """Bring every launched step's sampled ids to the host rows (waits for the device)."""
+        for step in self._unread:
+            step.get()
+
     def _fill_from_device(self, positions: np.ndarray, rows: np.ndarray) -> None:
         """Input ids at flat ``positions`` are the tokens the previous step sampled for ``rows``,
         still on the device."""
@@ -375,6 +385,16 @@ class ModelRunner:
         md = ib.sampling_metadata(sample_rows)
         if self.sampler.logits_processors:
             md.req_ids = [out.req_ids[i] for i in sample_idx]
+        if self.grammar.entries:  # structured output; the forward pass runs meanwhile
+            md.grammar = self.grammar.mask(
+                [out.req_ids[i] for i in sample_idx],
+                sample_rows,
+                ib.token_ids,
+                ib.num_tokens,
+                ib.num_prompt,
+                self._read_unread,
+                self.device,
+            )
         result = self.sampler(logits, md)
         ib.sampling.record_sampled(sample_rows, result.sampled)
         out.sample_idx = sample_idx

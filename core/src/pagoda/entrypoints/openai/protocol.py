@@ -6,20 +6,25 @@ defines that this server does not implement yet; each error names the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pagoda.sampling_params import SamplingParams
+from pagoda.entrypoints.openai.structured import (
+    ResponseFormat,
+    ToolCallPlan,
+    request_constraint,
+    tool_plan,
+)
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Fields OpenAI defines that Pagoda does not implement yet -> what would make them work.
 _UNSUPPORTED = {
-    "response_format": "structured output (a grammar backend plugin) is not available yet",
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "parallel_tool_calls": "tool calling is not supported",
+    "tools": "tool calling is only on /v1/chat/completions",
+    "tool_choice": "tool calling is only on /v1/chat/completions",
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
+    "parallel_tool_calls": "tool calling is only on /v1/chat/completions",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "suffix": "suffix (insertion) is not supported",
@@ -27,6 +32,8 @@ _UNSUPPORTED = {
 }
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# Fields of _UNSUPPORTED that one endpoint implements (its request class names them).
+_NONE: tuple[str, ...] = ()
 
 
 class _Body(BaseModel):
@@ -40,6 +47,8 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     """Sampling fields shared by completions and chat, OpenAI's and vLLM's extras."""
+
+    _SUPPORTED_HERE: ClassVar[tuple[str, ...]] = _NONE
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -66,8 +75,14 @@ class _SamplingFields(_Body):
     bad_words: list[str] | None = None
     priority: int = 0
     request_id: str | None = Field(None, min_length=1, max_length=256)
+    # Structured output: OpenAI's, vLLM's, and vLLM's older names (see ``structured.py``).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Declared so that each gets its own clear error (see _UNSUPPORTED).
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -82,8 +97,9 @@ class _SamplingFields(_Body):
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.field_name or ""
-        harmless = value is None or (
-            (name == "response_format" and value == {"type": "text"})
+        harmless = (
+            value is None
+            or name in cls._SUPPORTED_HERE
             or (name == "tool_choice" and value == "none")
         )
         if not harmless:
@@ -121,6 +137,11 @@ class _SamplingFields(_Body):
         """vLLM's option: usage so far in every chunk of a stream."""
         return self.include_usage and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        """The structured-output constraint the request asks for (``ValueError`` naming the
+        field if it is malformed, or if several fields give one)."""
+        return request_constraint(self)
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ``ValueError`` naming a field for a bad combination."""
         fields = self.model_fields_set
@@ -146,6 +167,7 @@ class _SamplingFields(_Body):
             bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.output_constraint(),
             **kwargs,
         )
 
@@ -190,6 +212,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @field_validator("content")
     @classmethod
@@ -210,12 +234,14 @@ class ChatMessage(_Body):
             content = "".join(part["text"] for part in content)
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
-        if self.name is not None:
-            out["name"] = self.name
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _SUPPORTED_HERE: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "parallel_tool_calls")
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -234,6 +260,14 @@ class ChatCompletionRequest(_SamplingFields):
                 "`continue_final_message` and `add_generation_prompt` cannot both be true"
             )
         return self
+
+    @property
+    def tool_plan(self) -> ToolCallPlan | None:
+        """The forced tool call asked for (``tool_choice`` required or a named function)."""
+        return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def output_constraint(self) -> StructuredOutputsParams | None:
+        return request_constraint(self, self.tool_plan)
 
     @property
     def requested_max_tokens(self) -> int | None:

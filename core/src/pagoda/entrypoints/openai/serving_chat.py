@@ -21,6 +21,7 @@ from pagoda.entrypoints.openai.serving import (
     sse,
     usage,
 )
+from pagoda.entrypoints.openai.structured import chat_message, stream_tool_delta
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 
@@ -48,11 +49,19 @@ class ServingChat(Serving):
 
     async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         model = self.check_model(req.model)
+        try:
+            plan = req.tool_plan  # a forced tool call: the template shows the model its tools
+        except ValueError as e:
+            raise bad_value(e) from e
+        template_kwargs = req.chat_template_kwargs
+        if plan is not None:
+            tools = [t.model_dump(exclude_none=True) for t in plan.tools]
+            template_kwargs = {"tools": tools, **(template_kwargs or {})}
         prompt = self.render(
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
-            req.chat_template_kwargs,
+            template_kwargs,
         )
         num_prompt = len(prompt["prompt_token_ids"])
         try:
@@ -74,16 +83,18 @@ class ServingChat(Serving):
         async for out in outputs:
             final = out
         assert final is not None
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(req, c),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message, finish_reason = chat_message(plan, c.text, c.finish_reason)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(req, c),
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return JSONResponse(
             {
@@ -126,6 +137,8 @@ class ServingChat(Serving):
 
         ended: set[int] = set()
         completion_tokens = 0
+        plan = req.tool_plan
+        calls_text = [""] * req.n  # a forced tool call's output, sent whole when it ends
         try:
             # The role comes first, in a chunk of its own per choice, as OpenAI sends it.
             yield chunk(
@@ -146,11 +159,20 @@ class ServingChat(Serving):
                     completion_tokens += len(c.token_ids)
                     if c.finished():
                         ended.add(c.index)
+                    delta = {"content": c.text} if c.text else {}
+                    finish_reason = c.finish_reason
+                    if plan is not None:
+                        calls_text[c.index] += c.text
+                        if not c.finished():
+                            continue
+                        delta, finish_reason = stream_tool_delta(
+                            plan, calls_text[c.index], c.finish_reason
+                        )
                     choice = {
                         "index": c.index,
-                        "delta": {"content": c.text} if c.text else {},
+                        "delta": delta,
                         "logprobs": self._logprobs(req, c),
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish_reason,
                     }
                     if c.finished():
                         choice["stop_reason"] = c.stop_reason

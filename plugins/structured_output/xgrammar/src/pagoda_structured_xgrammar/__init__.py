@@ -1,0 +1,1 @@
+"""Pagoda's xgrammar grammar backend (``structured_output.backend: xgrammar``)."""

@@ -1,0 +1,161 @@
+"""The xgrammar backend: constraints become xgrammar grammars, compiled against the model's
+vocabulary; a step's bitmask is filled by xgrammar's threads and applied by its kernels."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    apply_token_bitmask,
+)
+
+# xgrammar's errors start with a timestamp, a source file and an assertion: keep the message.
+_NOISE = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*(Check failed:.*? is false:\s*)?")
+
+
+def _message(e: Exception) -> str:
+    return _NOISE.sub("", str(e)).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _grammar(params: StructuredOutputsParams, any_whitespace: bool) -> xgr.Grammar:
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = params.json if kind == "json" else {"type": "object"}
+        return xgr.Grammar.from_json_schema(
+            json.dumps(schema),
+            any_whitespace=any_whitespace,
+            separators=None if any_whitespace else (",", ":"),
+            strict_mode=True,
+        )
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+_WHAT = {
+    "json": "invalid or unsupported JSON schema",
+    "json_object": "invalid JSON object constraint",
+    "regex": "invalid or unsupported regex",
+    "choice": "invalid choice",
+    "grammar": "invalid EBNF grammar",
+}
+
+
+def _build(params: StructuredOutputsParams, any_whitespace: bool) -> xgr.Grammar:
+    try:
+        return _grammar(params, any_whitespace)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{_WHAT[params.kind]}: {_message(e)}") from None
+
+
+class XGrammarMatcher(GrammarMatcher):
+    __slots__ = ("matcher",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        # NOTE: xgrammar keeps an unbounded rollback history; no limit to pass.
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        m = self.matcher
+        return all(m.accept_token(t) for t in tokens)
+
+    def validate_tokens(self, tokens: Sequence[int]) -> int:
+        m = self.matcher
+        n = 0
+        for t in tokens:
+            if not m.accept_token(t):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class XGrammarCompiled(CompiledGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.compiled = compiled
+
+    def new_matcher(self, max_rollback_tokens: int = 0) -> XGrammarMatcher:
+        return XGrammarMatcher(self.compiled)
+
+    def memory_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
+
+XGrammarCompiled.backend = None  # type: ignore[assignment]  # set below
+
+
+class XGrammarBackend(GrammarBackend):
+    priority = 10
+    _batch: Any = None  # xgr.BatchGrammarMatcher, made on first use
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], config: Any
+    ) -> None:
+        super().__init__(tokenizer, vocab_size, stop_token_ids, config)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=config.compile_threads)
+
+    @classmethod
+    def validate(cls, params: StructuredOutputsParams) -> None:
+        _build(params, any_whitespace=True)
+
+    def compile(self, params: StructuredOutputsParams) -> XGrammarCompiled:
+        grammar = _build(params, self.config.any_whitespace)
+        try:
+            return XGrammarCompiled(self._compiler.compile_grammar(grammar))
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{_WHAT[params.kind]}: {_message(e)}") from None
+
+    @classmethod
+    def fill_bitmasks(
+        cls, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_bitmask(bitmask, rows[0])
+            return
+        if cls._batch is None:
+            cls._batch = xgr.BatchGrammarMatcher()
+        inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
+        cls._batch.batch_fill_next_token_bitmask(inner, bitmask, list(rows))
+
+    @classmethod
+    def accept_batch(cls, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
+        inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
+        return xgr.BatchGrammarMatcher.batch_accept_token(inner, list(tokens))
+
+    @classmethod
+    def apply_bitmask(cls, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        if logits.device.type == "cuda":
+            indices = None if len(rows) == logits.shape[0] else rows
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=indices)
+        else:
+            apply_token_bitmask(logits, bitmask, rows)
+
+
+XGrammarCompiled.backend = XGrammarBackend
