@@ -112,3 +112,15 @@ def test_step_messages_round_trip_as_msgpack() -> None:
     assert done.output.sampled_token_ids == [[4]] and done.output.req_ids == ["a"]
     assert np.array_equal(got.logprobs, arrays.logprobs) and got.logprobs.dtype == np.float32
     assert done.output.prompt_logprobs["a"].start == 1
+
+
+def test_executor_names_auto_and_vllms() -> None:
+    from pagoda.config import EngineConfig
+    from pagoda.executor.base import executor_name
+
+    def name(**kw) -> str:
+        return executor_name(EngineConfig.load(overrides=kw).parallel)
+
+    assert name() == "uniproc" and name(tensor_parallel_size=2) == "multiproc"
+    assert name(tensor_parallel_size=2, distributed_executor_backend="mp") == "multiproc"
+    assert name(tensor_parallel_size=2, executor="ray") == "ray"

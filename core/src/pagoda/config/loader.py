@@ -134,11 +134,16 @@ def flags_layer(flags: dict[str, tuple[Any, str]]) -> Layer:
     return layer
 
 
+# vLLM's argument names for single keys: ``LLM(distributed_executor_backend="mp")``.
+_KEY_ALIASES = {"distributed_executor_backend": "executor"}
+
+
 def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
     """Explicit arguments, nested (``cache={"block_size": 8}``) or flat (``block_size=8``)."""
     layer = Layer("argument")
     secs, flat = sections(), flat_names()
     for name, value in overrides.items():
+        name = _KEY_ALIASES.get(name, name)
         if name in secs and isinstance(value, Mapping):
             layer.values.setdefault(name, {}).update(value)
             for key in value:

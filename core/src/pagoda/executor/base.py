@@ -73,8 +73,12 @@ class Executor(ABC):
         """Release workers and their memory."""
 
 
+# vLLM's names (``distributed_executor_backend``) for the executors Pagoda ships.
+_VLLM_NAMES = {"mp": "multiproc", "uni": "uniproc"}
+
+
 def executor_name(parallel: ParallelConfig) -> str:
     """``parallel.executor``, with ``auto`` resolved: uniproc for one rank, multiproc for more."""
     if parallel.executor != "auto":
-        return parallel.executor
+        return _VLLM_NAMES.get(parallel.executor, parallel.executor)
     return "uniproc" if parallel.tensor_parallel_size == 1 else "multiproc"
