@@ -90,7 +90,8 @@ def test_an_error_quoting_a_traceback_is_cut_to_its_first_line(monkeypatch, caps
     monkeypatch.setattr("pagoda.entrypoints.cli._cmd_config", boom)
     assert main(["config"]) == 2
     err = capsys.readouterr().err
-    assert err == "pagoda: error: backend 'x' failed: ImportError: no (--debug shows the traceback)\n"
+    want = "pagoda: error: backend 'x' failed: ImportError: no (--debug shows the traceback)\n"
+    assert err == want
 
 
 def test_version_prints_the_installed_version() -> None:

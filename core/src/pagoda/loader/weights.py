@@ -64,7 +64,7 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
                 dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
                 if dtype is None:
-                    raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+                    raise ValueError(f"{file}: {name!r} has an unsupported dtype {info['dtype']}")
                 begin, end = info["data_offsets"]
                 raw = torch.empty(end - begin, dtype=torch.uint8)
                 f.seek(base + begin)
