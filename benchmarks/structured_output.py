@@ -1,0 +1,189 @@
+"""The cost of structured output: JSON-schema-constrained decoding against unconstrained decoding
+of the same batch, on random weights (Qwen3-0.6B by default), plus the grammar's compile time,
+the cache's hits and the host time each step spends on the bitmask.
+
+The model is random, so constrained requests wander inside the schema (strings, arrays) for the
+whole output length; both runs decode every request to ``--output-len`` tokens. The tokenizer
+must be a real one (``--tokenizer``): the synthetic one of random-weight folders has no JSON
+punctuation. Every constrained output is checked against a fresh matcher (each token allowed).
+
+    python benchmarks/structured_output.py --tokenizer DIR [--batch 64] [--output-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.bench.report import commit, hardware, save_report
+from pagoda.sampling_params import StructuredOutputsParams
+
+CONFIGS = Path(__file__).parent / "configs"
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                    "price": {"type": "number"},
+                    "kind": {"enum": ["a", "b", "c"]},
+                },
+                "required": ["id", "name", "tags", "price", "kind"],
+            },
+        },
+    },
+    "required": ["title", "items"],
+}
+
+
+def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, list]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
+    p.add_argument("--tokenizer", required=True, help="a folder with the model's tokenizer.json")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    folder, weights = ensure_random_weights(Path(args.config), 0, device)
+    llm = LLM(
+        model=str(folder),
+        tokenizer=args.tokenizer,
+        max_num_seqs=args.batch,
+        max_model_len=args.input_len + args.output_len + 16,
+    )
+    core = llm.engine.engine_core
+    runner = getattr(core.executor, "worker", None)
+    runner = runner.model_runner if runner is not None else None
+    mask_s: list[float] = []
+    if runner is not None:  # the host's time per step in the grammar bitmask
+        inner = runner.grammar.mask
+
+        def timed_mask(*a, **k):  # type: ignore[no-untyped-def]
+            # NOTE: the wait for the last step's tokens (the device's time) is not counted.
+            waited = [0.0]
+            wait = a[5]
+
+            def timed_wait() -> None:
+                t = time.perf_counter()
+                wait()
+                waited[0] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            try:
+                return inner(*a[:5], timed_wait, *a[6:], **k)
+            finally:
+                mask_s.append(time.perf_counter() - t - waited[0])
+
+        runner.grammar.mask = timed_mask
+
+    rng = np.random.default_rng(0)
+    vocab = 100_000
+    prompts = [
+        {"prompt_token_ids": rng.integers(100, vocab, args.input_len).tolist()}
+        for _ in range(args.batch)
+    ]
+    free = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    constrained = SamplingParams(
+        max_tokens=args.output_len,
+        temperature=0.0,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json=SCHEMA),
+    )
+    # Warm-up both paths (graphs, kernels, the grammar's first compile).
+    manager = core.structured_output
+    t0 = time.perf_counter()
+    llm.generate(prompts[:2], constrained, use_tqdm=False)
+    first_request_s = time.perf_counter() - t0
+    compile_times, _, _ = manager.take_stats()
+    llm.generate(prompts[:8], free, use_tqdm=False)
+
+    rows: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
+    tokens: dict[str, int] = {}
+    check = None
+    mask_s.clear()
+    for _ in range(args.repeats):
+        for name, params in (("unconstrained", free), ("json_schema", constrained)):
+            seconds, outs = _timed(llm, prompts, params)
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            tokens[name] = n
+            rows[name].append(n / seconds)
+            if name == "json_schema":
+                check = outs
+    _, queries, hits = manager.take_stats()
+
+    # Every constrained token was allowed by the grammar at its position.
+    compiled = manager.compiled(StructuredOutputsParams(json=SCHEMA))
+    accepted_all = True
+    lengths = []
+    for out in check or []:
+        matcher = compiled.new_matcher()
+        ids = out.outputs[0].token_ids
+        lengths.append(len(ids))
+        accepted_all &= matcher.accept_tokens(ids)
+    llm.engine.shutdown()
+
+    best = {k: max(v) for k, v in rows.items()}
+    ratio = best["json_schema"] / best["unconstrained"]
+    steps = len(mask_s)
+    report = {
+        "benchmark": "structured_output",
+        "command": "python benchmarks/structured_output.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None
+        ),
+        "model_config": Path(args.config).name,
+        "weights": weights,
+        "batch": args.batch,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "hardware": hardware(device),
+        "commit": commit(),
+        "output_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rows.items()},
+        "best_output_tokens_per_s": {k: round(v, 1) for k, v in best.items()},
+        "ratio_constrained_over_unconstrained": round(ratio, 4),
+        "output_tokens": tokens,
+        "constrained_output_lengths": {"min": min(lengths), "max": max(lengths)},
+        "every_constrained_token_allowed": bool(accepted_all),
+        "grammar_compile_s": [round(s, 4) for s in compile_times],
+        "first_constrained_request_s": round(first_request_s, 3),
+        "grammar_cache": {"queries": queries, "hits": hits},
+        "bitmask_host_ms_per_step": {
+            "mean": round(1e3 * float(np.mean(mask_s)), 3) if steps else None,
+            "p90": round(1e3 * float(np.percentile(mask_s, 90)), 3) if steps else None,
+            "steps": steps,
+        },
+    }
+    name = f"structured-output-{Path(args.config).name}-b{args.batch}"
+    save_report(report, f"{name}-{report['hardware'].split()[-1].lower()}-{commit()}", args.output_json)
+    print(f"{'run':<16}{'best tok/s':>12}")
+    for k, v in best.items():
+        print(f"{k:<16}{v:>12.1f}")
+    print(f"ratio {ratio:.3f}; compile {compile_times}; cache {hits}/{queries} hits; "
+          f"mask {report['bitmask_host_ms_per_step']}; all allowed {accepted_all}")
+
+
+if __name__ == "__main__":
+    main()
