@@ -89,7 +89,7 @@ def test_example_plugin_from_install_to_config_to_uninstall(fresh_venv: Path) ->
     listed = _pagoda(venv, "plugins")
     assert listed.returncode == 0, listed.stderr
     row = next(line for line in listed.stdout.splitlines() if line.startswith("counting "))
-    assert row.split()[:4] == ["counting", "pagoda-counting-attention", "0.1.0", "ok"]
+    assert row.split()[:4] == ["counting", "pagoda-counting-attention", "0.1.0", "loaded"]
 
     config = venv.parent / "engine.yaml"
     config.write_text("model:\n  max_model_len: 256\nattention:\n  backend: counting\n")

@@ -33,7 +33,7 @@ def test_plugins_table_shows_each_plugin_and_the_error_of_one_that_failed(
     lines = out.splitlines()
     assert lines[0].split() == ["PLUGIN", "DISTRIBUTION", "VERSION", "STATUS", "PROVIDES"]
     good = next(line for line in lines if line.startswith("good_plugin"))
-    assert good.split()[:4] == ["good_plugin", "pagoda-good", "0.3.1", "ok"]
+    assert good.split()[:4] == ["good_plugin", "pagoda-good", "0.3.1", "loaded"]
     assert "attention_backends: good_attn; hooks: on_step_end" in good
     core = next(line for line in lines if line.startswith("pagoda "))
     assert "torch_native" in core and "uniproc" in core and "LlamaForCausalLM" in core

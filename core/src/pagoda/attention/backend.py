@@ -43,6 +43,9 @@ class AttentionImpl(ABC):
     """One attention layer's computation over the paged KV cache."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        """Called once per layer when the model is built. ``num_heads`` and ``num_kv_heads`` are
+        this tensor-parallel rank's query and KV heads, ``head_size`` the size of one head,
+        ``scale`` the factor of ``q . k`` (``head_size ** -0.5``)."""
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -57,8 +60,20 @@ class AttentionImpl(ABC):
         kv_cache: torch.Tensor,  # the shape get_kv_cache_shape returned
         attn_metadata: Any,  # what build_metadata returned for this step
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        """Write this step's keys and values into the cache, then attend over each request's
-        context (causal within the step's tokens)."""
+        """One layer of one step: write the step's keys and values into the cache, then attend.
+
+        ``query`` is ``[num_tokens, num_heads, head_size]``; ``key`` and ``value`` are
+        ``[num_tokens, num_kv_heads, head_size]`` (after rotary embedding), in the model's dtype
+        on the engine's device, possibly non-contiguous. Rows past the metadata's
+        ``num_actual_tokens`` are padding: none of them is written to the cache. ``kv_cache`` is
+        this layer's cache (the shape ``get_kv_cache_shape`` returned, zero when allocated,
+        kept across steps); token ``t`` goes to slot ``slot_mapping[t]``. ``attn_metadata`` is
+        what ``build_metadata`` (or, in a CUDA graph, ``build_graph_metadata``) returned for
+        the step. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; a query
+        token at position ``p`` sees its request's keys at positions ``0..p``.
+
+        Returns a new ``[num_tokens, num_heads, head_size]`` tensor, dtype and device of
+        ``query``; rows past ``num_actual_tokens`` are never read."""
 
 
 class AttentionBackend(ABC):
@@ -77,42 +92,57 @@ class AttentionBackend(ABC):
     @classmethod
     @abstractmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
-        """Whether this backend runs on ``device`` with this dtype and head size."""
+        """Called at engine start to select a backend (by name or ``auto``), and by ``pagoda
+        plugins``. ``device`` is the engine's ``torch.device``, ``dtype`` the model's, and
+        ``head_size`` the model's head size. Returns whether this backend runs there."""
 
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
-        """Whether this backend reads a paged cache with blocks of ``block_size`` tokens."""
+        """Called at engine start with ``cache.block_size`` as ``block_size``. Returns whether
+        this backend reads a paged cache with blocks of that many tokens (default: any)."""
         return block_size >= 1
 
     @classmethod
     def get_kv_cache_shape(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor. The default holds keys at [0] and values at [1]."""
+        """Called once, when the cache is allocated: ``num_blocks`` blocks of ``block_size``
+        tokens, ``num_kv_heads`` (this rank's) heads of ``head_size``. Returns the shape of one
+        layer's cache tensor; the default, ``(2, num_blocks, block_size, num_kv_heads,
+        head_size)``, holds keys at [0] and values at [1] (``write_kv_cache``'s layout)."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     @abstractmethod
-    def get_impl_cls(cls) -> type[AttentionImpl]: ...
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        """Called once per layer when the model is built. Returns the :class:`AttentionImpl`
+        subclass the layer instantiates."""
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> Any:
-        """Per-step planning (for example splitting decodes from prefills); once per step."""
+        """Called once per step, before the model's first layer (never per layer), and for the
+        GPU's profiling pass. ``common`` is the step (:class:`CommonAttentionMetadata`); plan
+        from its host copies to avoid a device sync. Returns what every layer's ``forward``
+        receives as ``attn_metadata`` for this step (default: ``common`` itself)."""
         return common
 
     @classmethod
     def build_graph_metadata(cls, common: CommonAttentionMetadata) -> Any:
-        """The metadata captured in a decode CUDA graph of ``common.num_reqs`` requests (one per
-        batch size): ``common`` views the runner's persistent buffers and holds worst-case
-        lengths (``max_seq_len`` is the model's limit). Default: ``build_metadata``."""
+        """Called once per captured batch size, at decode CUDA graph capture (only when
+        ``supports_cuda_graph``). ``common`` holds ``num_reqs`` requests of one token each, views
+        the runner's persistent buffers, and has worst-case lengths (``max_seq_len`` and every
+        ``seq_lens_cpu`` are the model's limit). Returns the metadata the graph's layers
+        capture and every replay of that graph reuses (default: ``build_metadata(common)``)."""
         return cls.build_metadata(common)
 
     @classmethod
     def prepare_graph_replay(cls, metadata: Any, common: CommonAttentionMetadata) -> None:
-        """Before each replay, outside the graph: bring ``metadata`` (from
-        ``build_graph_metadata``) up to this step, whose ``common`` is padded to the graph's batch
-        size (padding rows attend to one slot of block 0). Default: nothing, for backends whose
-        kernels read all they need from the persistent buffers."""
+        """Called before each replay of a decode CUDA graph, outside the graph: bring
+        ``metadata`` (what ``build_graph_metadata`` returned for this batch size) up to this
+        step, whose ``common`` is padded to the graph's batch size (padding rows have
+        ``seq_len`` 1, block table ``[0, ...]`` and slot 0: they attend to one slot of block 0).
+        Returns nothing. Default: nothing, for backends whose kernels read all they need from
+        the persistent buffers."""
         return None
 
 
@@ -123,8 +153,12 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store this step's keys and values in their slots of a cache in the default layout
-    (``[2, num_blocks, block_size, num_kv_heads, head_size]``); returns the key and value caches."""
+    """Store the first ``num_tokens`` rows of ``key`` and ``value`` (``[num_tokens,
+    num_kv_heads, head_size]``) in their slots ``slot_mapping[:num_tokens]`` of ``kv_cache``, a
+    cache in the default layout (``[2, num_blocks, block_size, num_kv_heads, head_size]``).
+
+    Returns the key cache and the value cache, ``[num_blocks, block_size, num_kv_heads,
+    head_size]`` views of ``kv_cache``."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     heads, size = key.shape[1], key.shape[2]
     slots = slot_mapping[:num_tokens]

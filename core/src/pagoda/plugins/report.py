@@ -92,8 +92,9 @@ def _provides(rec: PluginRecord) -> str:
 
 
 def _status(rec: PluginRecord) -> str:
-    if rec.status == "loaded":
-        return "ok"
+    """``loaded``, ``failed: <reason>`` or ``disabled: <reason>`` (``PluginRecord.status``)."""
+    if rec.status == "loaded" or not rec.reason:
+        return rec.status
     return f"{rec.status}: {rec.reason}"
 
 

@@ -38,3 +38,8 @@ def __getattr__(name: str) -> Any:
 
         return AttentionBackendConformance
     raise AttributeError(f"module 'pagoda.testing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # NOTE: so that pydoc (and tab completion) list the lazily imported kits too.
+    return sorted(set(globals()) | set(__all__))
