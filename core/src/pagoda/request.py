@@ -65,6 +65,10 @@ class Request:
     # Another sample of the same prompt (n > 1) that prefills it: this one waits until that
     # prompt is computed, then takes its full blocks from the prefix cache.
     prefill_leader: str | None = None
+    # Speculative decoding: draft tokens for the next step, set by ``Scheduler.set_drafts`` from
+    # the proposer's output and consumed (scheduled, in part or not at all) by the next
+    # ``schedule()``. They are not tokens of the request: ``num_tokens`` does not count them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

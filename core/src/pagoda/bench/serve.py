@@ -119,7 +119,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(None, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    # NOTE: the key goes with every call: the server asks for it on /version and /metrics too.
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         models = (await client.get(f"{base}/v1/models", headers=headers)).raise_for_status()
         model = args.model or models.json()["data"][0]["id"]
         version = (await client.get(f"{base}/version")).json()
@@ -158,6 +159,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             async with limit:
                 return await _one(client, url, body(prompt, args.output_len), headers)
 
+        spec_before = await _spec_counters(client, base)
         tasks = []
         t0 = time.perf_counter()
         for prompt, gap in zip(prompts, gaps):
@@ -166,7 +168,41 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(limited(prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return _report(args, model, version, results, duration)
+        spec_after = await _spec_counters(client, base)
+    report = _report(args, model, version, results, duration)
+    report["speculative"] = _spec_figures(spec_before, spec_after)
+    return report
+
+
+_SPEC_SERIES = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+async def _spec_counters(client: Any, base: str) -> dict[str, float]:
+    """The server's speculative decoding counters (``pagoda:spec_decode_*``); empty when it
+    does not speculate."""
+    resp = await client.get(f"{base}/metrics")
+    out: dict[str, float] = {}
+    if resp.status_code != 200:
+        return out
+    for line in resp.text.splitlines():
+        for key in _SPEC_SERIES:
+            if line.startswith(f"pagoda:spec_decode_{key}_total"):
+                out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _spec_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float] | None:
+    """Acceptance over the run: rate and mean acceptance length, or None without drafts."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _SPEC_SERIES}
+    if not d["num_drafts"]:
+        return None
+    return {
+        "drafts": int(d["num_drafts"]),
+        "draft_tokens": int(d["num_draft_tokens"]),
+        "accepted_tokens": int(d["num_accepted_tokens"]),
+        "acceptance_rate": round(d["num_accepted_tokens"] / d["num_draft_tokens"], 4),
+        "mean_acceptance_length": round(1 + d["num_accepted_tokens"] / d["num_drafts"], 3),
+    }
 
 
 def _report(

@@ -193,6 +193,15 @@ def _run_pagoda(
     lens = [len(o.outputs[0].token_ids) for o in outs]
     figures = throughput_figures(elapsed, sum(map(len, prompts)), sum(lens), load_s)
     figures.update(num_prompts=len(prompts), reduced=False, exact_output_lengths=lens == out_lens)
+    spec = getattr(getattr(llm.engine.engine_core, "scheduler", None), "spec_stats_total", None)
+    if spec is not None and spec.num_drafts:
+        figures["speculative"] = {
+            "acceptance_rate": round(spec.acceptance_rate, 4),
+            "mean_acceptance_length": round(spec.mean_acceptance_length, 3),
+            "drafts": spec.num_drafts,
+            "draft_tokens": spec.num_draft_tokens,
+            "accepted_tokens": spec.num_accepted_tokens,
+        }
     return figures, startup, llm
 
 

@@ -134,6 +134,9 @@ def flags_layer(flags: dict[str, tuple[Any, str]]) -> Layer:
     return layer
 
 
+# vLLM's argument names for whole sections: ``LLM(speculative_config={...})``.
+_SECTION_ALIASES = {"speculative_config": "speculative"}
+
 # vLLM's argument names for single keys: ``LLM(distributed_executor_backend="mp")``.
 _KEY_ALIASES = {"distributed_executor_backend": "executor"}
 
@@ -144,6 +147,7 @@ def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
     secs, flat = sections(), flat_names()
     for name, value in overrides.items():
         name = _KEY_ALIASES.get(name, name)
+        name = _SECTION_ALIASES.get(name, name)
         if name in secs and isinstance(value, Mapping):
             layer.values.setdefault(name, {}).update(value)
             for key in value:

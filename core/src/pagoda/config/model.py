@@ -126,8 +126,24 @@ class ParallelConfig(_Section):
 
 
 class SpeculativeConfig(_Section):
-    method: str | None = Field(None, description="speculative proposer by name; None: off")
-    num_speculative_tokens: int = Field(0, ge=0, description="tokens proposed per step")
+    method: str | None = Field(
+        None, description="speculative proposer by name (`pagoda plugins`), e.g. ngram; None: off"
+    )
+    num_speculative_tokens: int = Field(
+        0, ge=0, description="draft tokens proposed per request per step"
+    )
+    prompt_lookup_min: int | None = Field(
+        None,
+        ge=1,
+        description="ngram: shortest suffix matched in the prompt and output; default:"
+        " prompt_lookup_max, or 5 when neither is set (vLLM's defaults)",
+    )
+    prompt_lookup_max: int | None = Field(
+        None,
+        ge=1,
+        description="ngram: longest suffix matched in the prompt and output; default:"
+        " prompt_lookup_min, or 5 when neither is set",
+    )
 
 
 class StructuredOutputConfig(_Section):
@@ -194,6 +210,12 @@ class EngineConfig(BaseSettings):
             raise ValueError(
                 "speculative.num_speculative_tokens must be at least 1 when speculative.method "
                 f"is set (method={sp.method!r}, num_speculative_tokens={sp.num_speculative_tokens})"
+            )
+        lo, hi = sp.prompt_lookup_min, sp.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"speculative.prompt_lookup_min={lo} is larger than speculative.prompt_lookup_max"
+                f"={hi}"
             )
         return self
 

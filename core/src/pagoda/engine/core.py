@@ -62,6 +62,10 @@ class EngineCore:
         and this returns the previous step's outputs: the host schedules and prepares step N+1
         while the device runs step N.
         """
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None and self._needs_fresh_output(self._in_flight[0]):
+            outputs = self._finish(*self._in_flight)
+            self._in_flight = None
         so = self.scheduler.schedule()
         if so.is_empty and self._in_flight is None and self.structured_output.num_pending:
             self.structured_output.wait(0.05)  # nothing runs: wait for a grammar, do not spin
@@ -69,7 +73,8 @@ class EngineCore:
         if not so.is_empty or so.finished_req_ids:
             launched = (so, self.executor.launch(so))
         previous, self._in_flight = self._in_flight, None
-        outputs = self._finish(*previous) if previous else []
+        if previous:
+            outputs += self._finish(*previous)
         if launched is not None:
             if self.async_scheduling and not so.is_empty:
                 self._in_flight = launched
@@ -78,6 +83,13 @@ class EngineCore:
         if self.scheduler.grammar_errors:
             outputs += self.scheduler.take_grammar_errors()
         return outputs
+
+    def _needs_fresh_output(self, in_flight: SchedulerOutput) -> bool:
+        """Speculative decoding under async scheduling: read the step in flight before the next
+        schedule when it verifies drafts (how many were accepted decides where its requests go
+        on) or when the last output proposed drafts (drafts for a position already in flight are
+        stale). While the proposer finds nothing, steps overlap as without speculation."""
+        return bool(in_flight.scheduled_spec_decode_tokens) or self.scheduler.drafts_pending
 
     def _finish(
         self, scheduler_output: SchedulerOutput, pending: PendingOutput

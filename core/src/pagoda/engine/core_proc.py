@@ -227,7 +227,20 @@ class _StatsTracker:
             grammar_compile_times=compile_times,
             grammar_cache_queries=grammar_queries,
             grammar_cache_hits=grammar_hits,
+            **_spec_fields(self.core.scheduler.make_spec_stats()),
         )
+
+
+def _spec_fields(spec: Any) -> dict[str, Any]:
+    """``SchedulerStats`` fields of the drafts verified since the last stats (or none)."""
+    if spec is None:
+        return {}
+    return {
+        "spec_num_drafts": spec.num_drafts,
+        "spec_num_draft_tokens": spec.num_draft_tokens,
+        "spec_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_accepted_per_pos": spec.accepted_per_pos,
+    }
 
 
 def _die_with_parent() -> None:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagoda.engine.wire import SchedulerStats
 from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger("pagoda.metrics")
 
@@ -165,6 +166,22 @@ class EngineMetrics:
         self.queue_time = histogram(
             "pagoda:request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
         )
+        # Speculative decoding (vLLM's names); per position: how often its draft was accepted.
+        self.spec_drafts = counter(
+            "pagoda:spec_decode_num_drafts", "Drafts verified (one per request per step)."
+        )
+        self.spec_draft_tokens = counter(
+            "pagoda:spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "pagoda:spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            "pagoda:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self._success = Counter(
             "pagoda:request_success",
             "Finished requests by finish reason.",
@@ -231,6 +248,23 @@ class EngineMetrics:
             self._log.stats = stats
             self._log.prefix_queries += stats.prefix_cache_queries
             self._log.prefix_hits += stats.prefix_cache_hits
+            if stats.spec_num_drafts:
+                self._record_spec(stats)
+
+    def _record_spec(self, stats: SchedulerStats) -> None:
+        self.spec_drafts.inc(stats.spec_num_drafts)
+        self.spec_draft_tokens.inc(stats.spec_num_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.spec_num_accepted_tokens)
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            self._spec_per_pos.labels(self._model_name, str(pos)).inc(n)
+        self._log.spec.merge(
+            SpecDecodingStats(
+                stats.spec_num_drafts,
+                stats.spec_num_draft_tokens,
+                stats.spec_num_accepted_tokens,
+                list(stats.spec_accepted_per_pos),
+            )
+        )
 
     def log(self) -> None:
         """Write the periodic log line if the interval has passed and something happened."""
@@ -251,6 +285,7 @@ class _PeriodicLog:
         self.stats: SchedulerStats | None = None
         self.prompt_tokens = self.generation_tokens = 0
         self.prefix_queries = self.prefix_hits = 0
+        self.spec = SpecDecodingStats()
         self._was_idle = True
 
     def maybe_log(self) -> None:
@@ -273,7 +308,26 @@ class _PeriodicLog:
                 100 * (s.kv_cache_usage if s else 0.0),
                 hit,
             )
+            if self.spec.num_drafts:
+                self._log_spec(elapsed)
         self._was_idle = idle
+        self.spec = SpecDecodingStats()
         self.last = now
         self.prompt_tokens = self.generation_tokens = 0
         self.prefix_queries = self.prefix_hits = 0
+
+    def _log_spec(self, elapsed: float) -> None:
+        spec = self.spec
+        per_pos = ", ".join(f"{n / spec.num_drafts:.3f}" for n in spec.accepted_per_pos)
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f "
+            "tokens/s, Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d "
+            "tokens, Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+            spec.mean_acceptance_length,
+            spec.num_accepted_tokens / elapsed,
+            spec.num_draft_tokens / elapsed,
+            spec.num_accepted_tokens,
+            spec.num_draft_tokens,
+            per_pos,
+            100 * spec.acceptance_rate,
+        )

@@ -86,6 +86,12 @@ class SchedulerStats(msgspec.Struct):
     grammar_compile_times: list[float] = []  # seconds of each grammar compiled since then
     grammar_cache_queries: int = 0  # constrained requests since then
     grammar_cache_hits: int = 0  # of them, those whose grammar was cached or compiling
+    # Speculative decoding since then: drafts verified (one per request per step), their
+    # tokens, the accepted ones, and acceptances by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class RequestError(msgspec.Struct):
@@ -107,6 +113,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
     stats: SchedulerStats | None = None
     errors: list[RequestError] = []
     utility: UtilityResult | None = None
+    accepted: list[str] = []  # requests the core took in (admission passed) since the last reply
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

@@ -22,6 +22,7 @@ from pagoda.config.loader import flat_names, format_effective, sections
 logger = logging.getLogger("pagoda.cli")
 
 _DEST = "cfg__"
+_SPEC_JSON = "speculative_config_json"
 # Sections that mean nothing to a command that runs no server.
 OFFLINE_SKIP = ("server",)
 
@@ -48,6 +49,15 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         else:
             group.add_argument(flag, metavar=_metavar(field.annotation), **common)
+    if "speculative" not in skip:
+        group.add_argument(
+            "--speculative-config",
+            dest=_SPEC_JSON,
+            metavar="JSON",
+            default=None,
+            help="the speculative section as JSON, as vLLM takes it, e.g. '{\"method\": \"ngram\","
+            " \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; a per-key flag wins",
+        )
 
 
 def _metavar(annotation: Any) -> str:
@@ -63,7 +73,21 @@ def _flags(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
         if dest.startswith(_DEST) and value is not None:
             section, key = dest[len(_DEST) :].split("__")
             out[f"{section}.{key}"] = (value, "--" + names[(section, key)].replace("_", "-"))
+    spec = getattr(args, _SPEC_JSON, None)
+    if spec is not None:
+        for key, value in _json_object(spec, "--speculative-config").items():
+            out.setdefault(f"speculative.{key}", (value, "--speculative-config"))
     return out
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"invalid configuration:\n  {flag}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"invalid configuration:\n  {flag}: want a JSON object, got {text!r}")
+    return value
 
 
 def config_from_args(

@@ -177,6 +177,21 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Return the request's blocks past the first ``num_tokens`` slots (speculative decoding:
+        slots of rejected drafts). Such blocks hold no computed token, so none is in the prefix
+        cache."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

@@ -83,7 +83,9 @@ def register_executors(register: Register) -> None:
 def register_spec_proposers(register: Register) -> None:
     """Register speculative-decoding proposers by method name (``ngram``, ``eagle``, ...).
 
-    :param register: call ``register(method, "pkg.mod:ProposerClass")`` for each proposer.
+    :param register: call ``register(method, "pkg.mod:ProposerClass")`` for each proposer; the
+        class implements :class:`pagoda.spec_decode.SpeculativeProposer` (the contract: what
+        ``propose`` receives each step and returns, in ``docs/plugins.md``).
 
     Called once per process, when plugins load. Every implementation is called; duplicate names
     follow the rule of :func:`register_attention_backends`. Users select one with

@@ -61,16 +61,17 @@ class BadWords:
         self,
         rows: np.ndarray,
         token_ids: np.ndarray,
-        num_tokens: np.ndarray,
-        num_prompt: np.ndarray,
+        n_tok: np.ndarray,
+        n_prompt: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(index into ``rows``, token id): the last token of each bad word whose other tokens
-        are the last tokens of the row's output (vLLM looks at the output only)."""
+        are the last tokens of the row's output (vLLM looks at the output only). ``n_tok`` and
+        ``n_prompt`` are each row's token and prompt counts, aligned with ``rows``."""
         words = self.words[rows]
         width = words.shape[2]
-        pos = (num_tokens[rows] - (width - 1))[:, None] + np.arange(width - 1)
+        pos = (n_tok - (width - 1))[:, None] + np.arange(width - 1)
         history = token_ids[rows[:, None], np.maximum(pos, 0)]
-        history[pos < num_prompt[rows][:, None]] = -2  # not output: matches no word
+        history[pos < n_prompt[:, None]] = -2  # not output: matches no word
         prefix = words[:, :, :-1]
         match = ((prefix == -1) | (prefix == history[:, None, :])).all(axis=-1)
         idx, word = np.nonzero(match & (words[:, :, -1] >= 0))

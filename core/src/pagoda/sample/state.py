@@ -106,8 +106,15 @@ class SamplingRows:
         self._prompt_mask[row, torch.tensor(prompt_ids, device=self.device)] = True
 
     def record_sampled(self, rows: np.ndarray, sampled: torch.Tensor) -> None:
-        """Count the tokens just sampled for ``rows``, on the device."""
+        """Count the tokens just sampled for ``rows``, on the device: [n], or [n, w] with -1
+        past what a row emitted (a step that verified drafts)."""
         if self._counts is None or not self.penalized[rows].any():
+            return
+        if sampled.dim() == 2:
+            flat = sampled.reshape(-1)
+            rows_t = self._to_dev(np.repeat(rows, sampled.shape[1]))
+            weights = (flat >= 0).to(torch.float32)
+            self._counts.index_put_((rows_t, flat.clamp(min=0)), weights, accumulate=True)
             return
         ones = torch.ones(len(rows), dtype=torch.float32, device=self.device)
         self._counts.index_put_((self._to_dev(rows), sampled), ones, accumulate=True)
@@ -125,15 +132,23 @@ class SamplingRows:
         token_ids: np.ndarray,
         num_tokens: np.ndarray,
         num_prompt: np.ndarray,
+        offsets: np.ndarray | None = None,
     ) -> SamplingMetadata:
-        """The settings of ``rows``, which sample the token at position ``num_tokens[row]``."""
+        """The settings of ``rows``, which sample the token at position ``num_tokens[row]``.
+
+        ``offsets`` (aligned with ``rows``, which may then repeat a row) moves each sampled
+        position ``offsets[i]`` further: speculative verification scores a request's draft
+        positions as consecutive rows, whose history (in ``token_ids``) holds the drafts before
+        them.
+        """
         md = SamplingMetadata(all_greedy=bool(self.greedy[rows].all()), all_random=False)
         k = int(self.logprobs[rows].max())
         if k >= 0:
             md.max_num_logprobs = k
-        self._constraints(md, rows, token_ids, num_tokens, num_prompt)
+        n_tok = num_tokens[rows] if offsets is None else num_tokens[rows] + offsets
+        self._constraints(md, rows, token_ids, n_tok, num_prompt[rows])
         if not md.all_greedy:
-            self._random(md, rows, num_tokens)
+            self._random(md, rows, n_tok)
         return md
 
     def _constraints(
@@ -141,20 +156,23 @@ class SamplingRows:
         md: SamplingMetadata,
         rows: np.ndarray,
         token_ids: np.ndarray,
-        num_tokens: np.ndarray,
-        num_prompt: np.ndarray,
+        n_tok: np.ndarray,
+        n_prompt: np.ndarray,
     ) -> None:
+        """``n_tok``, ``n_prompt``: aligned with ``rows``."""
         dev = self.device
         banned_idx: list[np.ndarray] = []
         banned_ids: list[np.ndarray] = []
-        short = np.nonzero(num_tokens[rows] - num_prompt[rows] < self.min_tokens[rows])[0]
+        short = np.nonzero(n_tok - n_prompt < self.min_tokens[rows])[0]
         if len(short):
             idx, ids, _ = self.stop_ids.pairs(rows[short])
             banned_idx.append(short[idx])
             banned_ids.append(ids)
         with_bad = np.nonzero(self.bad_words.has[rows])[0]
         if len(with_bad):
-            idx, ids = self.bad_words.banned(rows[with_bad], token_ids, num_tokens, num_prompt)
+            idx, ids = self.bad_words.banned(
+                rows[with_bad], token_ids, n_tok[with_bad], n_prompt[with_bad]
+            )
             banned_idx.append(with_bad[idx])
             banned_ids.append(ids)
         if banned_idx:
@@ -182,7 +200,7 @@ class SamplingRows:
                 prompt_mask=self._prompt_mask[rows_t],
             )
 
-    def _random(self, md: SamplingMetadata, rows: np.ndarray, num_tokens: np.ndarray) -> None:
+    def _random(self, md: SamplingMetadata, rows: np.ndarray, n_tok: np.ndarray) -> None:
         greedy = self.greedy[rows]
         md.all_random = not greedy.any()
         md.temperature = self._to_dev(self.temperature[rows])
@@ -202,5 +220,5 @@ class SamplingRows:
         uniform = torch.rand(len(rows), dtype=torch.float64).numpy()
         seeded = self.seeded[rows]
         if seeded.any():
-            uniform[seeded] = seeded_uniform(self.seed[rows[seeded]], num_tokens[rows[seeded]])
+            uniform[seeded] = seeded_uniform(self.seed[rows[seeded]], n_tok[seeded])
         md.uniform = self._to_dev(uniform)

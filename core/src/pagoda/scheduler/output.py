@@ -29,6 +29,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Where ``new_block_ids`` start in the request's block list: the blocks the runner holds past
+    # it were returned (speculative decoding frees blocks that held only rejected drafts).
+    block_offset: int = -1
 
 
 @dataclass
@@ -40,6 +43,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must drop its state for (finished, aborted or preempted) before this step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> the draft tokens scheduled for it (speculative decoding); they are the last
+    # ``len(drafts)`` of its ``num_scheduled_tokens`` and follow its last known token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -74,11 +80,14 @@ class PromptLogprobs:
 class ModelRunnerOutput:
     req_ids: list[str]
     # One list per request in ``req_ids``: the tokens sampled this step (empty for a prefill chunk
-    # that does not reach the end of the known tokens).
+    # that does not reach the end of the known tokens). With drafts: the accepted drafts, then
+    # one token of the target's (so ``len - 1`` drafts were accepted).
     sampled_token_ids: list[list[int]]
     # For the requests that asked (``logprobs``/``prompt_logprobs``), by request id.
     logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the proposer's drafts for the request's next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

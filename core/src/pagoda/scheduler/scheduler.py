@@ -13,6 +13,14 @@ that token is a placeholder (``Request.num_output_placeholders``) that counts as
 async scheduling the engine schedules step N+1 before step N's output is back, so a decoding
 request is scheduled for the token step N is still sampling, and the runner takes its id from
 the device. A request that step N ends was scheduled once more for nothing: that token is dropped.
+
+Speculative decoding follows the same rule: a decoding request's drafts (``Request.spec_token_ids``)
+are scheduled after its last known token, so ``num_scheduled_tokens`` counts them and the KV cache
+manager gives them slots; ``num_computed_tokens`` advances over them, and ``update_from_output``
+rolls it back by the drafts the rejection sampler refused (``_apply_drafts``), so rejected tokens
+leave no computed KV behind, no block with one of them is ever hashed into the prefix cache
+(hashing reads only the request's own tokens below ``num_computed_tokens``), and blocks that hold
+only rejected positions go back to the pool at once.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagoda.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagoda.structured_output.manager import StructuredOutputManager
@@ -111,6 +120,7 @@ class _Step:
     cached_reqs: list[Request] = field(default_factory=list)
     new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    spec: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts scheduled
 
     def add(self, req: Request, n: int, blocks: list[KVCacheBlock], is_new: bool) -> None:
         (self.new_reqs if is_new else self.cached_reqs).append(req)
@@ -124,6 +134,7 @@ class _Step:
             return
         self.budget += n
         del self.new_blocks[req.request_id]
+        self.spec.pop(req.request_id, None)
         (self.new_reqs if req in self.new_reqs else self.cached_reqs).remove(req)
 
 
@@ -179,6 +190,12 @@ class Scheduler:
         # failed, for the next outputs.
         self.structured_output: StructuredOutputManager | None = None
         self.grammar_errors: list[EngineCoreOutput] = []
+        # Speculative decoding: drafts verified since the last ``make_spec_stats`` (and ever),
+        # and whether the last runner output proposed any drafts (the engine core then reads
+        # each step's output before it schedules the next, so that drafts are fresh).
+        self.spec_stats = SpecDecodingStats()
+        self.spec_stats_total = SpecDecodingStats()
+        self.drafts_pending = False
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -237,7 +254,11 @@ class Scheduler:
             if num_new <= 0 or self._ends_before(req, known):
                 i += 1
                 continue
-            blocks = kv.allocate_slots(req, num_new)
+            drafts = self._drafts_to_schedule(req, known, step.budget)
+            blocks = kv.allocate_slots(req, num_new + len(drafts))
+            if blocks is None and drafts:  # short of blocks: verify no drafts before preempting
+                drafts = []
+                blocks = kv.allocate_slots(req, num_new)
             while blocks is None:
                 victim = self._pick_victim()
                 pos = self.running.index(victim)
@@ -249,7 +270,9 @@ class Scheduler:
                 blocks = kv.allocate_slots(req, num_new)
             if blocks is None:
                 break
-            step.add(req, num_new, blocks, is_new=False)
+            step.add(req, num_new + len(drafts), blocks, is_new=False)
+            if drafts:
+                step.spec[req.request_id] = drafts
             i += 1
 
         if not step.preempted:
@@ -271,10 +294,14 @@ class Scheduler:
                 req_id=r.request_id,
                 new_block_ids=[b.block_id for b in step.new_blocks[r.request_id]],
                 num_computed_tokens=r.num_computed_tokens,
+                block_offset=kv.num_held_blocks(r.request_id)
+                - len(step.new_blocks[r.request_id]),
             )
             for r in step.cached_reqs
         ]
         finished, self.finished_req_ids = self.finished_req_ids | step.preempted, set()
+        for r in self.running:
+            r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
             r.num_computed_tokens += step.num_scheduled[r.request_id]
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
@@ -285,7 +312,21 @@ class Scheduler:
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=finished,
+            scheduled_spec_decode_tokens=step.spec,
         )
+
+    def _drafts_to_schedule(self, req: Request, known: int, budget: int) -> list[int]:
+        """The part of ``req``'s drafts this step can verify: only for a request whose one
+        uncomputed token is its last (decoding), within the token budget and the context, and
+        never more than ``max_tokens`` lets it emit (a step emits at most drafts + 1 tokens)."""
+        drafts = req.spec_token_ids
+        if not drafts or known - req.num_computed_tokens != 1 or req.num_output_placeholders:
+            return []
+        limit = min(len(drafts), budget - 1, self.max_model_len - known)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - req.num_output_tokens - 1)
+        return drafts[: max(limit, 0)]
 
     def _schedule_waiting(self, step: _Step) -> None:
         """Schedule waiting requests; those whose grammar is still compiling stay in the queue
@@ -388,6 +429,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # what is in flight for it is dropped
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add_preempted(req)
@@ -397,6 +439,9 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        proposed = model_runner_output.draft_token_ids
+        self.drafts_pending = bool(proposed)
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -406,17 +451,29 @@ class Scheduler:
             new_token_ids: list[int] = []
             tokens = sampled.get(req_id, ())
             req.num_output_placeholders = max(req.num_output_placeholders - len(tokens), 0)
+            drafts = scheduled_drafts.get(req_id)
+            if drafts:
+                self._apply_drafts(req, len(drafts), len(tokens) - 1)
             for token in tokens:
                 req.output_token_ids.append(token)
                 new_token_ids.append(token)
                 if self._check_stop(req, token):
                     break
+            if drafts and not req.is_finished:
+                # Blocks past the known tokens held only rejected drafts.
+                self.kv_cache_manager.trim(req, req.num_tokens)
+            if req_id in proposed and not req.is_finished:
+                self.set_drafts(req, proposed[req_id])
             if new_token_ids and req_id in self.parked:
                 self._unpark(req)
             if req.is_finished:
                 any_finished = True
                 self._release(req)
             prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            new_logprobs = model_runner_output.logprobs.get(req_id)
+            if new_logprobs is not None and len(new_token_ids) < len(tokens):  # cut at a stop
+                k = new_logprobs.token_ids.shape[1] - 1
+                new_logprobs = new_logprobs.select(0, len(new_token_ids), k)
             if new_token_ids or req.is_finished or prompt_logprobs is not None:
                 outputs.append(
                     EngineCoreOutput(
@@ -425,13 +482,41 @@ class Scheduler:
                         finish_reason=req.status.finish_reason,
                         stop_reason=req.stop_reason,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
-                        new_logprobs=model_runner_output.logprobs.get(req_id),
+                        new_logprobs=new_logprobs,
                         new_prompt_logprobs=prompt_logprobs,
                     )
                 )
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _apply_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Roll ``num_computed_tokens`` back over the drafts the rejection sampler refused.
+
+        NOTE (for grammar backends and other draft-aware state): this is where the accepted
+        count of a step is known; ``num_accepted`` of the ``num_drafts`` scheduled drafts were
+        accepted, and the step emitted ``num_accepted + 1`` tokens (before stop checks).
+        """
+        num_accepted = max(num_accepted, 0)
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+        self.spec_stats_total.observe(num_drafts, num_accepted)
+
+    def set_drafts(self, req: Request, drafts: list[int]) -> None:
+        """Attach the proposer's drafts to ``req`` for its next step.
+
+        NOTE (for grammar backends): the place to validate or cut drafts before they are
+        scheduled. Drafts are dropped when the request has a step in flight whose output is not
+        back yet (async scheduling): they were proposed for a position already being computed.
+        """
+        req.spec_token_ids = [] if req.num_output_placeholders else drafts
+
+    def make_spec_stats(self) -> SpecDecodingStats | None:
+        """Drafts verified since the last call, then reset; None if there were none."""
+        if not self.spec_stats.num_drafts:
+            return None
+        stats, self.spec_stats = self.spec_stats, SpecDecodingStats()
+        return stats
 
     def _check_stop(self, req: Request, token: int) -> bool:
         """Set the finished status if ``token``, just appended, ends the request."""

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.state import SamplingRows, seeded_uniform
@@ -206,3 +207,60 @@ def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutp
             runner._draft_probs[req_id] = drafts.probs[i, : counts[i]]
         else:
             runner._draft_probs.pop(req_id, None)
+
+
+def run_verify_graph(
+    runner: ModelRunner,
+    counts: np.ndarray,
+    starts: np.ndarray,
+    qsl: np.ndarray,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    slots: np.ndarray,
+    rows: np.ndarray,
+) -> torch.Tensor | None:
+    """Replay a verification graph (q = k + 1 tokens a request) for a step of up to q tokens a
+    request, padded to q: pad tokens write their keys and values into block 0 and come after the
+    request's real tokens, which therefore never see them. Returns the real tokens' hidden
+    states in the step's own (unpadded) order, or None when the step does not fit a graph (a
+    longer chunk, too many requests, or a padded sequence past the context limit)."""
+    graphs = runner.verify_graphs
+    q = graphs.query_len
+    n = len(counts)
+    bucket = graphs.bucket_for(n)
+    if bucket is None or int(counts.max()) > q or int((starts + q).max()) > runner.max_model_len:
+        return None
+    total = len(input_ids)
+    tok_req = np.repeat(runner._arange[:n], counts)
+    index = tok_req * q + (runner._arange[:total] - qsl[tok_req])  # each token's padded place
+
+    def spread(a: np.ndarray) -> np.ndarray:
+        out = np.zeros(n * q, dtype=np.int64)
+        out[index] = a
+        return out
+
+    seq_lens = starts + q
+    qsl_pad = runner._arange[: n + 1] * q
+    bs = runner.block_size
+    max_blocks = -(-int(seq_lens.max()) // bs)
+    runner._to_device(runner.input_ids[: n * q], spread(input_ids))
+    runner._to_device(runner.positions[: n * q], spread(positions))
+    runner._to_device(runner.slot_mapping[: n * q], spread(slots))  # pads: slot 0 of block 0
+    runner._to_device(runner.query_start_loc[: n + 1], qsl_pad.astype(np.int32))
+    runner._to_device(runner.seq_lens[:n], seq_lens.astype(np.int32))
+    table = runner.input_batch.block_table[rows, :max_blocks]
+    runner._to_device(runner.block_table[:n, :max_blocks], table)
+    common = CommonAttentionMetadata(
+        num_reqs=n,
+        num_actual_tokens=n * q,
+        max_query_len=q,
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=runner.query_start_loc[: n + 1],
+        seq_lens=runner.seq_lens[:n],
+        block_table=runner.block_table[:n],
+        slot_mapping=runner.slot_mapping[: n * q],
+        query_start_loc_cpu=qsl_pad,
+        seq_lens_cpu=seq_lens,
+        block_size=bs,
+    )
+    return graphs.run(common, bucket)[runner._as_device(index)]

@@ -3,6 +3,10 @@
 One graph per batch-size bucket, captured largest first into one memory pool. A decode step with
 ``n`` requests replays the smallest bucket that holds them; rows past ``n`` are padding that
 writes its key and value into block 0 (never handed out) and attends to that one slot.
+
+With ``query_len`` q > 1 the same holds for steps where every request has q tokens (speculative
+verification: the last known token and k drafts, q = k + 1); the runner pads requests with
+fewer drafts to q tokens whose keys and values go to block 0 (``pagoda.spec_decode.verify``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, query_len: int = 1) -> None:
         self.runner = runner
-        self.buckets = graph_buckets(min(runner.max_num_reqs, runner.max_num_tokens))
+        self.query_len = q = query_len
+        self.buckets = graph_buckets(min(runner.max_num_reqs, runner.max_num_tokens // q))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metadata: dict[int, object] = {}  # the attention metadata each graph captured
@@ -47,32 +52,32 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def _metadata(self, b: int) -> object:
-        r = self.runner
+        r, q = self.runner, self.query_len
         # NOTE: captured with worst-case lengths, so launch parameters baked into the graph
         # (grids, context splits) hold for every step it replays.
         common = CommonAttentionMetadata(
             num_reqs=b,
-            num_actual_tokens=b,
-            max_query_len=1,
+            num_actual_tokens=b * q,
+            max_query_len=q,
             max_seq_len=r.max_model_len,
             query_start_loc=r.query_start_loc[: b + 1],
             seq_lens=r.seq_lens[:b],
             block_table=r.block_table[:b],
-            slot_mapping=r.slot_mapping[:b],
-            query_start_loc_cpu=np.arange(b + 1),
+            slot_mapping=r.slot_mapping[: b * q],
+            query_start_loc_cpu=np.arange(b + 1) * q,
             seq_lens_cpu=np.full(b, r.max_model_len),
             block_size=r.block_size,
         )
         return r.attn_backend.build_graph_metadata(common)
 
     def _pad(self, n: int, b: int) -> None:
-        r = self.runner
-        r.input_ids[n:b] = 0
-        r.positions[n:b] = 0
-        r.slot_mapping[n:b] = 0
-        r.seq_lens[n:b] = 1
-        r.block_table[n:b, 0] = 0
-        r.query_start_loc[: b + 1].copy_(self._arange[: b + 1])
+        r, q = self.runner, self.query_len
+        r.input_ids[n * q : b * q] = 0
+        r.positions[n * q : b * q] = 0
+        r.slot_mapping[n * q : b * q] = 0
+        r.seq_lens[n:b] = q
+        r.block_table[n:b, : -(-q // r.block_size)] = 0
+        r.query_start_loc[: b + 1].copy_(self._arange[: b + 1] * q)
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -81,22 +86,24 @@ class DecodeGraphs:
         self._arange_np = np.arange(self.max_batch + 1, dtype=np.int64)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        q = self.query_len
         for b in reversed(self.buckets):
             self._pad(0, b)
             md = self.metadata[b] = self._metadata(b)
             with set_forward_context(md):
-                r.model(r.input_ids[:b], r.positions[:b])  # warm-up: compile and autotune
+                r.model(r.input_ids[: b * q], r.positions[: b * q])  # warm-up: compile, tune
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[b] = r.model(r.input_ids[:b], r.positions[:b])
+                    self.outputs[b] = r.model(r.input_ids[: b * q], r.positions[: b * q])
             self.graphs[b] = graph
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         logger.info(
-            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            "captured %d decode CUDA graphs (batch %s, %d tokens a request) in %.1f s",
             len(self.buckets),
             self.buckets,
+            q,
             elapsed,
         )
         return elapsed
@@ -110,21 +117,22 @@ class DecodeGraphs:
     def run(self, common: CommonAttentionMetadata, b: int) -> torch.Tensor:
         """Replay bucket ``b`` for the step ``common`` (its ``num_reqs`` requests are in the
         buffers); their hidden states."""
-        n = common.num_reqs
+        n, q = common.num_reqs, self.query_len
         self._pad(n, b)
         if self._replans:
+            pad_lens = np.full(b - n, q, dtype=np.int64)
             padded = dataclasses.replace(
                 common,
                 num_reqs=b,
-                num_actual_tokens=b,
+                num_actual_tokens=b * q,
                 query_start_loc=self.runner.query_start_loc[: b + 1],
                 seq_lens=self.runner.seq_lens[:b],
                 block_table=self.runner.block_table[:b],
-                slot_mapping=self.runner.slot_mapping[:b],
-                query_start_loc_cpu=self._arange_np[: b + 1],
-                seq_lens_cpu=np.concatenate([common.seq_lens_cpu, np.ones(b - n, dtype=np.int64)]),
+                slot_mapping=self.runner.slot_mapping[: b * q],
+                query_start_loc_cpu=self._arange_np[: b + 1] * q,
+                seq_lens_cpu=np.concatenate([common.seq_lens_cpu, pad_lens]),
             )
             self.runner.attn_backend.prepare_graph_replay(self.metadata[b], padded)
         self.replays += 1
         self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self.outputs[b][: n * q]

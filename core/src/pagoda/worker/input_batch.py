@@ -68,7 +68,19 @@ class InputBatch:
         self.num_tokens[rows] = pos + 1
         return pos
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def write_drafts(self, drafts: dict[str, list[int]]) -> None:
+        """Put each request's scheduled drafts after its known tokens, where the step reads its
+        input ids and the sampler its history; ``num_tokens`` does not count them."""
+        for req_id, ids in drafts.items():
+            row = self.row_of[req_id]
+            n = int(self.num_tokens[row])
+            self.token_ids[row, n : n + len(ids)] = ids
+
+    def append_blocks(self, row: int, block_ids: list[int], offset: int = -1) -> None:
+        """Append ``block_ids`` to the row's block table, at ``offset`` when it is >= 0 (the
+        blocks from there on were returned)."""
+        if offset >= 0:
+            self.num_blocks[row] = min(int(self.num_blocks[row]), offset)
         if not block_ids:
             return
         start = int(self.num_blocks[row])

@@ -29,6 +29,8 @@ from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.runner import GrammarRows
+from pagoda.spec_decode.proposer import ProposerContext, build_proposer
+from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
@@ -70,6 +72,19 @@ class ModelRunner:
         # KV heads of this tensor-parallel rank: its KV cache holds those only.
         self.num_kv_heads = tp_shape(arch).num_kv_heads
         self.sampler = Sampler()
+        # Speculative decoding: the proposer named by ``speculative.method`` (None: off).
+        self.proposer = build_proposer(
+            ProposerContext(
+                config.speculative,
+                arch.vocab_size,
+                arch.hidden_size,
+                self.max_num_reqs,
+                max_model_len,
+                device,
+                dtype,
+            )
+        )
+        self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
         self.input_batch = InputBatch(
@@ -219,6 +234,8 @@ class ModelRunner:
                 self.kv_caches.append(module.kv_cache)
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         self.decode_graphs: DecodeGraphs | None = None
+        # Speculative verification steps (k + 1 tokens a request) as graphs too.
+        self.verify_graphs: DecodeGraphs | None = None
         self.graph_capture_s = 0.0
         if (
             self.device.type == "cuda"
@@ -227,6 +244,10 @@ class ModelRunner:
         ):
             self.decode_graphs = DecodeGraphs(self)
             self.graph_capture_s = self.decode_graphs.capture()
+            if self.proposer is not None:
+                k = self.config.speculative.num_speculative_tokens
+                self.verify_graphs = DecodeGraphs(self, query_len=k + 1)
+                self.graph_capture_s += self.verify_graphs.capture()
             self.startup_times["graph_capture_s"] = self.graph_capture_s
 
     # ---- one step ------------------------------------------------------------------------------
@@ -236,6 +257,9 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             ib.remove(req_id)
             self.grammar.remove(req_id)
+            self._draft_probs.pop(req_id, None)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.remove(so.finished_req_ids)
         req_ids: list[str] = []
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
@@ -245,7 +269,7 @@ class ModelRunner:
             req_ids.append(new.req_id)
             computed.append(new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
-            ib.append_blocks(ib.row_of[cached.req_id], cached.new_block_ids)
+            ib.append_blocks(ib.row_of[cached.req_id], cached.new_block_ids, cached.block_offset)
             req_ids.append(cached.req_id)
             computed.append(cached.num_computed_tokens)
         return req_ids, np.asarray(computed, dtype=np.int64)
@@ -274,12 +298,16 @@ class ModelRunner:
         The tokens sampled by the previous step may still be on the device (their rows hold -1):
         they reach this step's input ids there, without a host round trip.
         """
+        if self._unread and self._unread[-1].drafted is not None:
+            self._unread.pop().get()  # NOTE: rows with drafts learn their length only there
         self._settle()
         req_ids, starts = self._update_states(so)
         ib = self.input_batch
         if so.total_num_scheduled_tokens == 0:
             return StepOutput(ib, [])
         rows = np.fromiter((ib.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if so.scheduled_spec_decode_tokens:
+            ib.write_drafts(so.scheduled_spec_decode_tokens)
         if self._unread and ib.sampling.needs_token_history(rows):
             self._unread.pop().get()  # bad words read the ids on the host: wait for them
         counts = np.fromiter(
@@ -324,8 +352,14 @@ class ModelRunner:
 
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
+        verified = None
+        if bucket is None and self.verify_graphs is not None and not len(unknown):
+            step = (counts, starts, qsl, input_ids, positions, slots, rows)
+            verified = run_verify_graph(self, *step)
         if bucket is not None:
             hidden = graphs.run(common, bucket)
+        elif verified is not None:
+            hidden = verified
         else:
             with set_forward_context(self.attn_backend.build_metadata(common)):
                 hidden = self.model(self.input_ids[:total], self.positions[:total])
@@ -333,13 +367,22 @@ class ModelRunner:
         out = StepOutput(ib, req_ids)
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
-        if len(sample_idx):
+        if len(sample_idx) and so.scheduled_spec_decode_tokens:
+            self._verify(hidden, out, rows, sample_idx, qsl, so.scheduled_spec_decode_tokens)
+        elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
+        if self.proposer is not None:
+            out.on_output = self._propose
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if self.device.type == "cuda":
             out.event = torch.cuda.Event()
             out.event.record()
         self._unread.append(out)
+        if self.grammar.entries and out.sampled is not None:
+            if not getattr(so, "scheduled_spec_decode_tokens", None):
+                # Structured output: the next bitmask is filled while the host moves on.
+                sampled_ids = [req_ids[i] for i in out.sample_idx]
+                self.grammar.prefetch(sampled_ids, out.sampled, out.event, self.device)
         return out
 
     def _settle(self) -> None:
@@ -400,6 +443,8 @@ class ModelRunner:
         out.sample_idx = sample_idx
         out.sample_rows = sample_rows
         out.sample_pos = ib.append_placeholders(sample_rows)
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            out.proposer_hidden = hidden[self.logits_indices[:n]]
         self._prev_sampled = result.sampled
         self._prev_index[:] = -1
         self._prev_index[sample_rows] = np.arange(n)
@@ -407,6 +452,23 @@ class ModelRunner:
         if result.logprobs is not None:
             out.logprobs = result.logprobs.to_host()
             out.logprobs_ks = ib.sampling.logprobs[sample_rows]
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        out: StepOutput,
+        rows: np.ndarray,
+        sample_idx: np.ndarray,
+        qsl: np.ndarray,
+        drafts: dict[str, list[int]],
+    ) -> None:
+        """Like ``_sample``, for a step that scores draft tokens: the rejection sampler keeps
+        each request's accepted drafts and adds one token (``pagoda.spec_decode.verify``)."""
+        verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
+
+    def _propose(self, step: StepOutput, output: ModelRunnerOutput) -> None:
+        """Once a step's output is on the host: the proposer's drafts for the next step."""
+        propose_after(self, step, output)
 
     def _prompt_logprobs(
         self,

@@ -9,6 +9,7 @@ and launch the next step, which reads those ids on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,11 +40,21 @@ class StepOutput:
     sample_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    sampled: torch.Tensor | None = None  # host copy of the sampled ids, in flight
+    # Host copy of the sampled ids, in flight: [n], or [n, k + 1] with -1 padding when the step
+    # verified drafts (each row: its accepted drafts, then the target's token).
+    sampled: torch.Tensor | None = None
     logprobs: LogprobsTensors | None = None  # host copies, in flight
     logprobs_ks: np.ndarray | None = None  # per sampling row: k asked, or -1
     prompt_logprobs: PromptLogprobsPart | None = None
     event: torch.cuda.Event | None = None
+    # Speculative steps: which sampling rows had drafts (those got no placeholder: their tokens
+    # are appended at ``get``), and each one's first row in ``logprobs``.
+    drafted: np.ndarray | None = None
+    logprobs_starts: np.ndarray | None = None
+    # Called with this and its output once the output is built (the proposer's turn).
+    on_output: Callable[[StepOutput, ModelRunnerOutput], None] | None = None
+    proposer_hidden: torch.Tensor | None = None  # [sampling rows, hidden], for the proposer
+    num_emitted: np.ndarray | None = None  # per sampling row, set by ``get``
     _output: ModelRunnerOutput | None = None
 
     @property
@@ -56,20 +67,32 @@ class StepOutput:
             if self.event is not None:
                 self.event.synchronize()
             self._output = self._build()
+            if self.on_output is not None:
+                self.on_output(self, self._output)
         return self._output
 
     def _build(self) -> ModelRunnerOutput:
         out = ModelRunnerOutput(self.req_ids, [[] for _ in self.req_ids])
         if self.sampled is not None:
             tokens = self.sampled.numpy()
-            self._write_back(tokens)
-            for i, t in zip(self.sample_idx.tolist(), tokens.tolist()):
-                out.sampled_token_ids[i] = [t]
+            if tokens.ndim == 1:
+                self.num_emitted = np.ones(len(tokens), dtype=np.int64)
+                self._write_back(tokens)
+                for i, t in zip(self.sample_idx.tolist(), tokens.tolist()):
+                    out.sampled_token_ids[i] = [t]
+            else:
+                self.num_emitted = (tokens >= 0).sum(axis=1)
+                self._write_back_verified(tokens)
+                for i, row in zip(self.sample_idx.tolist(), tokens.tolist()):
+                    out.sampled_token_ids[i] = [t for t in row if t >= 0]
         if self.logprobs is not None:
             arrays = self.logprobs.to_arrays()
+            starts = self.logprobs_starts
             for j in np.nonzero(self.logprobs_ks >= 0)[0].tolist():
                 req_id = self.req_ids[self.sample_idx[j]]
-                out.logprobs[req_id] = arrays.select(j, j + 1, int(self.logprobs_ks[j]))
+                lo = j if starts is None else int(starts[j])
+                hi = lo + int(self.num_emitted[j])
+                out.logprobs[req_id] = arrays.select(lo, hi, int(self.logprobs_ks[j]))
         part = self.prompt_logprobs
         if part is not None:
             arrays = part.tensors.to_arrays()
@@ -78,6 +101,23 @@ class StepOutput:
                 chunk = arrays.select(lo, lo + int(part.n_pos[j]), int(part.ks[i]))
                 out.prompt_logprobs[self.req_ids[i]] = PromptLogprobs(int(part.starts[i]), chunk)
         return out
+
+    def _write_back_verified(self, tokens: np.ndarray) -> None:
+        """A step that verified drafts: rows without drafts replace their placeholder; rows
+        with drafts gain their emitted tokens (the engine reads such a step before it schedules
+        the request again, so nothing was appended to them since)."""
+        ib = self.input_batch
+        plain = ~self.drafted
+        if plain.any():
+            sub = StepOutput(ib, self.req_ids, self.sample_idx[plain], self.sample_rows[plain])
+            sub.sample_pos = self.sample_pos[plain]
+            sub._write_back(tokens[plain, 0])
+        for j in np.flatnonzero(self.drafted).tolist():
+            row = int(self.sample_rows[j])
+            if ib.row_of.get(self.req_ids[self.sample_idx[j]]) == row:
+                pos, n = int(self.sample_pos[j]), int(self.num_emitted[j])
+                ib.token_ids[row, pos : pos + n] = tokens[j, :n]
+                ib.num_tokens[row] = pos + n
 
     def _write_back(self, tokens: np.ndarray) -> None:
         """Put the sampled ids in place of the placeholders the runner left in its rows, for

@@ -1,0 +1,220 @@
+"""Speculative decoding: tokens/s with and without it, acceptance rate and mean acceptance length.
+
+The input-grounded workload asks the model to repeat, edit or summarise text that ships with
+Python: source code of standard-library functions and the documentation strings of its modules
+(chat-templated for an instruct model). Output repeats the input, which is where prompt lookup
+(n-gram) drafts pay. ``--random-weights CONFIG_DIR`` runs random weights on random prompts
+instead (almost nothing is accepted: the overhead case).
+
+Both engines live in one process and each request (or batch) runs on one, then on the other, in
+alternating order, so a machine shared with other work slows both alike; the figure is the ratio.
+
+    python benchmarks/spec_decode.py [--batch-size 1] [--num-prompts 9] [--max-tokens 128]
+    python benchmarks/spec_decode.py --random-weights benchmarks/configs/qwen3-0.6b \\
+        --batch-size 64 --max-tokens 128 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.report import commit, hardware, save_report
+
+# (module, attribute or None for the module's docstring)
+_SOURCES = [
+    ("textwrap", "TextWrapper._wrap_chunks"),
+    ("json.encoder", "py_encode_basestring_ascii"),
+    ("shlex", "split"),
+    ("heapq", "merge"),
+    ("bisect", "insort_right"),
+    ("fnmatch", "translate"),
+    ("statistics", "median"),
+    ("colorsys", "rgb_to_hls"),
+    ("base64", "b32encode"),
+]
+_DOCS = ["heapq", "bisect", "shlex", "fnmatch", "colorsys", "textwrap", "json", "argparse", "csv"]
+
+
+def _source(module: str, attr: str) -> str:
+    obj: Any = __import__(module, fromlist=["_"])
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
+
+
+def grounded_prompts(n: int) -> list[tuple[str, str]]:
+    """(kind, user message), cycling through repeat, edit and summarise."""
+    out = []
+    for i in range(n):
+        kind = ("repeat", "edit", "summarise")[i % 3]
+        module, attr = _SOURCES[i % len(_SOURCES)]
+        if kind == "repeat":
+            src = _source(module, attr)
+            text = f"Repeat this code exactly:\n```python\n{src}```"
+        elif kind == "edit":
+            src = _source(module, attr)
+            text = (
+                "Add type hints to this function and return the whole function, unchanged "
+                f"otherwise:\n```python\n{src}```"
+            )
+        else:
+            doc = inspect.getdoc(__import__(_DOCS[i % len(_DOCS)], fromlist=["_"])) or ""
+            text = f"Summarise this documentation, quoting its key sentences:\n\n{doc[:2500]}"
+        out.append((kind, text))
+    return out
+
+
+def _build(args: argparse.Namespace, spec: dict | None) -> LLM:
+    kw: dict[str, Any] = {
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": max(args.batch_size, 1),
+        "device": args.device,
+    }
+    if args.model:
+        kw["model"] = args.model
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    if args.kv_cache_memory_bytes:  # two engines share the device: size each cache
+        kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return LLM(**kw)
+
+
+def _prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]:
+    if args.random_weights:
+        rng = np.random.default_rng(0)
+        ids = rng.integers(10, 10_000, (args.num_prompts, args.input_len))
+        return [{"prompt_token_ids": row.tolist()} for row in ids], ["random"] * args.num_prompts
+    tok = llm.get_tokenizer()
+    prompts, kinds = [], []
+    for kind, text in grounded_prompts(args.num_prompts):
+        messages = [{"role": "user", "content": text}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        prompts.append({"prompt_token_ids": list(ids)[: args.max_model_len - args.max_tokens - 1]})
+        kinds.append(kind)
+    return prompts, kinds
+
+
+def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
+    p.add_argument("--random-weights", default=None, metavar="CONFIG_DIR")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=9)
+    p.add_argument("--input-len", type=int, default=256, help="random prompts only")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    if args.random_weights:
+        from pagoda.bench.random_weights import ensure_random_weights
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        folder, _ = ensure_random_weights(Path(args.random_weights), 0, dev)
+        args.model = str(folder)
+
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": args.prompt_lookup_min,
+        "prompt_lookup_max": args.prompt_lookup_max,
+    }
+    engines = {"off": _build(args, None), "ngram": _build(args, spec)}
+    prompts, kinds = _prompts(args, engines["off"])
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=bool(args.random_weights)
+    )
+    for llm in engines.values():  # warm-up: first-call costs (allocations, graphs) out of the way
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    stats = engines["ngram"].engine.engine_core.scheduler.spec_stats_total
+    drafts0, draft_tokens0, accepted0 = (
+        stats.num_drafts,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
+    seconds = {"off": 0.0, "ngram": 0.0}
+    tokens = {"off": 0, "ngram": 0}
+    same = True
+    batches = [
+        prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)
+    ] * args.repeats
+    for b, batch in enumerate(batches):
+        order = ("off", "ngram") if b % 2 == 0 else ("ngram", "off")
+        outs = {}
+        for name in order:
+            dt, outs[name] = _timed(engines[name], batch, params)
+            seconds[name] += dt
+            tokens[name] += sum(len(o) for o in outs[name])
+        same &= outs["off"] == outs["ngram"]
+        so_far = {k: tokens[k] / seconds[k] for k in seconds}
+        print(f"batch {b}: tok/s so far {so_far}", file=sys.stderr)
+    drafts = stats.num_drafts - drafts0
+    draft_tokens = stats.num_draft_tokens - draft_tokens0
+    accepted = stats.num_accepted_tokens - accepted0
+    tps = {k: tokens[k] / seconds[k] for k in seconds}
+    runner = engines["off"].engine.engine_core.executor.worker.model_runner
+    report = {
+        "benchmark": "spec_decode",
+        "command": "python " + " ".join(sys.argv),
+        "workload": "random" if args.random_weights else "input-grounded (stdlib source, docs)",
+        "model": args.random_weights or args.model or "SmolLM2-135M-Instruct (default)",
+        "hardware": hardware(runner.device),
+        "commit": commit(),
+        "dtype": str(runner.dtype),
+        "batch_size": args.batch_size,
+        "num_prompts": len(prompts),
+        "kinds": sorted(set(kinds)),
+        "max_tokens": args.max_tokens,
+        "speculative": spec,
+        "output_tokens": tokens,
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
+        "speedup": round(tps["ngram"] / tps["off"], 3),
+        "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "greedy_outputs_identical": bool(same),
+    }
+    where = "gpu" if runner.device.type == "cuda" else "cpu"
+    model = Path(report["model"]).name.split()[0].lower()
+    name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"
+    path = save_report(report, name, args.output_json)
+    keys = ("tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length")
+    print(json.dumps({k: report[k] for k in (*keys, "greedy_outputs_identical")}))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

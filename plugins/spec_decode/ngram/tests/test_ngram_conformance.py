@@ -1,0 +1,18 @@
+"""The n-gram proposer against the core's proposer conformance kit, selected by its name."""
+
+from __future__ import annotations
+
+from pagoda.config import SpeculativeConfig
+from pagoda.testing import SpeculativeProposerConformance
+
+
+class TestNgramConformance(SpeculativeProposerConformance):
+    proposer = "ngram"
+    config = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=4
+    )
+
+
+class TestNgramDefaultLookupConformance(SpeculativeProposerConformance):
+    proposer = "ngram"
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)

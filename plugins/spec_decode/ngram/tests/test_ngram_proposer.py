@@ -1,0 +1,61 @@
+"""What the n-gram proposer drafts: the tokens after the latest longest match of the history's
+suffix, capped per request, with vLLM's defaults for the lookup range."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pagoda_spec_ngram.proposer import lookup_range, ngram_drafts
+
+
+def _drafts(histories, min_n, max_n, k, caps=None):
+    width = max(len(h) for h in histories) + 1
+    ids = np.full((len(histories), width), -1, dtype=np.int64)
+    for i, h in enumerate(histories):
+        ids[i, : len(h)] = h
+    n = np.array([len(h) for h in histories])
+    cap = None if caps is None else np.array(caps)
+    return ngram_drafts(ids, np.arange(len(histories)), n, min_n, max_n, k, cap).tolist()
+
+
+def test_drafts_continue_the_match_of_the_suffix():
+    assert _drafts([[1, 2, 3, 4, 5, 6, 1, 2, 3]], 2, 3, 4) == [[4, 5, 6, 1]]
+
+
+def test_the_longest_match_wins_over_a_more_recent_shorter_one():
+    h = [9, 2, 3, 7, 8, 1, 2, 3, 5, 5, 9, 2, 3]  # "9 2 3" at 0; "2 3" again at 5
+    assert _drafts([h], 2, 3, 2) == [[7, 8]]
+
+
+def test_among_equal_matches_the_most_recent_with_a_full_continuation_wins():
+    h = [1, 2, 10, 11, 1, 2, 20, 21, 1, 2]
+    assert _drafts([h], 2, 2, 2) == [[20, 21]]
+
+
+def test_no_match_shorter_than_prompt_lookup_min_is_used():
+    assert _drafts([[1, 2, 3, 9, 3]], 2, 3, 2) == [[-1, -1]]
+    assert _drafts([[1, 2, 3, 9, 3]], 1, 3, 2) == [[9, 3]]
+
+
+def test_drafts_stop_at_the_end_of_the_history_and_at_the_cap():
+    h = [5, 6, 7, 5, 6]
+    assert _drafts([h], 2, 2, 4) == [[7, 5, 6, -1]]
+    assert _drafts([h, h], 2, 2, 4, caps=[1, 2]) == [[7, -1, -1, -1], [7, 5, -1, -1]]
+
+
+def test_rows_of_a_batch_do_not_mix():
+    a, b = [1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]
+    together = _drafts([a, b, [8]], 2, 3, 3)
+    assert together == [_drafts([a], 2, 3, 3)[0], _drafts([b], 2, 3, 3)[0], [-1, -1, -1]]
+
+
+@pytest.mark.parametrize(
+    ("lo", "hi", "want"), [(None, None, (5, 5)), (2, None, (2, 2)), (None, 4, (4, 4)), (2, 4, (2, 4))]
+)
+def test_lookup_range_defaults_are_vllms(lo, hi, want):
+    assert lookup_range(lo, hi) == want
+
+
+def test_a_lookup_range_upside_down_is_an_error():
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+        lookup_range(4, 2)

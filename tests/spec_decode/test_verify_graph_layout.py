@@ -1,0 +1,69 @@
+"""Verification steps padded to k + 1 tokens a request, as the CUDA graphs of verification
+replay them, give the same greedy tokens as without speculation. On a CPU the graph is stood in
+for by an eager forward over the same padded buffers (``DecodeGraphs._pad`` included), so the
+layout (pad tokens after each request's real ones, their keys and values in block 0, lengths
+that let real tokens see nothing of the pads) is checked without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.layer import set_forward_context
+from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.worker.cuda_graph import DecodeGraphs
+
+TINY = Path(__file__).parents[2] / "benchmarks" / "configs" / "tiny-llama"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+class EagerVerifyGraphs(DecodeGraphs):
+    """DecodeGraphs whose 'replay' runs the model eagerly on the padded persistent buffers."""
+
+    def capture(self) -> float:
+        self._arange = torch.arange(self.max_batch + 1, dtype=torch.int32)
+        self._arange_np = np.arange(self.max_batch + 1)
+        return 0.0
+
+    def run(self, common: CommonAttentionMetadata, b: int) -> torch.Tensor:
+        r, n, q = self.runner, common.num_reqs, self.query_len
+        self._pad(n, b)
+        padded = CommonAttentionMetadata(
+            num_reqs=b,
+            num_actual_tokens=b * q,
+            max_query_len=q,
+            max_seq_len=r.max_model_len,
+            query_start_loc=r.query_start_loc[: b + 1],
+            seq_lens=r.seq_lens[:b],
+            block_table=r.block_table[:b],
+            slot_mapping=r.slot_mapping[: b * q],
+            query_start_loc_cpu=np.arange(b + 1) * q,
+            seq_lens_cpu=np.concatenate([common.seq_lens_cpu, np.full(b - n, q)]),
+            block_size=r.block_size,
+        )
+        with set_forward_context(r.attn_backend.build_metadata(padded)):
+            out = r.model(r.input_ids[: b * q], r.positions[: b * q])
+        self.replays += 1
+        return out[: n * q]
+
+
+def test_padded_verification_steps_keep_greedy_output() -> None:
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    common = dict(model=str(folder), device="cpu", max_model_len=256, max_num_seqs=8)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(10, 300, int(n)).tolist()} for n in (5, 40, 17)]
+    prompts.append({"prompt_token_ids": [7, 8, 9, 10] * 6})
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**common, speculative_config=SPEC)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    runner.verify_graphs = EagerVerifyGraphs(runner, query_len=SPEC["num_speculative_tokens"] + 1)
+    runner.verify_graphs.capture()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runner.verify_graphs.replays > 0
+    assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
+    assert got == want
