@@ -116,3 +116,33 @@ def test_generate_help_shows_only_its_options_with_defaults(capsys) -> None:
     assert "tokens to generate at most (default: 128)" in out
     assert "0: greedy (default: 0.0)" in out
     assert "--max-model-len" in out and "--json" in out
+
+
+class _RefuseSecrets:
+    """An admission rule: prompts that mention a secret are turned away."""
+
+    PAGODA_PLUGIN_API = 1
+
+    @staticmethod
+    def admit_request(request):
+        return "no secrets, please" if 1234 in request.prompt_token_ids else None
+
+
+def test_a_refused_prompt_refuses_the_batch_in_one_line_and_prints_no_answer(
+    smollm2_tokenizer, capsys
+) -> None:
+    from pagoda import hookimpl
+    from pagoda.testing import plugin_registered
+
+    class Rule(_RefuseSecrets):
+        admit_request = hookimpl(staticmethod(_RefuseSecrets.admit_request))
+
+    secret = smollm2_tokenizer.decode([1234])
+    with plugin_registered(Rule(), name="refuse_secrets"):
+        code = main(["generate", "Hello", f"Tell me {secret}", "--no-chat", "--quiet", *SMALL])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""  # the first prompt was refused along with the batch: no answer at all
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagoda: error: "), err
+    assert "no secrets, please" in lines[0]
