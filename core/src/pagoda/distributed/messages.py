@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 
 from pagoda.engine.wire import _dec_hook, _enc_hook, _ext_hook, params_from_wire
-from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 # ---- executor -> worker ------------------------------------------------------------------------
@@ -31,7 +30,7 @@ class Call(msgspec.Struct, tag="call"):
 
 class Step(msgspec.Struct, tag="step"):
     seq: int
-    scheduler_output: Any  # SchedulerOutput, as plain data
+    scheduler_output: Any  # a SchedulerOutput; decoded as ``_StepIn``'s
 
 
 class Stop(msgspec.Struct, tag="stop"):
@@ -39,6 +38,36 @@ class Stop(msgspec.Struct, tag="stop"):
 
 
 ToWorker = Call | Step | Stop
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(cls)
+    return typing.get_type_hints(cls)
+
+
+def _mirror(cls: type, **types: Any) -> type:
+    """A dataclass with ``cls``'s fields, some of them typed otherwise: msgspec decodes into it
+    in one typed pass (no ``__post_init__`` of the types replaced)."""
+    fields = []
+    for f in dataclasses.fields(cls):
+        spec: Any = dataclasses.field()
+        if f.default is not dataclasses.MISSING:
+            spec = dataclasses.field(default=f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            spec = dataclasses.field(default_factory=f.default_factory)
+        fields.append((f.name, types.get(f.name, _hints(cls)[f.name]), spec))
+    return dataclasses.make_dataclass(f"_{cls.__name__}Wire", fields)
+
+
+_NewRequestWire = _mirror(NewRequestData, sampling_params=dict[str, Any])
+_SchedulerOutputWire = _mirror(SchedulerOutput, scheduled_new_reqs=list[_NewRequestWire])
+
+
+class _StepIn(msgspec.Struct, tag="step"):
+    seq: int
+    scheduler_output: _SchedulerOutputWire  # type: ignore[valid-type]
 
 
 # ---- worker -> executor ------------------------------------------------------------------------
@@ -85,7 +114,7 @@ def encoder() -> msgspec.msgpack.Encoder:
 
 def worker_decoder() -> msgspec.msgpack.Decoder:
     """Decodes what the executor sends (in a worker)."""
-    return msgspec.msgpack.Decoder(ToWorker, ext_hook=_ext_hook, dec_hook=_dec_hook)
+    return msgspec.msgpack.Decoder(Call | _StepIn | Stop, ext_hook=_ext_hook, dec_hook=_dec_hook)
 
 
 def executor_decoder() -> msgspec.msgpack.Decoder:
@@ -93,33 +122,18 @@ def executor_decoder() -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(FromWorker, ext_hook=_ext_hook, dec_hook=_dec_hook)
 
 
-def scheduler_output_from_wire(data: dict[str, Any]) -> SchedulerOutput:
-    """Rebuild the scheduler output field by field; sampling parameters as the engine resolved
-    them (their ``__post_init__`` is not run again)."""
-    kwargs = {}
-    for name, value in data.items():
-        if name == "scheduled_new_reqs":
-            kwargs[name] = [_new_request(r) for r in value]
-        else:
-            kwargs[name] = _convert(value, _hints(SchedulerOutput)[name])
-    return SchedulerOutput(**kwargs)
-
-
-def _new_request(data: dict[str, Any]) -> NewRequestData:
-    hints = _hints(NewRequestData)
-    kwargs = {
-        k: params_from_wire(v) if hints[k] is SamplingParams else _convert(v, hints[k])
-        for k, v in data.items()
-    }
-    return NewRequestData(**kwargs)
-
-
-def _convert(value: Any, type_: Any) -> Any:
-    return msgspec.convert(value, type_, strict=False, dec_hook=_dec_hook)
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(cls)
-    return typing.get_type_hints(cls)
+def scheduler_output_from_wire(wire: Any) -> SchedulerOutput:
+    """The scheduler output a worker decoded; sampling parameters as the engine resolved them
+    (their ``__post_init__`` is not run again)."""
+    fields = {f.name: getattr(wire, f.name) for f in dataclasses.fields(SchedulerOutput)}
+    fields["scheduled_new_reqs"] = [
+        NewRequestData(
+            **{
+                f.name: params_from_wire(v) if f.name == "sampling_params" else v
+                for f in dataclasses.fields(NewRequestData)
+                for v in (getattr(new, f.name),)
+            }
+        )
+        for new in wire.scheduled_new_reqs
+    ]
+    return SchedulerOutput(**fields)
