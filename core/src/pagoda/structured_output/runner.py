@@ -1,17 +1,22 @@
 """The model runner's side of structured output: one matcher per constrained request, and each
 step one token bitmask for the rows that sample, applied to the logits before sampling.
 
-A matcher follows its request's tokens in the runner's rows: before a step samples, it accepts
-the tokens the request gained since (the last step's sampled one, or a resumed request's whole
-output). With async scheduling the last step's token may still be on the device; the runner
-then reads that step first, while this step's forward pass runs on the device.
+A matcher follows its request's tokens in the runner's rows: before a step samples, it has
+accepted every token the request has. The work is done off the host's critical path: once a
+step that sampled constrained rows is launched, a background thread waits for its sampled ids,
+advances those matchers over them and fills their rows of the next bitmask (the grammar
+backend's calls release the GIL), while the host reads outputs, schedules and prepares the next
+step. The next step takes the filled rows; a request the prefetch did not cover (new, resumed,
+or after a step without it) is advanced and filled there and then.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +34,12 @@ class _Entry:
     backend: type[GrammarBackend]
     num_accepted: int = 0  # output tokens the matcher has accepted
     broken: bool = False  # a token was refused: the row is no longer constrained
+    # The prefetch that filled this request's next row: (its generation, the row in its buffer).
+    prefetched: tuple[int, int] | None = None
+
+    @property
+    def live(self) -> bool:
+        return not self.broken and not self.matcher.is_terminated()
 
 
 @dataclass
@@ -49,8 +60,14 @@ class GrammarRows:
     def __init__(self, config: EngineConfig, vocab_size: int, max_num_reqs: int) -> None:
         self.config = config
         self.vocab_size = vocab_size
+        self.max_num_reqs = max_num_reqs
         self.entries: dict[str, _Entry] = {}
-        self._bitmask = torch.full((max_num_reqs, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        self._buffers: list[torch.Tensor] = []  # made on first use (pinned on CUDA)
+        self._next_buffer = 0
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._prefetch: cf.Future[None] | None = None
+        self._generation = 0
+        self._prefetch_order: list[str] = []  # the sampling rows' requests of the prefetch
 
     def add(self, req_id: str, params: StructuredOutputsParams | None) -> None:
         """A request the runner takes in (new, or resumed: its matcher starts over)."""
@@ -65,6 +82,93 @@ class GrammarRows:
     def remove(self, req_id: str) -> None:
         self.entries.pop(req_id, None)
 
+    # ---- buffers -------------------------------------------------------------------------------
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        """The next of two host buffers. NOTE: a buffer is refilled two steps after it was
+        copied to the device, by when that step (and its copy) has ended."""
+        if not self._buffers:
+            shape = (self.max_num_reqs, bitmask_width(self.vocab_size))
+            pin = device.type == "cuda"
+            self._buffers = [
+                torch.full(shape, -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)
+            ]
+        buf = self._buffers[self._next_buffer]
+        self._next_buffer ^= 1
+        return buf
+
+    # ---- the prefetch --------------------------------------------------------------------------
+
+    def prefetch(
+        self,
+        req_ids: list[str],
+        sampled: torch.Tensor,
+        event: Any,
+        device: torch.device,
+    ) -> None:
+        """After launching a step that sampled rows of requests ``req_ids``: in the background,
+        wait for ``event`` (None: the ids are there), advance the constrained requests over
+        their ids in ``sampled`` (host, one per row) and fill their next bitmask rows."""
+        self._join()
+        items = [(j, self.entries.get(r)) for j, r in enumerate(req_ids)]
+        items = [(j, e) for j, e in items if e is not None and e.live]
+        if not items:
+            return
+        for _, e in items:
+            e.prefetched = None
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-mask")
+        self._generation += 1
+        self._prefetch_order = list(req_ids)
+        buf = self._buffer(device)
+        self._prefetch = self._pool.submit(
+            self._run_prefetch, items, sampled, event, buf, self._generation, len(req_ids)
+        )
+
+    def _run_prefetch(
+        self,
+        items: list[tuple[int, _Entry]],
+        sampled: torch.Tensor,
+        event: Any,
+        buf: torch.Tensor,
+        generation: int,
+        n: int,
+    ) -> None:
+        with torch.inference_mode():  # the buffers were made in the runner's inference mode
+            self._prefetch_rows(items, sampled, event, buf, generation, n)
+
+    def _prefetch_rows(
+        self,
+        items: list[tuple[int, _Entry]],
+        sampled: torch.Tensor,
+        event: Any,
+        buf: torch.Tensor,
+        generation: int,
+        n: int,
+    ) -> None:
+        if event is not None:
+            event.synchronize()
+        tokens = sampled.numpy()
+        entries = [e for _, e in items]
+        got = [int(tokens[j]) for j, _ in items]
+        backend = entries[0].backend
+        ok = backend.accept_batch([e.matcher for e in entries], got)
+        for e, accepted, t in zip(entries, ok, got):
+            self._accepted(e, 1, accepted, [t])
+        live = [(j, e) for j, e in items if e.live]
+        buf[:n].fill_(-1)
+        if live:
+            backend.fill_bitmasks([e.matcher for _, e in live], buf, [j for j, _ in live])
+        for j, e in live:
+            e.prefetched = (generation, j)
+
+    def _join(self) -> None:
+        if self._prefetch is not None:
+            future, self._prefetch = self._prefetch, None
+            future.result()  # an error in the thread surfaces here
+
+    # ---- one step's mask -----------------------------------------------------------------------
+
     def mask(
         self,
         req_ids: list[str],
@@ -78,6 +182,7 @@ class GrammarRows:
         """The bitmask of the sampling rows ``rows`` (of requests ``req_ids``), or None when
         none is constrained. ``token_ids``/``num_tokens``/``num_prompt``: the runner's rows; a
         token still on the device reads -1, and ``wait_for_sampled()`` brings it to the host."""
+        self._join()
         idx = [i for i, r in enumerate(req_ids) if r in self.entries]
         if not idx:
             return None
@@ -85,24 +190,54 @@ class GrammarRows:
         sel = rows[idx]
         starts = num_prompt[sel] + np.fromiter((e.num_accepted for e in entries), np.int64)
         ends = num_tokens[sel]
-        # NOTE: only a row's last token can be still on the device (the last step's sample).
-        if ((ends > starts) & (token_ids[sel, np.maximum(ends - 1, 0)] < 0)).any():
-            wait_for_sampled()
-        self._advance(entries, sel, starts, ends, token_ids)
-        live = [j for j, e in enumerate(entries) if not e.broken and not e.matcher.is_terminated()]
+        if (ends > starts).any():  # tokens the prefetch did not cover
+            # NOTE: only a row's last token can be still on the device (the last step's sample).
+            if ((ends > starts) & (token_ids[sel, np.maximum(ends - 1, 0)] < 0)).any():
+                wait_for_sampled()
+            self._advance(entries, sel, starts, ends, token_ids)
+        live = [j for j, e in enumerate(entries) if e.live]
         if not live:
             return None
         backend = entries[live[0]].backend
         constrained = [idx[j] for j in live]
-        bitmask = self._bitmask[: len(req_ids)]
-        if len(constrained) < len(req_ids):
-            bitmask.fill_(-1)
-        backend.fill_bitmasks([entries[j].matcher for j in live], bitmask, constrained)
-        if device.type == "cuda":  # NOTE: a pinned copy: the buffer is refilled next step
-            on_device = bitmask.pin_memory().to(device, non_blocking=True)
+        gen = self._generation
+        ready = [entries[j].prefetched for j in live]
+        if req_ids == self._prefetch_order and all(
+            p is not None and p[0] == gen and p[1] == i for p, i in zip(ready, constrained)
+        ):
+            bitmask = self._buffers[self._next_buffer ^ 1][: len(req_ids)]  # the prefetch's
         else:
-            on_device = bitmask.clone()
-        return GrammarMask(backend, on_device, constrained)
+            bitmask = self._gather(entries, live, constrained, len(req_ids), device)
+        for j in live:
+            entries[j].prefetched = None
+        return GrammarMask(backend, bitmask.to(device, non_blocking=True), constrained)
+
+    def _gather(
+        self,
+        entries: list[_Entry],
+        live: list[int],
+        constrained: list[int],
+        n: int,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """A step's bitmask from the prefetched rows still valid, and fresh fills for others."""
+        gen = self._generation
+        source = self._buffers[self._next_buffer ^ 1] if self._buffers else None
+        out = self._buffer(device)
+        if source is not None:  # NOTE: rows are copied out before anything overwrites source
+            saved = source[: len(self._prefetch_order)].clone()
+        out[:n].fill_(-1)
+        todo = []
+        for j, i in zip(live, constrained):
+            p = entries[j].prefetched
+            if p is not None and p[0] == gen and source is not None:
+                out[i] = saved[p[1]]
+            else:
+                todo.append((j, i))
+        if todo:
+            backend = entries[todo[0][0]].backend
+            backend.fill_bitmasks([entries[j].matcher for j, _ in todo], out, [i for _, i in todo])
+        return out[:n]
 
     def _advance(
         self,
@@ -126,6 +261,8 @@ class GrammarRows:
             if n > 1 and not e.broken:
                 tokens = token_ids[rows[j], starts[j] : ends[j]].tolist()
                 self._accepted(e, n, e.matcher.accept_tokens(tokens), tokens)
+            if n > 0:
+                e.prefetched = None  # the matcher moved on: a prefetched row is stale
 
     @staticmethod
     def _accepted(entry: _Entry, n: int, ok: bool, tokens: list[int]) -> None:

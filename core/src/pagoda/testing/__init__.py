@@ -3,6 +3,10 @@
 - :class:`AttentionBackendConformance`: subclass it in a pytest module to run an attention
   backend against the float64 reference over random paged layouts (needs pytest).
 - :func:`check_attention_backend`, :func:`attention_cases`: the same without pytest.
+- :class:`GrammarBackendConformance`: subclass it in a pytest module to check a grammar backend
+  (structured output) against the contract of ``pagoda.structured_output.backend``.
+- :func:`grammar_cases` and the ``check_*`` functions of ``pagoda.testing.grammar``: the same
+  without pytest.
 - :func:`plugin_registered`: register a plugin object for the duration of a ``with`` block.
 """
 
@@ -19,11 +23,15 @@ from pagoda.testing.attention import (
     reference_attention,
     run_attention_case,
 )
+from pagoda.testing.grammar import GrammarCase, grammar_cases
 
 __all__ = [
     "DEFAULT_TOLERANCES",
     "AttentionBackendConformance",
     "AttentionCase",
+    "GrammarBackendConformance",
+    "GrammarCase",
+    "grammar_cases",
     "attention_cases",
     "check_attention_backend",
     "plugin_registered",
@@ -37,6 +45,10 @@ def __getattr__(name: str) -> Any:
         from pagoda.testing.attention_suite import AttentionBackendConformance
 
         return AttentionBackendConformance
+    if name == "GrammarBackendConformance":  # imports pytest
+        from pagoda.testing.grammar_suite import GrammarBackendConformance
+
+        return GrammarBackendConformance
     raise AttributeError(f"module 'pagoda.testing' has no attribute {name!r}")
 
 

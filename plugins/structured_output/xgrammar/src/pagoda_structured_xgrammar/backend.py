@@ -30,12 +30,14 @@ def _message(e: Exception) -> str:
 def _grammar(params: StructuredOutputsParams, any_whitespace: bool) -> xgr.Grammar:
     kind = params.kind
     if kind in ("json", "json_object"):
+        # NOTE: strict mode refuses properties a schema does not name (a valid subset of what
+        # it allows); any object must allow them all.
         schema = params.json if kind == "json" else {"type": "object"}
         return xgr.Grammar.from_json_schema(
             json.dumps(schema),
             any_whitespace=any_whitespace,
             separators=None if any_whitespace else (",", ":"),
-            strict_mode=True,
+            strict_mode=kind == "json",
         )
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex)
