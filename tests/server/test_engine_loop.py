@@ -50,6 +50,7 @@ def test_refused_request_gets_an_error_and_the_others_are_added() -> None:
         assert engine_in.poll(2000)
         reply = loop._handle_inputs()
         assert core.added == ["good", "also-good"] and core.aborted == ["good"]
+        assert reply.accepted == ["good", "also-good"]  # admission results, for the client
         assert [(e.request_id, e.message, e.rejected) for e in reply.errors] == [
             ("bad", "the prompt is bad", False),
             ("shed", "too many requests wait", True),

@@ -95,3 +95,29 @@ def test_final_only_stream_skips_partial_outputs_and_errors_reach_the_consumer()
     failing.fail(RuntimeError("engine gone"))
     with pytest.raises(RuntimeError, match="engine gone"):
         _take(failing)
+
+
+def test_admission_waits_for_every_sequence_or_the_refusal() -> None:
+    from pagoda.plugins import RequestRejectedError
+
+    async def admitted_after(stream: RequestStream, events) -> bool:
+        waiter = asyncio.ensure_future(stream.admitted())
+        for event in events:
+            await asyncio.sleep(0)
+            assert not waiter.done()
+            event()
+        await asyncio.wait_for(waiter, 1)
+        return True
+
+    two = RequestStream(OutputKind.DELTA)
+    two.unadmitted = 2  # n = 2: two core sequences
+    assert asyncio.run(admitted_after(two, [two.admit, two.admit]))
+    shed = RequestStream(OutputKind.DELTA)
+    shed.unadmitted = 2
+    with pytest.raises(RequestRejectedError):
+        asyncio.run(
+            admitted_after(shed, [shed.admit, lambda: shed.fail(RequestRejectedError("x"))])
+        )
+    # An output implies admission, even one a final-only stream does not pass on.
+    final = RequestStream(OutputKind.FINAL_ONLY)
+    assert asyncio.run(admitted_after(final, [lambda: final.put(_output("a", [1]))]))

@@ -175,6 +175,39 @@ class ServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535, description="port `pagoda serve` listens on")
     api_key: str | None = Field(None, description="bearer token clients must send; None: open")
     served_model_name: str | None = Field(None, description="model name in the API")
+    trust_request_chat_template: bool = Field(
+        False,
+        description="accept a chat template in a request (`chat_template`, or in"
+        " `chat_template_kwargs`), rendered in a sandbox; off: such a request gets a 400",
+    )
+    request_chat_template_timeout_s: float = Field(
+        2.0, gt=0.0, description="a request's chat template is stopped (400) after this long"
+    )
+    request_chat_template_max_chars: int = Field(
+        4_000_000, ge=1, description="a request's chat template may render at most this much text"
+    )
+    max_request_body_bytes: int = Field(
+        16 << 20, ge=1, description="longer request bodies get a 413 before they are read whole"
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="`Retry-After` header (seconds) of a 429 for a shed request"
+    )
+    max_json_depth: int = Field(
+        64, ge=2, description="request bodies nesting arrays and objects deeper get a 400"
+    )
+    max_stop_strings: int = Field(
+        64, ge=1, description="most `stop` strings (and `bad_words`) a request may give"
+    )
+    max_stop_string_chars: int = Field(
+        1024, ge=1, description="longest `stop` string (and `bad_words` entry), in characters"
+    )
+    max_logit_bias: int = Field(
+        1024, ge=1, description="most `logit_bias` entries a request may give"
+    )
+    max_prompts_per_request: int = Field(
+        256, ge=1, description="most prompts in one `/v1/completions` request"
+    )
+    max_messages: int = Field(2048, ge=1, description="most `messages` in one chat request")
 
 
 # Set while EngineConfig.load builds the model from sources it has already layered itself.

@@ -121,6 +121,7 @@ class AsyncLLM:
         )
         self._streams[request_id] = stream
         seq_ids = self.engine.output_processor.seq_ids(request_id)
+        stream.unadmitted = len(seq_ids)
         self._seq_ids[request_id] = seq_ids
         for seq_id in seq_ids:
             self._seq_to_request[seq_id] = request_id
@@ -192,6 +193,10 @@ class AsyncLLM:
         self.metrics.record(msg.outputs, msg.stats)
         for err in msg.errors:
             self._refused(err)
+        for seq_id in msg.accepted:
+            stream = self._streams.get(self._seq_to_request.get(seq_id, ""))
+            if stream is not None:
+                stream.admit()
         if not msg.outputs:
             return
         for out in msg.outputs:

@@ -109,10 +109,15 @@ class EngineLoop:
             reply = self._handle_inputs()
             if not self.running:
                 return
+            if reply.accepted or reply.errors:
+                # NOTE: admission results go out before the step, so a client learns of them (a
+                # 429, or that it may start a streaming response) without waiting for a step.
+                self.out_sock.send(self.encoder.encode(reply))
+                reply = wire.EngineOutputs()
             if self.core.has_unfinished_requests():
                 reply.outputs = self.core.step()
                 reply.stats = self.stats.make()
-            elif reply.errors or self.stats.changed():
+            elif self.stats.changed():
                 reply.stats = self.stats.make()  # e.g. an abort emptied the cache
             else:
                 continue
@@ -147,6 +152,7 @@ class EngineLoop:
             rejected = isinstance(e, RequestRejectedError)
             reply.errors.append(wire.RequestError(msg.request_id, message, rejected))
             return
+        reply.accepted.append(msg.request_id)
         self.stats.arrived(request)
 
     def _call_utility(self, msg: wire.UtilityCall) -> wire.UtilityResult:

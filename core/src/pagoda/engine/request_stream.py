@@ -33,9 +33,29 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._sent: dict[int, tuple[int, int]] = {}  # index -> (chars, tokens) already given
         self.finished = False
+        self.unadmitted = 1  # core sequences (n of them) the engine has not yet taken in
+        self._admitted = False
+
+    def admit(self) -> None:
+        """The engine took in one more of this request's sequences."""
+        self.unadmitted -= 1
+        if self.unadmitted <= 0:
+            self._admitted = True
+            self._ready.set()
+
+    async def admitted(self) -> None:
+        """Wait until the engine has taken in every sequence of the request (or sent an output);
+        raises the error it refused the request with, such as ``RequestRejectedError``."""
+        while not self._admitted and self._latest is None:
+            if self._error is not None:
+                raise self._error
+            self._ready.clear()
+            await self._ready.wait()
 
     def put(self, output: RequestOutput) -> None:
+        self._admitted = True  # NOTE: an output implies admission
         if self.kind is OutputKind.FINAL_ONLY and not output.finished:
+            self._ready.set()  # for admitted(); get() waits on
             return
         self._latest = output
         self._ready.set()

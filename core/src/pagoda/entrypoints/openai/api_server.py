@@ -24,12 +24,14 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
 from pagoda.engine.core_client import EngineDeadError, EngineStartError
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
+from pagoda.entrypoints.openai.limits import BodyGuard, check_count
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagoda.entrypoints.openai.serving import off_loop
 from pagoda.entrypoints.openai.serving_chat import ServingChat
 from pagoda.entrypoints.openai.serving_completion import ServingCompletion
 
@@ -53,6 +55,7 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     completions = ServingCompletion(engine, names)
     chat = ServingChat(engine, names)
+    server = engine.config.server
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -143,9 +146,18 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         completions.check_model(body.model)
         if body.messages is not None:
-            ids = chat.render(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+            check_count("messages", len(body.messages), server.max_messages, "max_messages")
+            rendered = await chat.render(
+                body.messages,
+                body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
+            )
+            ids = rendered["prompt_token_ids"]
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await off_loop(
+                engine.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         return {"count": len(ids), "max_model_len": engine.info.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -154,8 +166,11 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
         vocab = engine.info.arch.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await off_loop(engine.tokenizer.decode, body.tokens)}
 
+    app.add_middleware(
+        BodyGuard, max_bytes=server.max_request_body_bytes, max_depth=server.max_json_depth
+    )
     return app
 
 

@@ -250,6 +250,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless server.trust_request_chat_template
 
     @model_validator(mode="after")
     def _logprob_fields(self) -> ChatCompletionRequest:
@@ -284,6 +285,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused unless server.trust_request_chat_template
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -4,11 +4,13 @@ merging the streams of a batch, and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
@@ -21,12 +23,23 @@ from pagoda.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
+# Tokenizing and chat templates run here, off the event loop: a 5 MB prompt takes seconds, and
+# the tokenizer releases the GIL while it works, so the loop keeps serving everyone else.
+_POOL = ThreadPoolExecutor(4, thread_name_prefix="pagoda-tokenize")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in the tokenizing threads."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_POOL, functools.partial(fn, *args, **kwargs))
+
 
 class Serving:
     def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
         self.engine = engine
         self.model_names = model_names
         self.max_model_len = engine.info.max_model_len
+        self.limits = engine.config.server
 
     @property
     def tokenizer(self) -> Any:
@@ -61,24 +74,46 @@ class Serving:
             )
         return requested or 1
 
-    def submit(
+    async def submit(
         self,
-        request_id: str,
-        prompt: dict[str, Any],
-        params: SamplingParams,
+        requests: list[tuple[str, dict[str, Any], SamplingParams]],
         kind: OutputKind,
         priority: int,
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request to the engine; bad input is a 400 and reaches no engine loop."""
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """Add requests (request id, prompt, parameters) to the engine and wait until it has
+        admitted all of them, so that the answer's status is known before any body is sent.
+
+        Bad input is a 400 and reaches no engine loop; a request the engine sheds is a 429 with
+        ``Retry-After``. Either way none of ``requests`` is left running.
+        """
+        streams = []
         try:
-            stream = self.engine.add_request(
-                request_id, prompt, params, output_kind=kind, priority=priority
-            )
-        except EngineDeadError as e:
-            raise APIError(f"the engine is not running: {e}", 503) from e
-        except (ValueError, TypeError) as e:
-            raise bad_value(e) from e
-        return self.engine.stream(request_id, stream)
+            for request_id, prompt, params in requests:
+                try:
+                    stream = self.engine.add_request(
+                        request_id, prompt, params, output_kind=kind, priority=priority
+                    )
+                except EngineDeadError as e:
+                    raise APIError(f"the engine is not running: {e}", 503) from e
+                except (ValueError, TypeError) as e:
+                    raise bad_value(e) from e
+                streams.append((request_id, stream))
+            for _, stream in streams:
+                await stream.admitted()
+        except BaseException as e:
+            for request_id, _ in streams:
+                self.engine.abort(request_id)
+            if isinstance(e, Exception):
+                raise self.error_of(e) from e
+            raise
+        return [self.engine.stream(rid, stream) for rid, stream in streams]
+
+    def error_of(self, e: BaseException) -> APIError:
+        """``error_of``, with this server's ``Retry-After`` on a 429."""
+        error = error_of(e)
+        if error.status == 429 and error.headers is None:
+            error.headers = {"Retry-After": str(self.engine.config.server.retry_after_s)}
+        return error
 
 
 def new_id(prefix: str, given: str | None) -> str:

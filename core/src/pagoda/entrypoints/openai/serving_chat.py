@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
+from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.request_stream import OutputKind
+from pagoda.entrypoints.openai.chat_template import TemplateSandbox, request_template
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.limits import check_count, check_sampling_limits
 from pagoda.entrypoints.openai.logprobs import chat_logprobs
 from pagoda.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.entrypoints.openai.serving import (
@@ -18,6 +22,7 @@ from pagoda.entrypoints.openai.serving import (
     error_of,
     new_id,
     now,
+    off_loop,
     sse,
     usage,
 )
@@ -26,29 +31,67 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 
 
 class ServingChat(Serving):
-    def render(
+    def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
+        super().__init__(engine, model_names)
+        server = engine.config.server
+        self.trust_request_template = server.trust_request_chat_template
+        self.sandbox = TemplateSandbox(
+            server.request_chat_template_timeout_s, server.request_chat_template_max_chars
+        )
+
+    async def render(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> dict[str, Any]:
-        """The prompt text and token ids of a conversation; 400 if the template refuses it."""
-        kwargs = dict(template_kwargs or {})
+        """The prompt text and token ids of a conversation, rendered and tokenized off the event
+        loop; 400 if the template refuses it, or if the request brings a template of its own and
+        the operator did not allow that."""
+        template, kwargs = request_template(
+            chat_template, template_kwargs, self.trust_request_template
+        )
         kwargs["add_generation_prompt"] = add_generation_prompt
         if continue_final_message:
             kwargs["continue_final_message"] = True
+        conversation = [m.template_dict() for m in messages]
+        if template is not None:
+            return await self._render_request_template(template, conversation, kwargs)
         try:
-            return self.engine.engine.apply_chat_template(
-                [m.template_dict() for m in messages], **kwargs
-            )
+            return await off_loop(self.engine.engine.apply_chat_template, conversation, **kwargs)
         except (TemplateError, ValueError, TypeError) as e:
             raise APIError(
                 f"the chat template cannot render these messages: {e}", param="messages"
             ) from e
 
+    async def _render_request_template(
+        self, template: str, conversation: list[dict[str, Any]], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        specials = {
+            k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)
+        }
+        cont = kwargs.pop("continue_final_message", False)
+        context = {**specials, **kwargs, "messages": conversation}
+        text = await asyncio.to_thread(self.sandbox.render, template, context)
+        if cont:  # as transformers does: the text ends where the final message's content ends
+            final = (conversation[-1]["content"] or "").strip()
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise APIError(
+                    "continue_final_message: the final message's content is not in the "
+                    "rendered chat template",
+                    param="continue_final_message",
+                )
+            text = text[: end + len(final)]
+        ids = await off_loop(self.tokenizer.encode, text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
+
     async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         model = self.check_model(req.model)
+        check_count("messages", len(req.messages), self.limits.max_messages, "max_messages")
+        check_sampling_limits(req, self.limits)
         try:
             plan = req.tool_plan  # a forced tool call: the template shows the model its tools
         except ValueError as e:
@@ -57,11 +100,12 @@ class ServingChat(Serving):
         if plan is not None:
             tools = [t.model_dump(exclude_none=True) for t in plan.tools]
             template_kwargs = {"tools": tools, **(template_kwargs or {})}
-        prompt = self.render(
+        prompt = await self.render(
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
             template_kwargs,
+            req.chat_template,
         )
         num_prompt = len(prompt["prompt_token_ids"])
         try:
@@ -73,15 +117,20 @@ class ServingChat(Serving):
             raise bad_value(e) from e
         rid = new_id("chatcmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        outputs = self.submit(rid, prompt, params, kind, req.priority)
+        (outputs,) = await self.submit([(rid, prompt, params)], kind, req.priority)
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, num_prompt, outputs),
                 media_type="text/event-stream",
             )
         final = None
-        async for out in outputs:
-            final = out
+        try:
+            async for out in outputs:
+                final = out
+        except Exception as e:
+            raise self.error_of(e) from e
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
         assert final is not None
         choices = []
         for c in final.outputs:

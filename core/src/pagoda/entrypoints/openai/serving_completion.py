@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.engine.request_stream import OutputKind
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.limits import check_count, check_sampling_limits
 from pagoda.entrypoints.openai.logprobs import CompletionLogprobs
 from pagoda.entrypoints.openai.protocol import CompletionRequest
 from pagoda.entrypoints.openai.serving import (
@@ -18,6 +19,7 @@ from pagoda.entrypoints.openai.serving import (
     merge,
     new_id,
     now,
+    off_loop,
     sse,
     usage,
 )
@@ -35,7 +37,10 @@ class _Prompt:
 class ServingCompletion(Serving):
     async def create(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
         model = self.check_model(req.model)
-        prompts = [self._prepare(p, req) for p in req.prompts()]
+        limit = self.limits.max_prompts_per_request
+        check_count("prompt", len(req.prompts()), limit, "max_prompts_per_request")
+        check_sampling_limits(req, self.limits)
+        prompts = [await self._prepare(p, req) for p in req.prompts()]
         num_lp = req.logprobs
         params = []
         for p in prompts:
@@ -50,30 +55,33 @@ class ServingCompletion(Serving):
             params.append(sp)
         rid = new_id("cmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        streams = []
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                prompt = {"prompt": p.text, "prompt_token_ids": p.token_ids}
-                streams.append(self.submit(f"{rid}-{i}", prompt, sp, kind, req.priority))
-        except APIError:
-            for s in streams:
-                await s.aclose()  # type: ignore[attr-defined]
-            raise
-        merged = merge(streams)
+        requests = [
+            (f"{rid}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, sp)
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+        merged = merge(await self.submit(requests, kind, req.priority))
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, prompts, merged), media_type="text/event-stream"
             )
-        return JSONResponse(await self._full(req, rid, model, prompts, merged))
+        try:
+            return JSONResponse(await self._full(req, rid, model, prompts, merged))
+        except Exception as e:
+            raise self.error_of(e) from e
+        finally:
+            await merged.aclose()  # type: ignore[attr-defined]
 
-    def _prepare(self, prompt: str | list[int], req: CompletionRequest) -> _Prompt:
+    async def _prepare(self, prompt: str | list[int], req: CompletionRequest) -> _Prompt:
+        """Tokenize (or check and decode) one prompt, off the event loop."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)
+            ids = await off_loop(
+                self.tokenizer.encode, prompt, add_special_tokens=req.add_special_tokens
+            )
             return _Prompt(prompt, ids)
         vocab = self.engine.info.arch.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return _Prompt(self.tokenizer.decode(prompt), list(prompt))
+        return _Prompt(await off_loop(self.tokenizer.decode, prompt), list(prompt))
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
