@@ -101,6 +101,7 @@ def test_step_messages_round_trip_as_msgpack() -> None:
     )
     enc = m.encoder()
     step = m.worker_decoder().decode(enc.encode(m.Step(5, so)))
+    assert isinstance(step, m.StepIn) and step.seq == 5  # what the worker's loop serves
     back = m.scheduler_output_from_wire(step.scheduler_output)
     assert back == so and back.scheduled_new_reqs[0].sampling_params == params
     arrays = LogprobsArrays(

@@ -30,7 +30,7 @@ class Call(msgspec.Struct, tag="call"):
 
 class Step(msgspec.Struct, tag="step"):
     seq: int
-    scheduler_output: Any  # a SchedulerOutput; decoded as ``_StepIn``'s
+    scheduler_output: Any  # a SchedulerOutput; decoded as ``StepIn``'s
 
 
 class Stop(msgspec.Struct, tag="stop"):
@@ -65,7 +65,9 @@ _NewRequestWire = _mirror(NewRequestData, sampling_params=dict[str, Any])
 _SchedulerOutputWire = _mirror(SchedulerOutput, scheduled_new_reqs=list[_NewRequestWire])
 
 
-class _StepIn(msgspec.Struct, tag="step"):
+class StepIn(msgspec.Struct, tag="step"):
+    """A ``Step`` as a worker decodes it."""
+
     seq: int
     scheduler_output: _SchedulerOutputWire  # type: ignore[valid-type]
 
@@ -114,7 +116,7 @@ def encoder() -> msgspec.msgpack.Encoder:
 
 def worker_decoder() -> msgspec.msgpack.Decoder:
     """Decodes what the executor sends (in a worker)."""
-    return msgspec.msgpack.Decoder(Call | _StepIn | Stop, ext_hook=_ext_hook, dec_hook=_dec_hook)
+    return msgspec.msgpack.Decoder(Call | StepIn | Stop, ext_hook=_ext_hook, dec_hook=_dec_hook)
 
 
 def executor_decoder() -> msgspec.msgpack.Decoder:

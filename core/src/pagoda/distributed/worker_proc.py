@@ -152,7 +152,7 @@ class WorkerProc:
                         break
                     time.sleep(_SPIN_S)
             msg = self.decoder.decode(self.inbox.recv(copy=False).buffer)
-            if isinstance(msg, m.Step):
+            if isinstance(msg, m.StepIn):
                 so = m.scheduler_output_from_wire(msg.scheduler_output)
                 step = self.worker.model_runner.launch(so)
                 if self.rank == 0:
@@ -165,6 +165,8 @@ class WorkerProc:
                 if pending is not None:
                     self._send(m.StepDone(pending[0], pending[1].get()))
                 return
+            else:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _call(self, msg: m.Call) -> None:
         result = getattr(self, msg.method)(*msg.args)
