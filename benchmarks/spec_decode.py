@@ -36,13 +36,13 @@ _SOURCES = [
     ("json.encoder", "py_encode_basestring_ascii"),
     ("shlex", "split"),
     ("heapq", "merge"),
-    ("bisect", "insort_right"),
+    ("textwrap", "dedent"),
     ("fnmatch", "translate"),
     ("statistics", "median"),
     ("colorsys", "rgb_to_hls"),
     ("base64", "b32encode"),
 ]
-_DOCS = ["heapq", "bisect", "shlex", "fnmatch", "colorsys", "textwrap", "json", "argparse", "csv"]
+_DOCS = ["json", "argparse", "csv", "textwrap", "heapq", "shlex", "fnmatch", "bisect", "colorsys"]
 
 
 def _source(module: str, attr: str) -> str:
@@ -68,7 +68,7 @@ def grounded_prompts(n: int) -> list[tuple[str, str]]:
                 f"otherwise:\n```python\n{src}```"
             )
         else:
-            doc = inspect.getdoc(__import__(_DOCS[i % len(_DOCS)], fromlist=["_"])) or ""
+            doc = inspect.getdoc(__import__(_DOCS[i // 3 % len(_DOCS)], fromlist=["_"])) or ""
             text = f"Summarise this documentation, quoting its key sentences:\n\n{doc[:2500]}"
         out.append((kind, text))
     return out
@@ -100,9 +100,8 @@ def _prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]
     prompts, kinds = [], []
     for kind, text in grounded_prompts(args.num_prompts):
         messages = [{"role": "user", "content": text}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
         prompts.append({"prompt_token_ids": list(ids)[: args.max_model_len - args.max_tokens - 1]})
         kinds.append(kind)
     return prompts, kinds

@@ -508,8 +508,11 @@ class Scheduler:
         NOTE (for grammar backends): the place to validate or cut drafts before they are
         scheduled. Drafts are dropped when the request has a step in flight whose output is not
         back yet (async scheduling): they were proposed for a position already being computed.
+        A request with a grammar (structured output) gets none for now: its matcher advances one
+        token a step and its bitmask covers one position.
         """
-        req.spec_token_ids = [] if req.num_output_placeholders else drafts
+        stale = req.num_output_placeholders or req.sampling_params.structured_outputs is not None
+        req.spec_token_ids = [] if stale else drafts
 
     def make_spec_stats(self) -> SpecDecodingStats | None:
         """Drafts verified since the last call, then reset; None if there were none."""

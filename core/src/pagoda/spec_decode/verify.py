@@ -77,8 +77,21 @@ def verify_drafts(
     h = hidden[runner._as_device(hidden_idx)]
     logits = runner.model.compute_logits(h)
     md = ib.sampling.metadata(rows_exp, ib.token_ids, ib.num_tokens, ib.num_prompt, offsets)
+    row_req_ids = [req_ids[i] for i in np.repeat(sample_idx, width).tolist()]
     if runner.sampler.logits_processors:
-        md.req_ids = [req_ids[i] for i in np.repeat(sample_idx, width).tolist()]
+        md.req_ids = row_req_ids
+    grammar = getattr(runner, "grammar", None)
+    if grammar is not None and grammar.entries:
+        # NOTE: constrained requests get no drafts (``Scheduler.set_drafts``): one row each.
+        md.grammar = grammar.mask(
+            row_req_ids,
+            rows_exp,
+            ib.token_ids,
+            ib.num_tokens,
+            ib.num_prompt,
+            runner._read_unread,
+            runner.device,
+        )
     draft_t = runner._as_device(draft_ids)
     if md.penalties is not None:
         _count_drafts_before(md.penalties.output_counts, draft_ids, nd, starts, runner)
