@@ -78,6 +78,30 @@ def test_hook_register_models_maps_an_architecture_to_a_class(registers) -> None
     assert get_registry("models").get("HookedForCausalLM") is LlamaForCausalLM
 
 
+class _Settings:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_plugin_settings(self, register):
+        from pydantic import BaseModel
+
+        class HookedSettings(BaseModel):
+            level: int = 2
+
+        register("hooked", HookedSettings)
+
+
+def test_hook_register_plugin_settings_validates_a_plugins_section() -> None:
+    from pagoda.config import ConfigError, EngineConfig
+
+    with plugin_registered(_Settings(), "settings"):
+        config = EngineConfig.load(overrides={"plugins": {"hooked": {"level": 5}}})
+        assert config.plugin_settings("hooked").level == 5
+        assert EngineConfig.load().plugin_settings("hooked").level == 2  # the default
+        with pytest.raises(ConfigError, match=r"plugins\.hooked\.levl: unknown key"):
+            EngineConfig.load(overrides={"plugins": {"hooked": {"levl": 5}}})
+
+
 # ---- scheduler: admission -----------------------------------------------------------------------
 
 

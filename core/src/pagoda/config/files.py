@@ -84,6 +84,10 @@ def _load_yaml(text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
             section = str(k.value)
             lines[(section,)] = k.start_mark.line + 1
             if isinstance(v, yaml.MappingNode):
-                for kk, _ in v.value:
+                for kk, vv in v.value:
                     lines[(section, str(kk.value))] = kk.start_mark.line + 1
+                    if isinstance(vv, yaml.MappingNode):  # plugins.<name>.<key>
+                        for key, _ in vv.value:
+                            path = (section, str(kk.value), str(key.value))
+                            lines[path] = key.start_mark.line + 1
     return data, lines

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
+from pagoda.config import plugin_settings
 from pagoda.config.files import read_config_file
 from pagoda.config.model import _LAYERED, ConfigError, EngineConfig
 
@@ -92,6 +93,12 @@ def env_layer() -> Layer:
                 var = f"{ENV_PREFIX}{section}{ENV_DELIMITER}{key}".upper()
                 if var in upper:
                     layer.origins[(section, key)] = f"environment {upper[var]}"
+    values, origins, errors = plugin_settings.env_values(environ)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    if values:
+        layer.values[plugin_settings.SECTION] = values
+        layer.origins.update(origins)
     return layer
 
 
@@ -107,7 +114,7 @@ def _check_env_names(environ: Mapping[str, str]) -> None:
         rest = upper[len(ENV_PREFIX) :].lower()
         if ENV_DELIMITER in rest:
             section = rest.split(ENV_DELIMITER, 1)[0]
-            if section not in secs:
+            if section not in secs and section != plugin_settings.SECTION:
                 errors.append(
                     f"{section}: unknown section{_hint(section, secs)}; sections are: "
                     f"{', '.join(secs)} [from environment {var}]"
@@ -129,6 +136,11 @@ def flags_layer(flags: dict[str, tuple[Any, str]]) -> Layer:
     layer = Layer("command line")
     for dotted, (value, flag) in flags.items():
         section, key = dotted.split(".", 1)
+        if section == plugin_settings.SECTION:  # plugins.NAME.KEY
+            name, key = key.split(".", 1)
+            layer.values.setdefault(section, {}).setdefault(name, {})[key] = value
+            layer.origins[(section, name, key)] = f"flag {flag}"
+            continue
         layer.values.setdefault(section, {})[key] = value
         layer.origins[(section, key)] = f"flag {flag}"
     return layer
@@ -148,7 +160,16 @@ def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
     for name, value in overrides.items():
         name = _KEY_ALIASES.get(name, name)
         name = _SECTION_ALIASES.get(name, name)
-        if name in secs and isinstance(value, Mapping):
+        if name == plugin_settings.SECTION and isinstance(value, Mapping):
+            layer.values[name] = {
+                k: dict(v) if isinstance(v, Mapping) else v for k, v in value.items()
+            }
+            for plugin, keys in value.items():
+                for key in keys if isinstance(keys, Mapping) else ():
+                    layer.origins[(name, plugin, key)] = (
+                        f"argument {name}={{{plugin!r}: {{{key!r}: ...}}}}"
+                    )
+        elif name in secs and isinstance(value, Mapping):
             layer.values.setdefault(name, {}).update(value)
             for key in value:
                 layer.origins[(name, key)] = f"argument {name}={{{key!r}: ...}}"
@@ -169,6 +190,12 @@ def _base_layer(config: EngineConfig) -> Layer:
     layer = Layer("configuration")
     for dotted, source in config._sources.items():
         section, key = dotted.split(".", 1)
+        if section == plugin_settings.SECTION:
+            name, key = key.split(".", 1)
+            value = config._plugin_values[name][key]
+            layer.values.setdefault(section, {}).setdefault(name, {})[key] = value
+            layer.origins[(section, name, key)] = source
+            continue
         layer.values.setdefault(section, {})[key] = getattr(getattr(config, section), key)
         layer.origins[(section, key)] = source
     return layer
@@ -200,7 +227,8 @@ def apply_overrides(config: EngineConfig, overrides: Mapping[str, Any]) -> Engin
 
 def build(cls: type[EngineConfig], layers: list[Layer]) -> EngineConfig:
     """Validate each layer, merge them (later layers win) and build the configuration."""
-    errors = [e for layer in layers for e in _layer_errors(layer)]
+    plugin_values, plugin_sources, errors = _take_plugin_values(layers)
+    errors = [e for layer in layers for e in _layer_errors(layer)] + errors
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     merged: dict[str, dict[str, Any]] = {}
@@ -217,8 +245,40 @@ def build(cls: type[EngineConfig], layers: list[Layer]) -> EngineConfig:
         raise ConfigError(_cross_field_errors(e, sources)) from None
     finally:
         _LAYERED.reset(token)
-    config._sources = sources
+    config._sources = {**sources, **plugin_sources}
+    config._plugin_values = plugin_values
     return config
+
+
+def _take_plugin_values(layers: list[Layer]) -> tuple[dict, dict[str, str], list[str]]:
+    """Take the ``plugins`` section out of every layer: the merged values, their sources, and
+    the errors of checking them against each plugin's settings model."""
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    errors = []
+    section = plugin_settings.SECTION
+    for layer in layers:
+        raw = layer.values.pop(section, None)
+        if raw is None:
+            continue
+        if not isinstance(raw, Mapping):
+            errors.append(
+                f"{section}: must be a mapping of plugin names to their settings, got {raw!r} "
+                f"[from {layer.where((section,))}]"
+            )
+            continue
+        for name, values in raw.items():
+            if not isinstance(values, Mapping):
+                errors.append(
+                    f"{section}.{name}: must be a mapping of settings, got {values!r} "
+                    f"[from {layer.where((section, name))}]"
+                )
+                continue
+            for key, value in values.items():
+                merged.setdefault(str(name), {})[str(key)] = value
+                sources[f"{section}.{name}.{key}"] = layer.where((section, name, key))
+    merged, more = plugin_settings.validate(merged, sources)
+    return merged, sources, errors + more
 
 
 def _layer_errors(layer: Layer) -> list[str]:
@@ -294,6 +354,8 @@ def effective_rows(config: EngineConfig) -> list[tuple[str, Any, str]]:
     for dotted in leaf_keys():
         section, key = dotted.split(".", 1)
         rows.append((dotted, getattr(getattr(config, section), key), sources[dotted]))
+    # Every installed plugin's settings, with defaults: what a user can set.
+    rows += plugin_settings.registered_rows(config._plugin_values, config._sources)
     return rows
 
 
@@ -307,11 +369,13 @@ def format_effective(config: EngineConfig, fmt: str = "table") -> str:
     if fmt == "yaml":
         lines, current = [], None
         for dotted, value, source in rows:
-            section, key = dotted.split(".", 1)
-            if section != current:
-                lines.append(f"{section}:")
-                current = section
-            lines.append(f"  {key}: {json.dumps(value)}  # {source}")
+            *heads, key = dotted.split(".")
+            for depth in range(len(heads)):
+                if current is None or current[: depth + 1] != heads[: depth + 1]:
+                    lines.append("  " * depth + f"{heads[depth]}:")
+                    current = heads[: depth + 1]
+            current = heads
+            lines.append("  " * len(heads) + f"{key}: {json.dumps(value)}  # {source}")
         return "\n".join(lines)
     if fmt != "table":
         raise ValueError(f"unknown format {fmt!r}; formats: table, yaml, json")

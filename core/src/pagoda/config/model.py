@@ -235,6 +235,8 @@ class EngineConfig(BaseSettings):
 
     # Dotted key -> where its value came from ("file engine.yaml, line 3", "default", ...).
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+    # The ``plugins`` section: plugin name -> the settings given (checked by its model).
+    _plugin_values: dict[str, dict[str, Any]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
@@ -296,7 +298,16 @@ class EngineConfig(BaseSettings):
         """Every key (``section.key``) -> the source its value came from."""
         from pagoda.config.loader import leaf_keys
 
-        return {k: self._sources.get(k, "default") for k in leaf_keys()}
+        out = {k: self._sources.get(k, "default") for k in leaf_keys()}
+        out.update((k, v) for k, v in self._sources.items() if k.startswith("plugins."))
+        return out
+
+    def plugin_settings(self, name: str) -> BaseModel:
+        """The settings of plugin ``name``: its registered model (``register_plugin_settings``)
+        with the values of the ``plugins.<name>`` section, defaults for the rest."""
+        from pagoda.config.plugin_settings import settings_of
+
+        return settings_of(name, self._plugin_values.get(name, {}))
 
     def source_of(self, key: str) -> str:
         """Where the value of ``key`` (``"cache.block_size"``) came from."""

@@ -16,12 +16,13 @@ import traceback
 import typing
 from typing import Any
 
-from pagoda.config import ConfigError, EngineConfig
+from pagoda.config import ConfigError, EngineConfig, plugin_settings
 from pagoda.config.loader import flat_names, format_effective, sections
 
 logger = logging.getLogger("pagoda.cli")
 
 _DEST = "cfg__"
+_PLUGIN_DEST = "plugin_settings"
 _SPEC_JSON = "speculative_config_json"
 # Sections that mean nothing to a command that runs no server.
 OFFLINE_SKIP = ("server",)
@@ -49,6 +50,14 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         else:
             group.add_argument(flag, metavar=_metavar(field.annotation), **common)
+    group.add_argument(
+        "--plugin-setting",
+        dest=_PLUGIN_DEST,
+        action="append",
+        default=None,
+        metavar="NAME.KEY=VALUE",
+        help="a plugin's setting, plugins.NAME.KEY (`pagoda config` lists them); repeatable",
+    )
     if "speculative" not in skip:
         group.add_argument(
             "--speculative-config",
@@ -73,6 +82,7 @@ def _flags(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
         if dest.startswith(_DEST) and value is not None:
             section, key = dest[len(_DEST) :].split("__")
             out[f"{section}.{key}"] = (value, "--" + names[(section, key)].replace("_", "-"))
+    out.update(plugin_settings.flag_values(getattr(args, _PLUGIN_DEST, None) or []))
     spec = getattr(args, _SPEC_JSON, None)
     if spec is not None:
         for key, value in _json_object(spec, "--speculative-config").items():

@@ -118,6 +118,22 @@ def register_models(register: Register) -> None:
     """
 
 
+@hookspec
+def register_plugin_settings(register: Register) -> None:
+    """Register a plugin's settings: a pydantic model, under the plugin's name.
+
+    :param register: call ``register(plugin_name, "pkg.mod:SettingsModel")``; the class is a
+        pydantic ``BaseModel`` whose fields (each with a default) are the plugin's settings.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users set the values in the
+    configuration's ``plugins.<name>`` section (a file, ``PAGODA_PLUGINS__<NAME>__<KEY>``,
+    ``--plugin-setting NAME.KEY=VALUE``, ``LLM(plugins={...})``), validated by the model: an
+    unknown key is an error that names it. The plugin reads them with
+    ``config.plugin_settings(name)`` in any hook that receives the configuration.
+    """
+
+
 # ---- seams: once per request or once per step ---------------------------------------------------
 
 
@@ -204,6 +220,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "spec_proposers": "register_spec_proposers",
     "grammar_backends": "register_grammar_backends",
     "models": "register_models",
+    "plugin_settings": "register_plugin_settings",
 }
 """Registry kind -> the hook that fills it."""
 
