@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams
 
@@ -22,6 +23,16 @@ def _prompts(vocab: int, n: int = 4) -> list[dict]:
 
 
 def _run(model: str, tp: int, executor: str, prompts: list, **kw) -> tuple[list, list]:
+    threads = torch.get_num_threads()
+    if tp == 1:  # NOTE: in this process; on a busy CI machine, torch's threads wait on each other
+        torch.set_num_threads(1)
+    try:
+        return _generate(model, tp, executor, prompts, **kw)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _generate(model: str, tp: int, executor: str, prompts: list, **kw) -> tuple[list, list]:
     llm = LLM(
         model=model,
         tensor_parallel_size=tp,
