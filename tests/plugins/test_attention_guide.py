@@ -1,6 +1,7 @@
 """The attention section of the plugin author's guide: the from-scratch backend built from the
-guide's own code blocks passes the conformance kit, and every public method of the attention
-backend contract has a docstring with its inputs and outputs and is named in the guide."""
+guide's own code blocks passes the conformance kit. And every public method of the backend
+contracts (attention backends, executors, speculative proposers) has a docstring with its inputs
+and outputs and is named in the guide."""
 
 from __future__ import annotations
 
@@ -65,15 +66,23 @@ def test_backend_built_from_the_guide_is_registered_under_its_own_name(guide_bac
     assert guide_backend.priority < 0  # never picked by `auto` over the reference backend
 
 
-CONTRACT = {
-    "AttentionBackend": contract.AttentionBackend,
-    "AttentionImpl": contract.AttentionImpl,
-}
+def _contracts() -> dict[str, type]:
+    from pagoda.executor.base import Executor
+    from pagoda.spec_decode.proposer import SpeculativeProposer
+
+    # NOTE: the grammar backend contract (pagoda.structured_output.backend) joins this list
+    # once its docstrings name each input and output.
+    return {
+        "AttentionBackend": contract.AttentionBackend,
+        "AttentionImpl": contract.AttentionImpl,
+        "Executor": Executor,
+        "SpeculativeProposer": SpeculativeProposer,
+    }
 
 
 def _public_methods() -> list[tuple[str, str, object]]:
     out = [("write_kv_cache", "write_kv_cache", contract.write_kv_cache)]
-    for cls_name, cls in CONTRACT.items():
+    for cls_name, cls in _contracts().items():
         for name, member in vars(cls).items():
             if name.startswith("_") and name != "__init__":
                 continue
@@ -93,11 +102,12 @@ def test_contract_method_documents_inputs_and_outputs_and_is_in_the_guide(
     params = [p for p in inspect.signature(fn).parameters if p not in ("self", "cls")]
     for p in params:
         assert re.search(rf"``{p}\b", doc), f"{qualname}: the docstring does not name input {p!r}"
-    assert re.search(r"\b(Returns|Return|returns)\b", doc) or name == "__init__", (
+    assert re.search(r"\breturns?\b", doc, re.I) or name == "__init__", (
         f"{qualname}: the docstring does not say what it returns"
     )
     guide = GUIDE.read_text()
-    shown = r"`AttentionImpl\(" if name == "__init__" else rf"[`.]{name}\("
+    cls_name = qualname.split(".")[0]
+    shown = rf"`({cls_name}|__init__)\(" if name == "__init__" else rf"[`.]{name}\("
     assert re.search(shown, guide), f"docs/plugins.md does not name {qualname}"
 
 

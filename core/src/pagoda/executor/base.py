@@ -46,6 +46,9 @@ class Executor(ABC):
     """Runs the workers of one engine. Registered by name through ``register_executors``."""
 
     def __init__(self, config: EngineConfig, info: ModelInfo) -> None:
+        """Called once, by the engine core, before ``initialize``: ``config`` is the engine's
+        configuration, ``info`` what was derived from it and the model files (device, dtype,
+        limits). Start nothing heavy here."""
         self.config = config
         self.info = info
         # Seconds per start-up phase (load_weights_s, profile_s, kv_cache_s, graph_capture_s),
@@ -58,10 +61,12 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; the sampled ids (and logprobs) of rank 0."""
+        """Run the step ``scheduler_output`` on every worker and wait for it. Returns rank 0's
+        :class:`ModelRunnerOutput`: the sampled ids (and logprobs) of the step's requests."""
 
     def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        """Start a step and return at once; ``get()`` on the result waits for its output.
+        """Start the step ``scheduler_output`` and return at once. Returns a
+        :class:`PendingOutput`; its ``get()`` waits for the step's ``ModelRunnerOutput``.
 
         The engine launches step N+1 before it reads step N's output (async scheduling), so an
         executor that overrides this must let step N+1 take step N's sampled ids on its workers.
@@ -70,7 +75,8 @@ class Executor(ABC):
         return _Done(self.execute_model(scheduler_output))
 
     def shutdown(self) -> None:  # noqa: B027 (optional to override)
-        """Release workers and their memory."""
+        """Release workers and their memory. Called once, when the engine shuts down. Returns
+        nothing."""
 
 
 # vLLM's names (``distributed_executor_backend``) for the executors Pagoda ships.

@@ -120,17 +120,21 @@ class SpeculativeProposer(ABC):
     needs_hidden_states: ClassVar[bool] = False
 
     def __init__(self, ctx: ProposerContext) -> None:
+        """Called once per model runner, when it is built: ``ctx`` (a :class:`ProposerContext`)
+        holds the speculative section of the configuration, the model's sizes, the device and
+        the dtype."""
         self.ctx = ctx
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Drafts for every request of ``batch`` (see :class:`Drafts`). Called once per step on
         the host, between steps; it should be vectorised over the batch (no Python loop over
-        tokens). It may keep per-request state between calls, keyed by ``req_ids``."""
+        tokens). It may keep per-request state between calls, keyed by ``req_ids``. Returns the
+        :class:`Drafts` of the step."""
 
     def remove(self, req_ids: Iterable[str]) -> None:  # noqa: B027 (optional to override)
-        """Forget finished, aborted or preempted requests (their ids may come back later, as
-        a resumed request, with the same history)."""
+        """Forget the requests ``req_ids``: finished, aborted or preempted (their ids may come
+        back later, as a resumed request, with the same history). Returns nothing."""
 
 
 def build_proposer(ctx: ProposerContext) -> SpeculativeProposer | None:
