@@ -21,6 +21,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The plugins of this repository, each its own distribution. Their kernel libraries are
   # GPU stacks; only Triton is installed here, for its interpreter (CPU tests of the kernels).
   "${pip[@]}" triton
+  # The structured-output plugin's grammar library (its matchers and CPU kernels run here too).
+  "${pip[@]}" xgrammar
   # Ray, which the Ray executor plugin (pagoda-executor-ray) runs on; its tests start a local
   # cluster.
   "${pip[@]}" ray

@@ -51,6 +51,7 @@ TIME_TOOL = {
     },
 }
 ASK = [{"role": "user", "content": "Tell me about Paris."}]
+BAD_SCHEMA = {"name": "x", "schema": {"type": "objekt"}}
 
 
 def test_response_format_json_schema_strict_output_validates(client, model_name) -> None:
@@ -114,9 +115,7 @@ def test_completions_json_object_and_vllm_extras(client, model_name) -> None:
     assert out.choices[0].text in ("yes", "no")
 
 
-def test_named_tool_choice_returns_a_tool_call_whose_arguments_validate(
-    client, model_name
-) -> None:
+def test_named_tool_choice_returns_a_tool_call_whose_arguments_validate(client, model_name) -> None:
     resp = client.chat.completions.create(
         model=model_name,
         messages=[{"role": "user", "content": "What is the weather in Oslo?"}],
@@ -161,13 +160,15 @@ def test_streamed_forced_tool_call_arrives_as_tool_calls(client, model_name) -> 
     )
     calls = [tc for chunk in stream for c in chunk.choices for tc in c.delta.tool_calls or []]
     assert [c.function.name for c in calls] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    jsonschema.validate(
+        json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"]
+    )
 
 
 @pytest.mark.parametrize(
     ("extra", "problem"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, "JSON schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": BAD_SCHEMA}}, "JSON schema"),
         ({"extra_body": {"guided_regex": "([a-z"}}, "regex"),
         ({"extra_body": {"guided_grammar": "root ::= missing_rule"}}, "EBNF grammar"),
         ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "exactly one"),

@@ -101,8 +101,14 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "any_of": {
         "type": "object",
-        "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999},
-                                            {"type": "string", "maxLength": 6}]}},
+        "properties": {
+            "value": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": 999},
+                    {"type": "string", "maxLength": 6},
+                ]
+            }
+        },
         "required": ["value"],
     },
     "pattern": {
@@ -117,7 +123,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "prefix_items": {
         "type": "array",
-        "prefixItems": [NAME, {"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"}],
+        "prefixItems": [
+            NAME,
+            {"type": "integer", "minimum": 0, "maximum": 99},
+            {"type": "boolean"},
+        ],
         "items": False,
         "minItems": 3,
     },
@@ -140,9 +150,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "exclusive_bounds": {
         "type": "object",
-        "properties": {
-            "n": {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 20}
-        },
+        "properties": {"n": {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 20}},
         "required": ["n"],
     },
     "no_additional": {
@@ -175,8 +183,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "one_of_disjoint": {
         "type": "object",
-        "properties": {"id": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 99},
-                                         {"type": "boolean"}]}},
+        "properties": {
+            "id": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "boolean"}]}
+        },
         "required": ["id"],
     },
     "string_lengths": {

@@ -13,7 +13,7 @@ import torch
 
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig
 from pagoda.kv_cache.manager import KVCacheManager
-from pagoda.request import Request, RequestStatus
+from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.structured_output.backend import (
@@ -166,3 +166,4 @@ def test_structured_outputs_params_names_what_is_wrong() -> None:
     assert StructuredOutputsParams(json='{"b": 1, "a": 2}').key() == (
         StructuredOutputsParams(json={"a": 2, "b": 1}).key()
     )
+

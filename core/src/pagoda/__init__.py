@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "AsyncLLM",
     "EngineConfig",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "hookimpl",

@@ -118,9 +118,7 @@ class GrammarBackend(ABC):
             matcher.fill_bitmask(bitmask, row)
 
     @classmethod
-    def accept_batch(
-        cls, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]
-    ) -> list[bool]:
+    def accept_batch(cls, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
         """Advance each matcher over one token; the default calls each in turn."""
         return [m.accept_tokens((t,)) for m, t in zip(matchers, tokens)]
 

@@ -121,7 +121,9 @@ def check_batch(backend: GrammarBackend, cases: list[GrammarCase]) -> None:
     one = [c.new_matcher() for c in compiled]
     many = [c.new_matcher() for c in compiled]
     firsts = [_tokens(tok, c.accepted)[0] for c in cases]
-    assert type(backend).accept_batch(many, firsts) == [m.accept_tokens([t]) for m, t in zip(one, firsts)]
+    assert type(backend).accept_batch(many, firsts) == [
+        m.accept_tokens([t]) for m, t in zip(one, firsts)
+    ]
     rows = list(range(len(cases) + 1, 1, -1))[: len(cases)]  # out of order, leaving row 0 alone
     bitmask = torch.full((len(cases) + 2, bitmask_width(vocab)), -1, dtype=torch.int32)
     type(backend).fill_bitmasks(many, bitmask, rows)

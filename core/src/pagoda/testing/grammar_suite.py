@@ -71,8 +71,12 @@ class GrammarBackendConformance:
     def test_validate_accepts_a_good_constraint(self, case: GrammarCase) -> None:
         self.backend_class().validate(case.params)
 
-    @pytest.mark.parametrize(("kind", "params"), BAD_CONSTRAINTS, ids=[k for k, _ in BAD_CONSTRAINTS])
-    def test_validate_refuses_a_bad_constraint_with_value_error(self, kind: str, params: Any) -> None:
+    @pytest.mark.parametrize(
+        ("kind", "params"), BAD_CONSTRAINTS, ids=[k for k, _ in BAD_CONSTRAINTS]
+    )
+    def test_validate_refuses_a_bad_constraint_with_value_error(
+        self, kind: str, params: Any
+    ) -> None:
         with pytest.raises(ValueError):
             self.backend_class().validate(params)
 

@@ -28,9 +28,9 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from pagoda.structured_output.runner import GrammarRows
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
+from pagoda.structured_output.runner import GrammarRows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed

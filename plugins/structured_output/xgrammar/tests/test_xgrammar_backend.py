@@ -30,7 +30,10 @@ def test_registered_by_name_and_chosen_by_auto() -> None:
     ("params", "words"),
     [
         (S(regex="a{2,1}"), ["invalid or unsupported regex"]),
-        (S(json={"type": "object", "properties": {"a": {"type": "strng"}}}), ["JSON schema", "strng"]),
+        (
+            S(json={"type": "object", "properties": {"a": {"type": "strng"}}}),
+            ["JSON schema", "strng"],
+        ),
         (S(grammar="root ::= [a-"), ["invalid EBNF grammar"]),
     ],
 )
@@ -48,7 +51,11 @@ def test_json_is_compact_unless_any_whitespace(tokenizer) -> None:
     schema = S(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     spaced = tokenizer.encode('{ "a": 1}', add_special_tokens=False)
     for any_ws, accepted in ((False, False), (True, True)):
-        backend = cls(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
-                      StructuredOutputConfig(any_whitespace=any_ws))
+        backend = cls(
+            tokenizer,
+            len(tokenizer),
+            [tokenizer.eos_token_id],
+            StructuredOutputConfig(any_whitespace=any_ws),
+        )
         matcher = backend.compile(schema).new_matcher()
         assert matcher.accept_tokens(spaced) is accepted

@@ -118,7 +118,9 @@ def tool_plan(
     try:
         parsed = _TOOLS.validate_python(tools)
     except ValidationError as e:
-        raise ValueError(f"`tools` is not a list of function tools: {e.errors()[0]['msg']}") from None
+        raise ValueError(
+            f"`tools` is not a list of function tools: {e.errors()[0]['msg']}"
+        ) from None
     if not parsed:
         raise ValueError("`tools` must not be empty")
     try:
@@ -170,7 +172,9 @@ def tool_constraint(plan: ToolCallPlan) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=calls)
 
 
-def request_constraint(req: Any, plan: ToolCallPlan | None = None) -> StructuredOutputsParams | None:
+def request_constraint(
+    req: Any, plan: ToolCallPlan | None = None
+) -> StructuredOutputsParams | None:
     """The one constraint a request asks for, from whichever field gives it; ``ValueError``
     naming the fields if several do."""
     found: list[tuple[str, StructuredOutputsParams]] = []
@@ -187,7 +191,9 @@ def request_constraint(req: Any, plan: ToolCallPlan | None = None) -> Structured
     if req.structured_outputs is not None:
         so = req.structured_outputs
         try:
-            params = so if isinstance(so, StructuredOutputsParams) else StructuredOutputsParams(**so)
+            params = (
+                so if isinstance(so, StructuredOutputsParams) else StructuredOutputsParams(**so)
+            )
         except TypeError as e:
             raise ValueError(f"`structured_outputs`: {e}") from None
         found.append(("structured_outputs", params))

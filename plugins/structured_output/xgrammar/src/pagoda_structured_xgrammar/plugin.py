@@ -1,4 +1,4 @@
-"""Entry point of the plugin: registers the backend by name, importing neither xgrammar nor torch."""
+"""The plugin's entry point: registers the backend by name, importing no xgrammar, no torch."""
 
 from __future__ import annotations
 
