@@ -407,3 +407,28 @@ def test_init_dummy_is_deterministic_small_and_keeps_norms_at_one() -> None:
 
 def _forbidden(*args: object, **kwargs: object) -> None:
     raise AssertionError("this path must not run: the cache should have answered")
+
+
+def test_build_model_allocates_without_random_init_and_dummy_weights_fill_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagoda.loader.construct import build_model
+
+    calls: list[str] = []
+    monkeypatch.setattr(nn.init, "kaiming_uniform_", lambda t, *a, **k: calls.append("k") or t)
+    monkeypatch.setattr(nn.init, "normal_", lambda t, *a, **k: calls.append("n") or t)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8))
+
+    model = build_model(make, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert calls == []  # no random fill ran while the modules were built
+    make()  # torch.nn.init is restored afterwards, so a plain build initialises again
+    assert calls == ["n", "k"]
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert torch.get_default_dtype() == torch.float32
+    init_dummy_(model, seed=3)
+    again = build_model(make, device=torch.device("cpu"), dtype=torch.bfloat16)
+    init_dummy_(again, seed=3)
+    for a, b in zip(model.parameters(), again.parameters()):
+        assert torch.equal(a, b) and a.abs().max() <= 1e-3
