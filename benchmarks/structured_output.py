@@ -2,8 +2,9 @@
 of the same batch, on random weights (Qwen3-0.6B by default), plus the grammar's compile time,
 the cache's hits and the host time each step spends on the bitmask.
 
-The model is random, so constrained requests wander inside the schema (strings, arrays) for the
-whole output length; both runs decode every request to ``--output-len`` tokens. The tokenizer
+The model is random, so constrained requests wander inside the schema (strings, arrays); the
+schema asks for at least 100 items, so no request can complete its JSON (and stop) before
+``--output-len`` tokens: both runs decode every request to the same length. The tokenizer
 must be a real one (``--tokenizer``): the synthetic one of random-weight folders has no JSON
 punctuation. Every constrained output is checked against a fresh matcher (each token allowed).
 
@@ -42,10 +43,18 @@ SCHEMA = {
                 },
                 "required": ["id", "name", "tags", "price", "kind"],
             },
+            "minItems": 100,
         },
     },
     "required": ["title", "items"],
 }
+
+
+def _relative(value: object) -> object:
+    """A path under the working folder as a relative one (reports travel, folders do not)."""
+    if isinstance(value, str) and value.startswith(str(Path.cwd()) + "/"):
+        return value[len(str(Path.cwd())) + 1 :]
+    return value
 
 
 def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, list]:
@@ -159,7 +168,11 @@ def main() -> None:
     report = {
         "benchmark": "structured_output",
         "command": "python benchmarks/structured_output.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        + " ".join(
+            f"--{k.replace('_', '-')} {_relative(v)}".removesuffix(" True")
+            for k, v in vars(args).items()
+            if v not in (None, False)
+        ),
         "model_config": Path(args.config).name,
         "bitmask": "filled on the host's path" if args.sync_mask else "prefetched in background",
         "weights": weights,
