@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         common: dict[str, Any] = {
             "dest": f"{_DEST}{section}__{key}",
             "default": None,
-            "help": f"{field.description or ''} [{section}.{key}]".strip(),
+            "help": f"{field.description or ''} [{section}.{key}{_default_text(field)}]".strip(),
         }
         if field.annotation is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
@@ -67,6 +67,24 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             help="the speculative section as JSON, as vLLM takes it, e.g. '{\"method\": \"ngram\","
             " \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; a per-key flag wins",
         )
+
+
+def _default_text(field: Any) -> str:
+    """``, default: 16`` for a key with a plain default (flags themselves default to None, so
+    that only the flags given override the file and the environment)."""
+    default = field.get_default()
+    if default is None or isinstance(default, (dict, list)):
+        return ""
+    return f", default: {json.dumps(default)}"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default where it has one worth saying (not None, not a bare switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _metavar(annotation: Any) -> str:
@@ -276,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate an answer for each PROMPT, all in one batch. Several answers are "
         f"printed each under a line '{ANSWER_SEPARATOR} [i/n] PROMPT {ANSWER_SEPARATOR}'.",
         parents=[common],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.add_argument(
