@@ -116,7 +116,7 @@ def test_generate_help_shows_only_its_options_with_defaults(capsys) -> None:
     assert "tokens to generate at most (default: 128)" in out
     assert "0: greedy (default: 0.0)" in out
     assert "--max-model-len" in out and "--json" in out
-    assert "[cache.block_size, default: 16]" in out  # the configuration's default, not None
+    assert "[cache.block_size] (default: 16)" in out  # the configuration's default, not None
     assert "(default: None)" not in out
 
 

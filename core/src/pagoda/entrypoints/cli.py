@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         common: dict[str, Any] = {
             "dest": f"{_DEST}{section}__{key}",
             "default": None,
-            "help": f"{field.description or ''} [{section}.{key}{_default_text(field)}]".strip(),
+            "help": f"{field.description or ''} [{section}.{key}]{_default_text(field)}".strip(),
         }
         if field.annotation is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
@@ -70,12 +70,12 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
 
 
 def _default_text(field: Any) -> str:
-    """``, default: 16`` for a key with a plain default (flags themselves default to None, so
+    """`` (default: 16)`` for a key with a plain default (flags themselves default to None, so
     that only the flags given override the file and the environment)."""
     default = field.get_default()
     if default is None or isinstance(default, (dict, list)):
         return ""
-    return f", default: {json.dumps(default)}"
+    return f" (default: {json.dumps(default)})"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
