@@ -36,14 +36,15 @@ def client(server: Server):
 
 @pytest.fixture(scope="package")
 def guarded_server() -> Iterator[Server]:
-    """A server with a tiny admission limit (2 running, 2 waiting), a 1 MB body limit, and
-    request chat templates allowed (1 s deadline, 100,000 characters of output)."""
+    """A server with a tiny admission limit (2 running, 2 waiting), a 1 MB body limit, request
+    chat templates allowed (1 s deadline, 100,000 characters of output) and /metrics open."""
     srv = Server(
         "--max-num-seqs", "2", "--max-waiting-requests", "2",
         "--max-request-body-bytes", str(1_000_000),
         "--trust-request-chat-template",
         "--request-chat-template-timeout-s", "1",
         "--request-chat-template-max-chars", str(100_000),
+        "--public-metrics",
     )  # fmt: skip
     yield srv
     srv.stop()

@@ -71,7 +71,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """The unlabelled-by-bucket samples of ``/metrics``: name -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         out = {}
         for line in text.splitlines():
             if line.startswith("#") or not line.strip():

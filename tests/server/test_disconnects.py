@@ -36,7 +36,9 @@ def _aborted(metrics_text: str) -> float:
 def test_64_streams_half_dropped_others_complete_and_blocks_are_freed(
     server, model_name: str
 ) -> None:
-    aborted_before = _aborted(httpx.get(f"{server.url}/metrics", timeout=10).text)
+    aborted_before = _aborted(
+        httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
+    )
 
     async def run() -> list[tuple[bool, str, int | None, str | None]]:
         client = openai.AsyncOpenAI(
@@ -79,14 +81,14 @@ def test_64_streams_half_dropped_others_complete_and_blocks_are_freed(
     metrics = _wait_for_idle_engine(server)
     assert metrics["pagoda:kv_cache_usage_perc"] == 0
     assert metrics["pagoda:num_requests_running"] == 0
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
     cut_short = sum(1 for drop, _, _, finish in results if drop and finish is None)
     assert cut_short > 0 and _aborted(text) - aborted_before == cut_short
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_non_streaming_client_that_leaves_aborts_its_request(server, model_name: str) -> None:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
     aborted_before = _aborted(text)
     body = {
         "model": model_name,
@@ -102,4 +104,7 @@ def test_non_streaming_client_that_leaves_aborts_its_request(server, model_name:
     metrics = _wait_for_idle_engine(server, timeout=15)
     assert metrics["pagoda:num_requests_running"] == 0
     assert metrics["pagoda:kv_cache_usage_perc"] == 0
-    assert _aborted(httpx.get(f"{server.url}/metrics", timeout=10).text) == aborted_before + 1
+    assert (
+        _aborted(httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text)
+        == aborted_before + 1
+    )

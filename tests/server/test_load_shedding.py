@@ -15,7 +15,7 @@ MESSAGES = [{"role": "user", "content": "Write a long story about a cat."}]
 def _request(i: int) -> tuple[str, dict]:
     stream = i % 2 == 0
     n = 2 if i % 4 in (0, 1) else 1
-    body = {"max_tokens": 48, "ignore_eos": True, "stream": stream, "n": n}
+    body = {"max_tokens": 24, "ignore_eos": True, "stream": stream, "n": n}
     if i % 8 < 4:
         return "/v1/completions", {**body, "prompt": f"Once upon a time {i}"}
     return "/v1/chat/completions", {**body, "messages": MESSAGES}

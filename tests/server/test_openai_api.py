@@ -159,7 +159,9 @@ def test_max_completion_tokens_and_vllm_extra_fields_apply(client, model_name: s
 
 
 def test_batch_token_id_prompts_and_echo(server, client, model_name: str) -> None:
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, timeout=10).json()
+    ids = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=server.headers, timeout=10
+    ).json()
     ids = ids["tokens"]
     out = client.completions.create(model=model_name, prompt=[PROMPT, "Once upon"], **GREEDY)
     assert [c.index for c in out.choices] == [0, 1]
@@ -170,11 +172,20 @@ def test_batch_token_id_prompts_and_echo(server, client, model_name: str) -> Non
 
 
 def test_tokenize_and_detokenize_round_trip(server, model_name: str) -> None:
-    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, timeout=10).json()
+    tok = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=server.headers, timeout=10
+    ).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
-    back = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}, timeout=10)
+    back = httpx.post(
+        f"{server.url}/detokenize",
+        json={"tokens": tok["tokens"]},
+        headers=server.headers,
+        timeout=10,
+    )
     assert back.json()["prompt"] == PROMPT
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": CHAT}, timeout=10).json()
+    chat = httpx.post(
+        f"{server.url}/tokenize", json={"messages": CHAT}, headers=server.headers, timeout=10
+    ).json()
     assert chat["count"] > tok["count"]
 
 

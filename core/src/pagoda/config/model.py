@@ -208,6 +208,15 @@ class ServerConfig(_Section):
         256, ge=1, description="most prompts in one `/v1/completions` request"
     )
     max_messages: int = Field(2048, ge=1, description="most `messages` in one chat request")
+    public_metrics: bool = Field(
+        False, description="with an api_key: serve /metrics without it (for scrapers)"
+    )
+    shutdown_grace_s: float = Field(
+        10.0,
+        ge=0.0,
+        description="on SIGTERM or Ctrl-C, requests in flight get this long to finish; then they"
+        " end with a 503",
+    )
 
 
 # Set while EngineConfig.load builds the model from sources it has already layered itself.

@@ -174,6 +174,12 @@ class AsyncLLM:
         if self.client.dead is None:
             self.engine.abort_request([request_id])
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request now: abort it in the engine, and its consumer raises ``error``."""
+        for request_id, stream in list(self._streams.items()):
+            self.abort(request_id)
+            stream.fail(error)
+
     async def reset_prefix_cache(self) -> None:
         self.start()
         await self.client.call_utility("reset_prefix_cache")

@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -31,7 +32,7 @@ from pagoda.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagoda.entrypoints.openai.serving import off_loop
+from pagoda.entrypoints.openai.serving import ShuttingDownError, off_loop
 from pagoda.entrypoints.openai.serving_chat import ServingChat
 from pagoda.entrypoints.openai.serving_completion import ServingCompletion
 
@@ -86,7 +87,9 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        path = request.url.path
+        open_path = path == "/health" or (path == "/metrics" and server.public_metrics)
+        if api_key is not None and not open_path:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return APIError(
@@ -214,7 +217,76 @@ def run_server(config: EngineConfig) -> int:
         logger.info(
             "serving %s on http://%s:%d (engine pid %s)", names[0], host, port, engine.client.pid
         )
-        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+        grace = config.server.shutdown_grace_s
+        uv_config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            access_log=False,
+            timeout_graceful_shutdown=grace + _FLUSH_S,
+        )
+        with _quiet_exit_signals():
+            _GracefulServer(uv_config, engine, grace).run()
     finally:
         engine.shutdown()
+        logger.info("stopped")
     return 0
+
+
+# After the grace period: how long the ended requests get to send their error before uvicorn
+# cancels what is left.
+_FLUSH_S = 2.0
+
+
+class _GracefulServer(uvicorn.Server):
+    """On SIGTERM or Ctrl-C: uvicorn stops accepting connections and lets the requests in flight
+    finish; after ``grace`` seconds those still running end with a 503 (in-band on a stream)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM, grace: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit and self._loop is not None:
+            logger.info(
+                "stopping: no new requests; %d in flight get %g s to finish",
+                self.engine.num_running_requests,
+                self.grace,
+            )
+            self._loop.call_soon_threadsafe(self._start_grace)
+        super().handle_exit(sig, frame)
+
+    def _start_grace(self) -> None:
+        assert self._loop is not None
+        self._deadline = self._loop.call_later(self.grace, self._end_in_flight)
+
+    def _end_in_flight(self) -> None:
+        n = self.engine.num_running_requests
+        if n:
+            logger.warning("grace period over: ending %d requests still in flight", n)
+        self.engine.fail_all(
+            ShuttingDownError("the server is shutting down; the request was ended, retry it")
+        )
+
+
+@contextlib.contextmanager
+def _quiet_exit_signals() -> Iterator[None]:
+    """While uvicorn serves: SIGTERM and SIGINT are its own; once it has stopped, the signal it
+    re-raises ends nothing more, so that the engine is shut down and the exit status is 0."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in _EXIT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -117,7 +117,11 @@ class Serving:
 
 
 def new_id(prefix: str, given: str | None) -> str:
-    return f"{prefix}-{given or uuid.uuid4().hex}"
+    """A request id unique in this server. A client's ``request_id`` is kept in it, for tracing,
+    but never trusted to be unique: two clients may send the same one at once."""
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{given}-{uuid.uuid4().hex[:12]}"
 
 
 def now() -> int:
@@ -141,6 +145,10 @@ def bad_value(e: ValueError | TypeError) -> APIError:
     return APIError(msg, param=param)
 
 
+class ShuttingDownError(Exception):
+    """The server stopped taking requests and the grace period for those in flight ran out."""
+
+
 def rejected(e: RequestRejectedError) -> APIError:
     """A 429 for a request an admission rule turned away (load shedding, a quota): the client
     may retry later, as after OpenAI's "overloaded" answers."""
@@ -155,6 +163,8 @@ def error_of(e: BaseException) -> APIError:
         return APIError(f"the engine stopped: {e}", 503)
     if isinstance(e, RequestRejectedError):
         return rejected(e)
+    if isinstance(e, ShuttingDownError):
+        return APIError(str(e), 503, code="server_shutting_down")
     if isinstance(e, (RequestRefusedError, ValueError)):
         return APIError(str(e))
     return APIError(f"internal error: {type(e).__name__}: {e}", 500)
