@@ -113,6 +113,15 @@ def test_completions_json_object_and_vllm_extras(client, model_name) -> None:
         extra_body={"guided_choice": ["yes", "no"]},
     )
     assert out.choices[0].text in ("yes", "no")
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    out = client.completions.create(
+        model=model_name,
+        prompt="JSON:",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"guided_json": small},
+    )
+    jsonschema.validate(json.loads(out.choices[0].text), small)
 
 
 def test_named_tool_choice_returns_a_tool_call_whose_arguments_validate(client, model_name) -> None:
