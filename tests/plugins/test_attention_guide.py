@@ -1,7 +1,7 @@
 """The attention section of the plugin author's guide: the from-scratch backend built from the
 guide's own code blocks passes the conformance kit. And every public method of the backend
-contracts (attention backends, executors, speculative proposers) has a docstring with its inputs
-and outputs and is named in the guide."""
+contracts (attention backends, executors, speculative proposers, grammar backends) has a
+docstring with its inputs and outputs and is named in the guide."""
 
 from __future__ import annotations
 
@@ -69,14 +69,16 @@ def test_backend_built_from_the_guide_is_registered_under_its_own_name(guide_bac
 def _contracts() -> dict[str, type]:
     from pagoda.executor.base import Executor
     from pagoda.spec_decode.proposer import SpeculativeProposer
+    from pagoda.structured_output import backend as grammar
 
-    # NOTE: the grammar backend contract (pagoda.structured_output.backend) joins this list
-    # once its docstrings name each input and output.
     return {
         "AttentionBackend": contract.AttentionBackend,
         "AttentionImpl": contract.AttentionImpl,
         "Executor": Executor,
         "SpeculativeProposer": SpeculativeProposer,
+        "GrammarBackend": grammar.GrammarBackend,
+        "CompiledGrammar": grammar.CompiledGrammar,
+        "GrammarMatcher": grammar.GrammarMatcher,
     }
 
 

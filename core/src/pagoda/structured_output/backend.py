@@ -33,25 +33,28 @@ class GrammarMatcher(ABC):
 
     @abstractmethod
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
-        """Advance over ``tokens`` in order; False (and stop at the first) if one is refused."""
+        """Advance over ``tokens`` (ids, in order). Returns True if all were accepted; False at
+        the first one refused (the ones before it stay accepted)."""
 
     @abstractmethod
     def validate_tokens(self, tokens: Sequence[int]) -> int:
-        """How many leading ``tokens`` the grammar accepts from here, the state unchanged
-        (checks draft tokens)."""
+        """Returns how many leading ``tokens`` the grammar accepts from here; the state is left
+        unchanged (checks draft tokens)."""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (at most the ``max_rollback_tokens`` the
-        matcher was made with)."""
+        matcher was made with). Returns nothing."""
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into ``bitmask[row]`` (CPU ``int32``)."""
+        """Write the tokens allowed next into row ``row`` of ``bitmask`` (CPU ``int32``, the
+        core's layout). Returns nothing."""
 
     @abstractmethod
     def is_terminated(self) -> bool:
-        """Whether the grammar has accepted its end (a stop token): nothing may follow."""
+        """Returns whether the grammar has accepted its end (a stop token): nothing may
+        follow."""
 
 
 class CompiledGrammar(ABC):
@@ -64,10 +67,11 @@ class CompiledGrammar(ABC):
 
     @abstractmethod
     def new_matcher(self, max_rollback_tokens: int = 0) -> GrammarMatcher:
-        """A matcher at the start of the grammar."""
+        """Returns a new matcher at the start of the grammar, able to roll back
+        ``max_rollback_tokens`` tokens."""
 
     def memory_bytes(self) -> int:
-        """Approximate size, for the cache's accounting; 0 if unknown."""
+        """Returns the approximate size in bytes, for the cache's accounting; 0 if unknown."""
         return 0
 
 
@@ -90,6 +94,9 @@ class GrammarBackend(ABC):
         stop_token_ids: Sequence[int],
         config: StructuredOutputConfig,
     ) -> None:
+        """Build the backend for one vocabulary: ``tokenizer`` (the model's Hugging Face
+        tokenizer), ``vocab_size`` (the logits width), ``stop_token_ids`` (the ids a grammar
+        may end with) and ``config`` (the ``structured_output`` section)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -99,35 +106,38 @@ class GrammarBackend(ABC):
     @abstractmethod
     def validate(cls, params: StructuredOutputsParams) -> None:
         """Raise ``ValueError`` naming the problem if ``params`` is invalid or unsupported (a bad
-        schema, regex or grammar). Called at admission, in the process that takes requests, with
-        no tokenizer: it must be quick (parse, do not compile)."""
+        schema, regex or grammar); returns None otherwise. Called at admission, in the process
+        that takes requests, with no tokenizer: it must be quick (parse, do not compile)."""
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Compile ``params`` for this vocabulary. Runs in the core's compile threads, several
-        at once; may take long (the core gives up after ``compile_timeout_s``). Raises
-        ``ValueError`` naming the problem for a constraint it cannot compile."""
+        """Returns ``params`` compiled for this vocabulary (a :class:`CompiledGrammar`). Runs in
+        the core's compile threads, several at once; may take long (the core gives up after
+        ``compile_timeout_s``). Raises ``ValueError`` naming the problem for a constraint it
+        cannot compile."""
 
     @classmethod
     def fill_bitmasks(
         cls, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor, rows: Sequence[int]
     ) -> None:
-        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``, every row of one step at once (a
-        backend may use threads). The default calls each matcher in turn."""
+        """Fill row ``rows[i]`` of ``bitmask`` for ``matchers[i]``, every row of one step at once
+        (a backend may use threads); other rows are left alone. Returns nothing. The default
+        calls each matcher in turn."""
         for matcher, row in zip(matchers, rows):
             matcher.fill_bitmask(bitmask, row)
 
     @classmethod
     def accept_batch(cls, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
-        """Advance each matcher over one token; the default calls each in turn."""
+        """Advance each of ``matchers`` over its token in ``tokens``. Returns one bool each:
+        whether the token was accepted. The default calls each matcher in turn."""
         return [m.accept_tokens((t,)) for m, t in zip(matchers, tokens)]
 
     @classmethod
     def apply_bitmask(cls, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """For each row ``r`` in ``rows``, set ``logits[r, t]`` to -inf for every token ``t``
-        that ``bitmask[r]`` does not allow, in place. ``logits``: ``[n, vocab]`` float32 and
-        ``bitmask``: ``[n, words]`` int32, both on the logits' device; other rows are left alone.
-        The default is :func:`apply_token_bitmask`."""
+        that ``bitmask[r]`` does not allow, in place; returns nothing. ``logits``: ``[n, vocab]``
+        float32 and ``bitmask``: ``[n, words]`` int32, both on the logits' device; other rows are
+        left alone. The default is :func:`apply_token_bitmask`."""
         apply_token_bitmask(logits, bitmask, rows)
 
 
