@@ -19,6 +19,11 @@ from pagoda.request import Request
 from pagoda.scheduler.scheduler import Scheduler
 
 
+class _HookedGrammar:
+    # Above any installed grammar backend, so that ``auto`` must consider hooked ones.
+    priority = 10**9
+
+
 class Registers:
     PAGODA_PLUGIN_API = 1
 
@@ -36,7 +41,7 @@ class Registers:
 
     @hookimpl
     def register_grammar_backends(self, register):
-        register("hooked_grammar", "pagoda.testing.attention:AttentionCase")
+        register("hooked_grammar", _HookedGrammar)
 
     @hookimpl
     def register_models(self, register):
@@ -68,8 +73,8 @@ def test_hook_register_spec_proposers_makes_a_proposer_selectable(registers) -> 
 
 
 def test_hook_register_grammar_backends_makes_a_grammar_backend_selectable(registers) -> None:
-    assert select("grammar_backends", "hooked_grammar").__name__ == "AttentionCase"
-    assert select("grammar_backends", "auto").__name__ == "AttentionCase"
+    assert select("grammar_backends", "hooked_grammar") is _HookedGrammar
+    assert select("grammar_backends", "auto") is _HookedGrammar
 
 
 def test_hook_register_models_maps_an_architecture_to_a_class(registers) -> None:
