@@ -45,7 +45,7 @@ def register_spec_proposers(register):
 '''
 
 ENGINE = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
-PROMPTS = ["The the the the the the", "1, 1, 1, 1, 1, 1, 1,", "Write a haiku about rain."]
+PROMPTS = ["The the the the the the", "Write a haiku about rain."]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_toy_proposer_passes_the_conformance_kit(toy_plugin):
 
 
 def test_toy_proposer_selected_by_config_keeps_greedy_output(toy_plugin):
-    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
     want = _tokens(LLM(**ENGINE), greedy)
     spec = {"method": "repeat_last", "num_speculative_tokens": 3}
     llm = LLM(**ENGINE, speculative_config=spec)
@@ -80,7 +80,7 @@ def test_toy_proposer_selected_by_config_keeps_greedy_output(toy_plugin):
     stats = llm.engine.engine_core.scheduler.spec_stats_total
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
-    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
     first = _tokens(llm, seeded)
     assert _tokens(llm, seeded) == first  # a seeded request draws the same with drafts too
 
