@@ -3,6 +3,9 @@
 - :class:`AttentionBackendConformance`: subclass it in a pytest module to run an attention
   backend against the float64 reference over random paged layouts (needs pytest).
 - :func:`check_attention_backend`, :func:`attention_cases`: the same without pytest.
+- :class:`SpeculativeProposerConformance`: subclass it in a pytest module to check a
+  speculative proposer against the contract of ``pagoda.spec_decode`` (needs pytest).
+- :func:`check_proposer_case`, :func:`proposer_cases`: the same without pytest.
 - :class:`GrammarBackendConformance`: subclass it in a pytest module to check a grammar backend
   (structured output) against the contract of ``pagoda.structured_output.backend``.
 - :func:`grammar_cases` and the ``check_*`` functions of ``pagoda.testing.grammar``: the same
@@ -24,6 +27,7 @@ from pagoda.testing.attention import (
     run_attention_case,
 )
 from pagoda.testing.grammar import GrammarCase, grammar_cases
+from pagoda.testing.spec_decode import ProposerCase, check_proposer_case, proposer_cases
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -32,6 +36,10 @@ __all__ = [
     "GrammarBackendConformance",
     "GrammarCase",
     "grammar_cases",
+    "ProposerCase",
+    "SpeculativeProposerConformance",
+    "check_proposer_case",
+    "proposer_cases",
     "attention_cases",
     "check_attention_backend",
     "plugin_registered",
@@ -49,6 +57,10 @@ def __getattr__(name: str) -> Any:
         from pagoda.testing.grammar_suite import GrammarBackendConformance
 
         return GrammarBackendConformance
+    if name == "SpeculativeProposerConformance":  # imports pytest
+        from pagoda.testing.spec_decode_suite import SpeculativeProposerConformance
+
+        return SpeculativeProposerConformance
     raise AttributeError(f"module 'pagoda.testing' has no attribute {name!r}")
 
 
