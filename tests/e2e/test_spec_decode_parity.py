@@ -1,9 +1,10 @@
 """Greedy output with n-gram speculation is token for token the output without it, on SmolLM2
 (CPU, float32), for 32 prompts: half ask to repeat standard-library source given in the prompt
 (drafts often accepted), half count from random starts by one or by seven, where digit n-grams
-recur but their earlier continuations are wrong (drafts mostly rejected). Chunked prefill, prefix caching (a second
-round continues each output, reading blocks written while drafts were verified) and preemption
-(a KV cache too small for the batch) are all exercised, and every block comes back."""
+recur but their earlier continuations are wrong (drafts mostly rejected). Chunked prefill,
+prefix caching (a second round continues each output, reading blocks written while drafts were
+verified) and preemption (a KV cache too small for the batch) are all exercised, and every block
+comes back."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_tp_size, tp_shape
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
-from pagoda.loader.sharded import iter_safetensors_slices
 from pagoda.loader.construct import build_model
+from pagoda.loader.sharded import iter_safetensors_slices
 from pagoda.ops import set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors

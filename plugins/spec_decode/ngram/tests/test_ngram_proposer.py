@@ -50,7 +50,8 @@ def test_rows_of_a_batch_do_not_mix():
 
 
 @pytest.mark.parametrize(
-    ("lo", "hi", "want"), [(None, None, (5, 5)), (2, None, (2, 2)), (None, 4, (4, 4)), (2, 4, (2, 4))]
+    ("lo", "hi", "want"),
+    [(None, None, (5, 5)), (2, None, (2, 2)), (None, 4, (4, 4)), (2, 4, (2, 4))],
 )
 def test_lookup_range_defaults_are_vllms(lo, hi, want):
     assert lookup_range(lo, hi) == want
