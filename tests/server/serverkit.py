@@ -80,6 +80,20 @@ class Server:
             out[name_labels.split("{")[0]] = float(value)
         return out
 
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Poll ``/metrics`` until no request runs or waits and no KV block is held (or
+        ``timeout`` passes); return the last metrics read."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (
+                m["pagoda:num_requests_running"] == m["pagoda:num_requests_waiting"] == 0
+                and m["pagoda:kv_cache_usage_perc"] == 0
+            )
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)

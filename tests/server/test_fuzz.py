@@ -203,18 +203,6 @@ def check_response(method: str, path: str, resp: httpx.Response) -> None:
         json.loads(resp.text)
 
 
-def _idle(server, timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (
-            m["pagoda:num_requests_running"] == m["pagoda:num_requests_waiting"] == 0
-            and m["pagoda:kv_cache_usage_perc"] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
-
 
 def test_generated_requests_never_get_a_5xx_and_errors_are_openai_shaped(tiny_server) -> None:
     seen = []
@@ -240,7 +228,7 @@ def test_generated_requests_never_get_a_5xx_and_errors_are_openai_shaped(tiny_se
     assert len(seen) >= CASES, len(seen)
     statuses = set(seen)
     assert 200 in statuses and 400 in statuses, statuses  # deep code was reached, and refused
-    m = _idle(tiny_server)
+    m = tiny_server.wait_idle()
     assert m["pagoda:num_requests_running"] == 0 and m["pagoda:kv_cache_usage_perc"] == 0, m
     assert httpx.get(f"{tiny_server.url}/health", timeout=10).status_code == 200
     print(f"{len(seen)} cases in {time.monotonic() - start:.1f} s: {sorted(statuses)}")

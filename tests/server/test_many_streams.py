@@ -70,18 +70,6 @@ async def _slow(
     return "".join(text), read_when_others_done
 
 
-def _wait_idle(server, timeout: float = 60.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        idle = (
-            m["pagoda:num_requests_running"] == m["pagoda:num_requests_waiting"] == 0
-            and m["pagoda:kv_cache_usage_perc"] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.2)
-
 
 def test_1000_streams_half_dropped_leave_nothing_behind_and_the_rest_are_exact(
     tiny_server,
@@ -117,7 +105,7 @@ def test_1000_streams_half_dropped_leave_nothing_behind_and_the_rest_are_exact(
     # The slow reader still had chunks to read when all the others were done.
     assert slow_read_when_others_done is not None, "the slow reader held the others up"
 
-    m = _wait_idle(tiny_server)
+    m = tiny_server.wait_idle()
     assert m["pagoda:num_requests_running"] == 0 and m["pagoda:num_requests_waiting"] == 0, m
     assert m["pagoda:kv_cache_usage_perc"] == 0, m  # no block leaked by a dropped stream
 
