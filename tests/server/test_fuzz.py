@@ -48,14 +48,18 @@ PART = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "tex"])}),
     st.dictionaries(TEXT, JSON, max_size=3),
 )
-MESSAGE = st.fixed_dictionaries(
-    {
-        "role": st.one_of(
-            st.sampled_from(["system", "developer", "user", "assistant", "tool"]), TEXT
-        ),
-        "content": st.one_of(TEXT, st.lists(PART, max_size=3), st.none(), JSON),
-    },
-    optional={"name": st.one_of(TEXT, JSON), "tool_calls": JSON, TEXT: JSON},
+MESSAGE = st.builds(
+    lambda message, extra: {**extra, **message},  # an unknown key besides the known ones
+    st.fixed_dictionaries(
+        {
+            "role": st.one_of(
+                st.sampled_from(["system", "developer", "user", "assistant", "tool"]), TEXT
+            ),
+            "content": st.one_of(TEXT, st.lists(PART, max_size=3), st.none(), JSON),
+        },
+        optional={"name": st.one_of(TEXT, JSON), "tool_calls": JSON},
+    ),
+    st.dictionaries(TEXT, JSON, max_size=1),
 )
 MESSAGES = st.one_of(st.lists(MESSAGE, min_size=1, max_size=4), st.lists(MESSAGE), JSON)
 

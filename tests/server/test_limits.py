@@ -95,6 +95,8 @@ def test_json_nested_past_the_limit_is_a_400(server) -> None:
         (CHAT, b'{"messages": [{"role": "user", "content": "Hi"}], "model": "\\ud800"}', "model"),
         (COMPLETIONS, b'{"prompt": "Hi", "request_id": "\\ud800x"}', "request_id"),
         ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+        # The raw bytes of a surrogate (not valid UTF-8), which json.loads decodes all the same.
+        ("/detokenize", b'{"tokens": [1], "model": "\xed\xa0\x80"}', "model"),
     ],
 )
 def test_a_lone_surrogate_is_a_400_naming_where_it_is(

@@ -13,8 +13,9 @@ from pagoda.config.model import ServerConfig
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.serving import off_loop
 
-# A \u escape of a UTF-16 surrogate: the only way a JSON body can hold text that is not Unicode.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A surrogate reaches a decoded JSON string either as a \u escape or as the raw bytes of its
+# UTF-8-style encoding (ED A0..BF xx), which json.loads lets through ("surrogatepass").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _OFF_LOOP_BYTES = 64 << 10
 
 
@@ -78,7 +79,7 @@ class BodyGuard:
             return None  # not JSON: the route's parser says what is wrong with it
         if type(root) in _CONTAINERS and _too_deep(root, self.max_depth):
             return self._too_deep()
-        # NOTE: only a \u escape can put a surrogate in a JSON string; most bodies have none.
+        # NOTE: most bodies hold no surrogate, escaped or raw; only those are walked.
         where = _surrogate_path(root) if _SURROGATE_ESCAPE.search(body) else None
         if where is not None:
             return APIError(
