@@ -122,21 +122,10 @@ class GrammarRows:
         self._prefetch_order = list(req_ids)
         buf = self._buffer(device)
         self._prefetch = self._pool.submit(
-            self._run_prefetch, items, sampled, event, buf, self._generation, len(req_ids)
+            self._prefetch_rows, items, sampled, event, buf, self._generation, len(req_ids)
         )
 
-    def _run_prefetch(
-        self,
-        items: list[tuple[int, _Entry]],
-        sampled: torch.Tensor,
-        event: Any,
-        buf: torch.Tensor,
-        generation: int,
-        n: int,
-    ) -> None:
-        with torch.inference_mode():  # the buffers were made in the runner's inference mode
-            self._prefetch_rows(items, sampled, event, buf, generation, n)
-
+    @torch.inference_mode()  # the buffers were made in the runner's inference mode
     def _prefetch_rows(
         self,
         items: list[tuple[int, _Entry]],

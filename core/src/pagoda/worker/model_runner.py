@@ -368,7 +368,9 @@ class ModelRunner:
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
         if len(sample_idx) and so.scheduled_spec_decode_tokens:
-            self._verify(hidden, out, rows, sample_idx, qsl, so.scheduled_spec_decode_tokens)
+            # Like _sample, with drafts: the rejection sampler keeps each request's accepted
+            # drafts and adds one token.
+            verify_drafts(self, hidden, out, rows, sample_idx, qsl, so.scheduled_spec_decode_tokens)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None:
@@ -452,19 +454,6 @@ class ModelRunner:
         if result.logprobs is not None:
             out.logprobs = result.logprobs.to_host()
             out.logprobs_ks = ib.sampling.logprobs[sample_rows]
-
-    def _verify(
-        self,
-        hidden: torch.Tensor,
-        out: StepOutput,
-        rows: np.ndarray,
-        sample_idx: np.ndarray,
-        qsl: np.ndarray,
-        drafts: dict[str, list[int]],
-    ) -> None:
-        """Like ``_sample``, for a step that scores draft tokens: the rejection sampler keeps
-        each request's accepted drafts and adds one token (``pagoda.spec_decode.verify``)."""
-        verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
 
     def _propose(self, step: StepOutput, output: ModelRunnerOutput) -> None:
         """Once a step's output is on the host: the proposer's drafts for the next step."""
