@@ -97,6 +97,28 @@ class AttentionBackend(ABC):
         ``head_size`` the model's head size. Returns whether this backend runs there."""
 
     @classmethod
+    def is_compiled(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+        """Called at engine start, after ``supports``, with the same ``device``, ``dtype`` and
+        ``head_size``. Returns whether the kernels this backend would run there are ready now (built ahead of time, or in a
+        compile cache), so that the first step does not wait for a just-in-time compile.
+        ``auto`` passes over a backend that is not, for the best one that is, and starts
+        ``compile_command`` in the background so that a later start finds it ready. Default:
+        true (kernels that compile in seconds need not say)."""
+        return True
+
+    @classmethod
+    def compile_command(
+        cls, device: torch.device, dtype: torch.dtype, head_size: int
+    ) -> list[str] | None:
+        """Called at engine start when ``is_compiled`` is false for ``device``, ``dtype`` and
+        ``head_size`` (as ``supports`` gets them). Returns the argv of a command that compiles
+        those kernels into the backend's compile cache and exits 0 (after it,
+        ``is_compiled`` is true), or None when there is nothing to run. The engine runs it in a
+        child process at low priority: in the background when ``auto`` chose another backend,
+        before the first step when this backend was named. Default: None."""
+        return None
+
+    @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         """Called at engine start with ``cache.block_size`` as ``block_size``. Returns whether
         this backend reads a paged cache with blocks of that many tokens (default: any)."""

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+from pagoda.attention import jit
 from pagoda.attention.backend import AttentionBackend
-from pagoda.plugins import PluginLoadError, get_registry, select
+from pagoda.distributed import get_tp_rank
+from pagoda.plugins import PluginLoadError, PluginSelectionError, get_registry, select
+
+logger = logging.getLogger(__name__)
 
 
 def select_attention_backend(
@@ -19,17 +24,52 @@ def select_attention_backend(
 ) -> type[AttentionBackend]:
     """The backend class named ``name`` (``attention.backend``), checked to support ``device``,
     ``dtype``, ``head_size`` and ``block_size``; ``auto`` picks the highest ``priority`` among
-    those that do."""
-    return select(
-        "attention_backends",
-        name,
-        supports=lambda b: (
-            b.supports(device, dtype, head_size) and b.supports_block_size(block_size)
-        ),
-        needs=f"device={device.type}, dtype={str(dtype).removeprefix('torch.')}, "
-        f"head_size={head_size}, block_size={block_size}",
-        check=_check_backend,
+    those that do and whose kernels are compiled (see :mod:`pagoda.attention.jit`)."""
+
+    def supports(b: Any) -> bool:
+        return b.supports(device, dtype, head_size) and b.supports_block_size(block_size)
+
+    needs = (
+        f"device={device.type}, dtype={str(dtype).removeprefix('torch.')}, "
+        f"head_size={head_size}, block_size={block_size}"
     )
+    chosen = select(
+        "attention_backends", name, supports=supports, needs=needs, check=_check_backend
+    )
+    if chosen.is_compiled(device, dtype, head_size):
+        return chosen
+    argv = chosen.compile_command(device, dtype, head_size)
+    what = f"{str(dtype).removeprefix('torch.')}, head size {head_size}, on {device}"
+    if name != "auto":
+        if argv:
+            jit.compile_now(chosen, what, argv)
+        return chosen
+    try:
+        ready = select(
+            "attention_backends",
+            "auto",
+            supports=lambda b: (
+                b is not chosen and supports(b) and b.is_compiled(device, dtype, head_size)
+            ),
+            needs=needs,
+            check=_check_backend,
+        )
+    except PluginSelectionError:  # nothing else runs here: compile before the first step
+        if argv:
+            jit.compile_now(chosen, what, argv)
+        return chosen
+    if argv:
+        logger.info(
+            "attention: %s's kernels for %s are not compiled yet; starting on %s and compiling "
+            "%s in the background",
+            chosen.name,
+            what,
+            ready.name,
+            chosen.name,
+        )
+        if get_tp_rank() == 0:  # NOTE: one compile per machine, not one per tensor-parallel rank
+            jit.compile_in_background(chosen, what, argv)
+    return ready
 
 
 def _check_backend(name: str, target: Any) -> None:

@@ -13,6 +13,7 @@ again for the step, which rewrites those buffers and the plan the captured kerne
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,29 @@ class FlashInferBackend(AttentionBackend):
             and dtype in (torch.float16, torch.bfloat16)
             and head_size in (64, 128, 256)
         )
+
+    @classmethod
+    def is_compiled(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
+        from pagoda_attention_flashinfer.warm import is_compiled
+
+        return is_compiled(device, dtype, head_size)
+
+    @classmethod
+    def compile_command(
+        cls, device: torch.device, dtype: torch.dtype, head_size: int
+    ) -> list[str] | None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return [
+            sys.executable,
+            "-m",
+            "pagoda_attention_flashinfer.warm",
+            "--device",
+            f"cuda:{index}",
+            "--dtype",
+            str(dtype).removeprefix("torch."),
+            "--head-size",
+            str(head_size),
+        ]
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
