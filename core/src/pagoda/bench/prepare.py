@@ -8,7 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.bench.workloads import Workload, make_output_lens, make_prompts, resolve_workload
+from pagoda.bench.workloads import (
+    Workload,
+    make_output_lens,
+    make_prompts,
+    nano_draws,
+    resolve_workload,
+)
 
 
 @dataclass
@@ -62,17 +68,20 @@ def prepare(args: argparse.Namespace, config: Any) -> Run:
         return make_prompts(n, length, length, vocab, [wl.dataset_seed, 2, seed], special)
 
     n, (ilo, ihi), (olo, ohi) = wl.num_prompts, wl.input_len, wl.output_len
-    prompts = make_prompts(n, ilo, ihi, vocab, wl.dataset_seed, special)
-    out_lens = make_output_lens(n, olo, ohi, wl.dataset_seed)
+    if wl.draws == "nano":
+        prompts, out_lens = nano_draws(n, wl.dataset_seed, ilo, ihi)
+    else:
+        prompts = make_prompts(n, ilo, ihi, vocab, wl.dataset_seed, special)
+        out_lens = make_output_lens(n, olo, ohi, wl.dataset_seed)
     if ihi + ohi > info.max_model_len:
         raise ValueError(
             f"input up to {ihi} plus output up to {ohi} tokens exceeds max_model_len="
             f"{info.max_model_len}; raise --max-model-len or shorten the workload"
         )
-    if args.skip_hf or args.peers == "none":
+    if args.skip_hf or wl.peers == "none":
         peer_names: tuple[str, ...] = ()
     else:
-        peer_names = ("cb", "static") if args.peers == "all" else (args.peers,)
+        peer_names = ("cb", "static") if wl.peers == "all" else (wl.peers,)
     try:
         weight_bytes = decode_weight_bytes(info.hf_dir, info.dtype.itemsize)
     except FileNotFoundError:  # random weights drawn by Pagoda itself (load_format=dummy)

@@ -50,8 +50,15 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers",
         choices=("all", "none", "cb", "static"),
-        default="all",
-        help="transformers engines to run too: continuous batching, static-cache generate",
+        default=None,
+        help="transformers engines to run too: continuous batching, static-cache generate "
+        "(default: all; none for the nano workload)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature of every request (default 0, greedy; 0.6 for nano)",
     )
     p.add_argument("--skip-hf", action="store_true", help="measure Pagoda only (--peers none)")
     p.add_argument(
@@ -152,7 +159,7 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
     # NOTE: registered before the engine is built: the engine core binds its seams then.
     with plugin_registered(recorder, "pagoda-bench-steps"):
         _say(f"pagoda on {wl.num_prompts} requests")
-        pagoda, startup, llm = _run_pagoda(run.config, run.prompts, run.out_lens)
+        pagoda, startup, llm = _run_pagoda(run.config, run.prompts, run.out_lens, wl.temperature)
         try:
             if floor_args is not None:
                 batch = min(wl.num_prompts, run.config.scheduler.max_num_seqs)
@@ -174,7 +181,7 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
 
 
 def _run_pagoda(
-    config: Any, prompts: list[list[int]], out_lens: list[int]
+    config: Any, prompts: list[list[int]], out_lens: list[int], temperature: float = 0.0
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from pagoda import LLM, SamplingParams
 
@@ -186,7 +193,9 @@ def _run_pagoda(
     startup = {"engine_s": round(load_s, 3), **{k: round(v, 3) for k, v in parts.items()}}
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], warm, use_tqdm=False)
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in out_lens]
+    params = [
+        SamplingParams(max_tokens=o, temperature=temperature, ignore_eos=True) for o in out_lens
+    ]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0

@@ -8,6 +8,7 @@ any option given on the command line wins over the preset.
 from __future__ import annotations
 
 import argparse
+import random
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ class Preset:
     roofline_batches: tuple[int, ...] = (1, 64, 256)
     roofline_input_len: int = 512
     roofline_steps: int = 32
+    temperature: float = 0.0  # 0: greedy
+    draws: str = "numpy"  # "nano": nano-vllm's bench.py draws (Python's random, seed 0)
+    peers: str = "all"  # transformers engines run beside Pagoda unless --peers says otherwise
 
 
 def _llama8b(n: int, inp: int, out: int, static: int, peer_n: int) -> Preset:
@@ -49,6 +53,19 @@ PRESETS: dict[str, Preset] = {
     ),
     "b": _llama8b(1000, 1024, 128, static=64, peer_n=256),  # prefill-heavy
     "c": _llama8b(256, 128, 1024, static=256, peer_n=128),  # decode-heavy
+    # nano-vllm's own benchmark, drawn exactly as its bench.py draws it (133,966 output tokens):
+    # figures compare with that project's published ones. Sampled at temperature 0.6.
+    "nano": Preset(
+        "qwen3-0.6b",
+        256,
+        (100, 1024),
+        (100, 1024),
+        {"max_num_seqs": 256, "max_model_len": 2048, "max_num_batched_tokens": 16384},
+        static_batch_size=128,
+        temperature=0.6,
+        draws="nano",
+        peers="none",  # nano-vllm itself is the peer here, run by its own script
+    ),
     # A tiny random model: every code path on a CPU in seconds.
     "smoke": Preset(
         "tiny-llama",
@@ -80,6 +97,9 @@ class Workload:
     roofline_batches: tuple[int, ...] = (1, 64, 256)
     roofline_input_len: int = 512
     roofline_steps: int = 32
+    temperature: float = 0.0
+    draws: str = "numpy"
+    peers: str = "all"
 
     def describe(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -131,12 +151,20 @@ def resolve_workload(args: argparse.Namespace, model_given: bool) -> Workload:
         roofline_batches=pick(args.roofline_batches, p and p.roofline_batches, (1, 64, 256)),
         roofline_input_len=pick(args.roofline_input_len, p and p.roofline_input_len, 512),
         roofline_steps=pick(args.roofline_steps, p and p.roofline_steps, 32),
+        temperature=pick(getattr(args, "temperature", None), p and p.temperature, 0.0),
+        draws=p.draws if p else "numpy",
+        peers=pick(getattr(args, "peers", None), p and p.peers, "all"),
     )
     if wl.roofline is None and not (p and p.roofline):
         wl.roofline = False
     for what, (lo, hi) in (("input", wl.input_len), ("output", wl.output_len)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{what} lengths [{lo}, {hi}]: need 1 <= min <= max")
+    if wl.draws == "nano" and (wl.input_len, wl.output_len) != (p.input_len, p.output_len):
+        raise ValueError(
+            "the nano workload's lengths are nano-vllm's (100..1024 in and out); change "
+            "--num-prompts or --dataset-seed only"
+        )
     if wl.num_prompts < 1:
         raise ValueError(f"--num-prompts {wl.num_prompts}: need at least one request")
     return wl
@@ -150,6 +178,17 @@ def make_prompts(
     allowed = np.setdiff1d(np.arange(vocab), np.fromiter(avoid, dtype=np.int64, count=len(avoid)))
     lens = rng.integers(lo, hi + 1, size=n)
     return [rng.choice(allowed, size=int(k)).tolist() for k in lens]
+
+
+def nano_draws(
+    n: int, seed: int, lo: int = 100, hi: int = 1024, vocab_hi: int = 10000
+) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py workload: with Python's ``random.seed(seed)``, ``n`` prompts of
+    ``randint(lo, hi)`` ids each ``randint(0, vocab_hi)``, then ``n`` output lengths
+    ``randint(lo, hi)``, in that order (seed 0, n 256: 133,966 output tokens)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, vocab_hi) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return prompts, [rng.randint(lo, hi) for _ in range(n)]
 
 
 def make_output_lens(n: int, lo: int, hi: int, seed: int) -> list[int]:
