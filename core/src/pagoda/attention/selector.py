@@ -25,7 +25,18 @@ def select_attention_backend(
     """The backend class named ``name`` (``attention.backend``), checked to support ``device``,
     ``dtype``, ``head_size`` and ``block_size``; ``auto`` picks the highest ``priority`` among
     those that do and whose kernels are compiled (see :mod:`pagoda.attention.jit`)."""
+    backend = _select(name, device, dtype, head_size, block_size)
+    logger.info("attention: %s (attention.backend %s)", backend.name, name)
+    return backend
 
+
+def _select(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+) -> type[AttentionBackend]:
     def supports(b: Any) -> bool:
         return b.supports(device, dtype, head_size) and b.supports_block_size(block_size)
 
