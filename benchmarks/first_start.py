@@ -76,7 +76,8 @@ def one_start(model: str, extra: list[str], log: Path, wait_compile_s: float) ->
         row["first_text"] = answer["choices"][0]["text"]
         deadline = time.perf_counter() + wait_compile_s
         while wait_compile_s and time.perf_counter() < deadline:
-            if re.search(r"compiled in the background|background compile .* failed", log.read_text()):
+            done = r"compiled in the background|background compile .* failed"
+            if re.search(done, log.read_text()):
                 break
             time.sleep(0.5)
     finally:
