@@ -144,6 +144,11 @@ class SpeculativeConfig(_Section):
         description="ngram: longest suffix matched in the prompt and output; default:"
         " prompt_lookup_min, or 5 when neither is set",
     )
+    model: str | None = Field(
+        None,
+        description="eagle, eagle3: folder of the draft head's checkpoint (config.json and"
+        " safetensors or pytorch_model.bin, the layouts EAGLE and EAGLE-3 publish)",
+    )
 
 
 class StructuredOutputConfig(_Section):

@@ -12,6 +12,7 @@ from pagoda.spec_decode.proposer import (
     ProposalBatch,
     ProposerContext,
     SpeculativeProposer,
+    TargetModel,
     build_proposer,
 )
 from pagoda.spec_decode.rejection import rejection_sample
@@ -22,6 +23,7 @@ __all__ = [
     "ProposerContext",
     "SpecDecodingStats",
     "SpeculativeProposer",
+    "TargetModel",
     "build_proposer",
     "rejection_sample",
 ]

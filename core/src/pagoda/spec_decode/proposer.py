@@ -10,10 +10,14 @@ Life cycle, in the process that runs the model (every worker with several):
 
 1. ``__init__(ctx)``: once, when the model runner is built (before the weights load). ``ctx`` is
    a :class:`ProposerContext`.
-2. ``propose(batch)``: once per engine step that sampled tokens, after that step's tokens are on
+2. ``bind_target(target)``: once, after the target's weights loaded and its KV cache was
+   allocated, before CUDA graphs are captured (a draft model loads its weights here, shares the
+   target's embedding or LM head, and allocates its own cache). ``target`` is a
+   :class:`TargetModel`.
+3. ``propose(batch)``: once per engine step that sampled tokens, after that step's tokens are on
    the host, for the requests that sampled (a request still prefilling its prompt is not in it).
    Returns :class:`Drafts` for the *next* step.
-3. ``remove(req_ids)``: when requests finish, are aborted or preempted (their state may go).
+4. ``remove(req_ids)``: when requests finish, are aborted or preempted (their state may go).
 
 Drafts are a suggestion: the core may schedule fewer (token budget, ``max_tokens``, the context
 limit, KV cache pressure) or none (with async scheduling a draft computed for a position that is
@@ -26,12 +30,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from pagoda.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from pagoda.attention.backend import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,16 @@ class ProposalBatch:
     # [n, hidden_size] in ``ctx.dtype`` on ``ctx.device``: the target's last hidden state at the
     # position that produced each request's newest token. Only for ``needs_hidden_states``.
     hidden_states: torch.Tensor | None = None
+    # Only for ``needs_hidden_states``: every position the target computed for request i since
+    # it last sampled, up to the one that produced its newest token (a prompt's chunks, or the
+    # last known token and the accepted drafts), oldest first. Rows ``hidden_loc[i] :
+    # hidden_loc[i + 1]`` hold positions ``num_tokens[i] - 1 - m_i .. num_tokens[i] - 2`` (m_i
+    # rows; the token each position was followed by is ``token_ids[rows[i], position + 1]``).
+    # Each row concatenates the hidden states of ``hidden_state_layers`` in order, or is the
+    # final (normed) hidden state when the proposer names no layer. Positions the target did
+    # not compute (prefix cache hits, or before a preemption) are not in it.
+    new_hidden_states: torch.Tensor | None = None  # [m, hidden_size * max(1, len(layers))]
+    hidden_loc: np.ndarray | None = None  # [n + 1] int64, offsets into ``new_hidden_states``
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -107,23 +124,53 @@ class Drafts:
         return np.minimum(leading.astype(np.int64), max_num_drafts)
 
 
+@dataclass(frozen=True)
+class TargetModel:
+    """The target model and its paged KV cache, for a proposer that runs a draft model beside it
+    (``SpeculativeProposer.bind_target``). Read everything; change nothing."""
+
+    model: torch.nn.Module  # the target (``model.model.embed_tokens``, ``compute_logits``, ...)
+    num_hidden_layers: int
+    attn_backend: type[AttentionBackend]  # the target's attention backend
+    num_blocks: int  # blocks of the target's KV cache (a draft's cache can be parallel to it)
+    block_size: int
+    # The runner's own per-row block tables (row r of ``ProposalBatch.token_ids``): its first
+    # ``num_row_blocks[r]`` entries are the row's blocks now; the rest are stale.
+    block_table: np.ndarray  # [max_num_reqs, max_blocks_per_req] int32, host
+    num_row_blocks: np.ndarray  # [max_num_reqs] int64, host
+
+
 class SpeculativeProposer(ABC):
     """Base class of proposers; register a subclass with ``register_spec_proposers``.
 
     Class attributes say what the proposer needs from the core:
-    ``needs_hidden_states``: pass ``ProposalBatch.hidden_states`` (costs a device gather).
+    ``needs_hidden_states``: pass ``ProposalBatch.hidden_states`` and ``new_hidden_states``
+    (costs a device gather a step).
+    ``hidden_state_layers`` (may be set on the instance up to ``bind_target``): the target
+    layers whose *input* (the residual stream entering layer ``i``, ``i == num_hidden_layers``:
+    the stream after the last layer, before the final norm) ``new_hidden_states``
+    concatenates; empty: the final normed hidden state. They come from the forward the target
+    ran anyway (no second forward), CUDA graphs included.
     A proposer gets no KV cache of its own from the core in plugin API 1: a draft model keeps its
     own (the target's blocks hold only the target's KV, draft positions included while they are
-    verified).
+    verified), for instance a tensor parallel to the target's cache, indexed by the target's
+    block tables (``TargetModel``).
     """
 
     needs_hidden_states: ClassVar[bool] = False
+    hidden_state_layers: tuple[int, ...] = ()
 
     def __init__(self, ctx: ProposerContext) -> None:
         """Called once per model runner, when it is built: ``ctx`` (a :class:`ProposerContext`)
         holds the speculative section of the configuration, the model's sizes, the device and
         the dtype."""
         self.ctx = ctx
+
+    def bind_target(self, target: TargetModel) -> None:  # noqa: B027 (optional to override)
+        """Called once, after the target's weights loaded and its KV cache was allocated, before
+        CUDA graphs are captured: ``target`` (a :class:`TargetModel`). A draft model loads its
+        weights here; a checkpoint that does not fit the target raises, naming the mismatch.
+        Returns nothing."""
 
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> Drafts:

@@ -201,6 +201,9 @@ def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutp
         return
     rows = step.sample_rows[keep]
     hidden = step.proposer_hidden
+    new_hidden = loc = None
+    if runner.hidden_feed is not None and step.hidden_feed is not None:
+        new_hidden, loc = runner.hidden_feed.take(step, keep, num_tokens[keep])
     batch = ProposalBatch(
         req_ids=[req_ids[i] for i in keep.tolist()],
         rows=rows,
@@ -209,6 +212,8 @@ def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutp
         num_prompt_tokens=ib.num_prompt[rows],
         max_num_drafts=max_drafts[keep],
         hidden_states=None if hidden is None else hidden[runner._as_device(keep)],
+        new_hidden_states=new_hidden,
+        hidden_loc=loc,
     )
     drafts = proposer.propose(batch)
     counts = drafts.counts(runner.arch.vocab_size, batch.max_num_drafts)

@@ -15,6 +15,7 @@ What a proposer must do, whatever it proposes:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,13 @@ import numpy as np
 import torch
 
 from pagoda.config import SpeculativeConfig
-from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda.spec_decode import (
+    Drafts,
+    ProposalBatch,
+    ProposerContext,
+    SpeculativeProposer,
+    TargetModel,
+)
 
 VOCAB = 512
 WIDTH = 300  # columns of the synthetic token array (max_model_len + 1)
@@ -70,17 +77,31 @@ def make_context(
     )
 
 
-def make_batch(case: ProposerCase, ctx: ProposerContext) -> ProposalBatch:
+def _history_rows(history: list[int], rows: int, width: int) -> torch.Tensor:
+    """Synthetic hidden states that depend on the history alone (batch invariance holds)."""
+    gen = torch.Generator().manual_seed(hash(tuple(history)) & 0x7FFFFFFF)
+    return torch.randn(rows, width, generator=gen)
+
+
+def make_batch(
+    case: ProposerCase, ctx: ProposerContext, hidden_layers: tuple[int, ...] = ()
+) -> ProposalBatch:
     token_ids = np.full((ctx.max_num_reqs, WIDTH), -1, dtype=np.int64)
     for row, h in zip(case.rows, case.histories):
         token_ids[row, : len(h)] = h
     n = len(case.rows)
     k = ctx.num_speculative_tokens
     caps = case.max_num_drafts or [k] * n
-    hidden = None
+    hidden = new_hidden = loc = None
     if ctx.hidden_size:
-        gen = torch.Generator().manual_seed(0)
-        hidden = torch.randn(n, ctx.hidden_size, generator=gen).to(ctx.device, ctx.dtype)
+        # As after a prefill of the whole history: every position but the last computed.
+        width = ctx.hidden_size * max(1, len(hidden_layers))
+        parts = [_history_rows(h, len(h), width) for h in case.histories]
+        last = [p[-1:, : ctx.hidden_size] for p in parts]
+        hidden = torch.cat(last).to(ctx.device, ctx.dtype)
+        new_hidden = torch.cat([p[: len(p) - 1] for p in parts]).to(ctx.device, ctx.dtype)
+        loc = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(h) - 1 for h in case.histories], out=loc[1:])
     return ProposalBatch(
         req_ids=[f"req-{r}" for r in case.rows],
         rows=np.asarray(case.rows, dtype=np.int64),
@@ -89,6 +110,8 @@ def make_batch(case: ProposerCase, ctx: ProposerContext) -> ProposalBatch:
         num_prompt_tokens=np.asarray([max(len(h) // 2, 1) for h in case.histories], np.int64),
         max_num_drafts=np.asarray([min(c, k) for c in caps], dtype=np.int64),
         hidden_states=hidden,
+        new_hidden_states=new_hidden,
+        hidden_loc=loc,
     )
 
 
@@ -127,12 +150,26 @@ def check_drafts_well_formed(drafts: Any, batch: ProposalBatch, ctx: ProposerCon
 
 
 def check_proposer_case(
-    cls: type[SpeculativeProposer], config: SpeculativeConfig, case: ProposerCase, device="cpu"
+    cls: type[SpeculativeProposer],
+    config: SpeculativeConfig,
+    case: ProposerCase,
+    device="cpu",
+    target: Callable[[ProposerContext], TargetModel] | None = None,
 ) -> Drafts:
-    """Every check of the contract on one case; returns the batch's drafts."""
+    """Every check of the contract on one case; returns the batch's drafts. ``target``, for a
+    proposer that runs a draft model: builds the :class:`TargetModel` it is bound to (a model
+    of ``ctx.hidden_size`` and ``ctx.vocab_size``, block tables for ``ctx.max_num_reqs`` rows of
+    ``ctx.max_model_len`` tokens)."""
+
+    def build(ctx: ProposerContext) -> SpeculativeProposer:
+        proposer = _build(cls, ctx)
+        if target is not None:
+            proposer.bind_target(target(ctx))
+        return proposer
+
     ctx = make_context(config, device)
-    proposer = _build(cls, ctx)
-    batch = make_batch(case, ctx)
+    proposer = build(ctx)
+    batch = make_batch(case, ctx, proposer.hidden_state_layers)
     before = batch.token_ids.copy()
     drafts = proposer.propose(batch)
     if not np.array_equal(before, batch.token_ids):
@@ -142,9 +179,10 @@ def check_proposer_case(
     for i in range(len(batch)):  # each request alone, in another row, with a fresh proposer
         alone = ProposerCase(case.name, [case.histories[i]], [(case.rows[i] + 1) % 10])
         solo_ctx = make_context(config, device)
-        solo_batch = make_batch(alone, solo_ctx)
+        solo_proposer = build(solo_ctx)
+        solo_batch = make_batch(alone, solo_ctx, solo_proposer.hidden_state_layers)
         solo_batch.max_num_drafts = batch.max_num_drafts[i : i + 1].copy()
-        solo = _build(cls, solo_ctx).propose(solo_batch)
+        solo = solo_proposer.propose(solo_batch)
         check_drafts_well_formed(solo, solo_batch, solo_ctx)
         m = solo.counts(ctx.vocab_size, solo_batch.max_num_drafts)[0]
         if m != usable[i] or not np.array_equal(solo.token_ids[0, :m], drafts.token_ids[i, :m]):

@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import pytest
 
 from pagoda.config import SpeculativeConfig
-from pagoda.spec_decode import SpeculativeProposer
+from pagoda.spec_decode import ProposerContext, SpeculativeProposer, TargetModel
 from pagoda.testing.spec_decode import ProposerCase, check_proposer_case, proposer_cases
 
 
@@ -30,6 +31,9 @@ class SpeculativeProposerConformance:
     device: ClassVar[str] = "cpu"
     #: Whether some case must yield at least one draft (false for a proposer that may abstain).
     proposes_something: ClassVar[bool] = True
+    #: For a proposer with a draft model: ``target(ctx)`` builds the ``TargetModel`` that
+    #: ``bind_target`` receives (see :func:`check_proposer_case`); None: not called.
+    target: ClassVar[Callable[[ProposerContext], TargetModel] | None] = None
 
     def proposer_class(self) -> type[SpeculativeProposer]:
         if isinstance(self.proposer, str):
@@ -38,17 +42,22 @@ class SpeculativeProposerConformance:
             return get_registry("spec_proposers").get(self.proposer)
         return self.proposer
 
+    def _target(self) -> Callable[[ProposerContext], TargetModel] | None:
+        # NOTE: read from the class, so a plain function is not bound as a method.
+        return getattr(type(self), "target", None)
+
     def test_is_a_speculative_proposer(self) -> None:
         cls = self.proposer_class()
         assert isinstance(cls, type) and issubclass(cls, SpeculativeProposer), cls
 
     @pytest.mark.parametrize("case", proposer_cases(), ids=lambda c: c.name)
     def test_drafts_follow_the_contract(self, case: ProposerCase) -> None:
-        check_proposer_case(self.proposer_class(), self.config, case, self.device)
+        check_proposer_case(self.proposer_class(), self.config, case, self.device, self._target())
 
     def test_proposes_for_a_repeating_history(self) -> None:
         if not self.proposes_something:
             pytest.skip("this proposer may abstain")
         case = proposer_cases()[0]
-        drafts = check_proposer_case(self.proposer_class(), self.config, case, self.device)
+        cls = self.proposer_class()
+        drafts = check_proposer_case(cls, self.config, case, self.device, self._target())
         assert (drafts.token_ids[:, :1] >= 0).any(), "no draft for a history that repeats"

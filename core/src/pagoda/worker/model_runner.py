@@ -28,6 +28,7 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import GrammarRows
@@ -85,6 +86,7 @@ class ModelRunner:
             )
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
+        self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
         self.input_batch = InputBatch(
@@ -233,6 +235,8 @@ class ModelRunner:
                     module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(module.kv_cache)
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
+        if self.proposer is not None:  # a draft model loads here, before graphs are captured
+            self.hidden_feed = bind_proposer(self, num_blocks)
         self.decode_graphs: DecodeGraphs | None = None
         # Speculative verification steps (k + 1 tokens a request) as graphs too.
         self.verify_graphs: DecodeGraphs | None = None
@@ -260,6 +264,8 @@ class ModelRunner:
             self._draft_probs.pop(req_id, None)
         if self.proposer is not None and so.finished_req_ids:
             self.proposer.remove(so.finished_req_ids)
+            if self.hidden_feed is not None:
+                self.hidden_feed.remove(so.finished_req_ids)
         req_ids: list[str] = []
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
@@ -367,6 +373,9 @@ class ModelRunner:
         out = StepOutput(ib, req_ids)
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
+        if self.hidden_feed is not None:
+            q = self.verify_graphs.query_len if verified is not None else None
+            self.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
         if len(sample_idx) and so.scheduled_spec_decode_tokens:
             # Like _sample, with drafts: the rejection sampler keeps each request's accepted
             # drafts and adds one token.

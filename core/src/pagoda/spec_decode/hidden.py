@@ -1,0 +1,153 @@
+"""The target's hidden states for a proposer that asks for them (``needs_hidden_states``).
+
+The runner computes them anyway: the final hidden state is the forward's output, and the
+residual stream entering a layer is copied, inside the same forward (CUDA graphs included),
+into one persistent buffer by a pre-hook on that layer. After each forward the rows of the step
+are gathered into a fresh tensor (the next step overwrites the buffer); a request still
+prefilling keeps its chunks here until the step where it samples, when the proposer gets all of
+them (``ProposalBatch.new_hidden_states``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagoda.spec_decode.proposer import SpeculativeProposer, TargetModel
+
+if TYPE_CHECKING:
+    from pagoda.worker.model_runner import ModelRunner
+    from pagoda.worker.step_output import StepOutput
+
+
+def bind_proposer(runner: ModelRunner, num_blocks: int) -> HiddenFeed | None:
+    """Hand the proposer the target (``bind_target``); the feed of hidden states it asked for,
+    or None."""
+    proposer = runner.proposer
+    ib = runner.input_batch
+    target = TargetModel(
+        model=runner.model,
+        num_hidden_layers=runner.arch.num_hidden_layers,
+        attn_backend=runner.attn_backend,
+        num_blocks=num_blocks,
+        block_size=runner.block_size,
+        block_table=ib.block_table,
+        num_row_blocks=ib.num_blocks,
+    )
+    proposer.bind_target(target)
+    if not proposer.needs_hidden_states:
+        return None
+    return HiddenFeed(runner, proposer)
+
+
+def _decoder_layers(model: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    norm = getattr(inner, "norm", None)
+    if layers is None or norm is None:
+        raise ValueError(
+            f"the proposer asks for hidden states of target layers, but {type(model).__name__} "
+            "has no model.layers and model.norm to read them from"
+        )
+    return list(layers), norm
+
+
+class HiddenFeed:
+    def __init__(self, runner: ModelRunner, proposer: SpeculativeProposer) -> None:
+        self.layers = tuple(proposer.hidden_state_layers)
+        self.device = runner.device
+        h = runner.arch.hidden_size
+        self.buf: torch.Tensor | None = None
+        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (first pos, rows)
+        if not self.layers:
+            return
+        decoder, norm = _decoder_layers(runner.model)
+        n_layers = len(decoder)
+        bad = [i for i in self.layers if not 0 <= i <= n_layers]
+        if bad:
+            raise ValueError(
+                f"the proposer asks for the hidden states entering layers {list(self.layers)}; "
+                f"the target has {n_layers} layers (valid: 0..{n_layers}), not {bad}"
+            )
+        rows = max(runner.max_num_tokens, runner.max_num_reqs)
+        self.buf = torch.empty(rows, h * len(self.layers), dtype=runner.dtype, device=self.device)
+        for j, i in enumerate(self.layers):
+            module = decoder[i] if i < n_layers else norm
+            # Layers take (positions, x, residual); the final norm takes (x, residual).
+            arg = 1 if i < n_layers else 0
+            module.register_forward_pre_hook(self._copier(j * h, (j + 1) * h, arg))
+
+    def _copier(self, lo: int, hi: int, arg: int):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            x, residual = args[arg], args[arg + 1] if len(args) > arg + 1 else None
+            stream = x if residual is None else x + residual
+            self.buf[: stream.shape[0], lo:hi].copy_(stream)
+
+        return hook
+
+    def record(
+        self,
+        out: StepOutput,
+        hidden: torch.Tensor,
+        req_ids: list[str],
+        starts: np.ndarray,
+        qsl: np.ndarray,
+        sample_idx: np.ndarray,
+        padded_q: int | None,
+    ) -> None:
+        """After a step's forward: keep its rows (``padded_q``: the step ran as a verification
+        graph, whose buffer holds request i's tokens from row ``i * padded_q``)."""
+        total = int(qsl[-1])
+        if self.buf is None:
+            rows = hidden[:total].clone()
+        elif padded_q is None:
+            rows = self.buf[:total].clone()
+        else:
+            counts = np.diff(qsl)
+            tok_req = np.repeat(np.arange(len(counts)), counts)
+            index = tok_req * padded_q + (np.arange(total) - qsl[tok_req])
+            rows = self.buf[torch.from_numpy(index).to(self.device)]
+        out.hidden_feed = (rows, qsl.copy(), starts.copy())
+        sampled = np.zeros(len(req_ids), dtype=bool)
+        sampled[sample_idx] = True
+        for i in np.flatnonzero(~sampled).tolist():  # chunks of prompts still prefilling
+            chunk = rows[qsl[i] : qsl[i + 1]]
+            self.pending[req_ids[i]] = self._join(req_ids[i], int(starts[i]), chunk)
+
+    def _join(self, req_id: str, start: int, chunk: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """The request's pending rows followed by ``chunk`` (from position ``start``), or
+        ``chunk`` alone when they do not meet."""
+        first, kept = self.pending.pop(req_id, (start, chunk[:0]))
+        if first + len(kept) != start:
+            return start, chunk
+        return first, torch.cat([kept, chunk]) if len(kept) else chunk
+
+    def take(
+        self, step: StepOutput, keep: np.ndarray, num_tokens: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The rows of the sampling requests ``step.sample_idx[keep]``, which now know
+        ``num_tokens`` tokens: ``(new_hidden_states, hidden_loc)`` of ``ProposalBatch``."""
+        rows, qsl, starts = step.hidden_feed
+        idx = step.sample_idx[keep]
+        first = starts[idx]
+        # Positions first .. num_tokens - 2 of the step are known to be followed by a token.
+        m = np.clip(num_tokens - 1 - first, 0, np.diff(qsl)[idx])
+        loc = np.zeros(len(idx) + 1, dtype=np.int64)
+        ids = [step.req_ids[i] for i in idx.tolist()]
+        if not any(r in self.pending for r in ids):
+            np.cumsum(m, out=loc[1:])
+            flat = np.repeat(qsl[idx] - loc[:-1], m) + np.arange(int(loc[-1]))
+            return rows[torch.from_numpy(flat).to(rows.device)], loc
+        parts = []
+        for j, req_id in enumerate(ids):
+            own = rows[qsl[idx[j]] : qsl[idx[j]] + m[j]]
+            _, joined = self._join(req_id, int(first[j]), own)
+            parts.append(joined)
+            loc[j + 1] = loc[j] + len(joined)
+        return torch.cat(parts), loc
+
+    def remove(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.pending.pop(req_id, None)

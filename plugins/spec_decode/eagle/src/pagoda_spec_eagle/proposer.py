@@ -1,0 +1,190 @@
+"""EAGLE and EAGLE-3 proposers: a draft head drafts k tokens a request as a chain.
+
+Each call first catches the head up on every position the target computed since the request
+last sampled (``ProposalBatch.new_hidden_states``; a prompt the first time, then the last
+known token and the accepted drafts): one forward over all of them writes the head's keys and
+values and its last row gives the first draft. Then k - 1 one-token steps, each feeding the
+head's own output back as the hidden state, give the rest. Drafts are greedy (the head's
+argmax), so they carry no ``probs``.
+
+The head's KV cache is one layer parallel to the target's: position p of a request lives in the
+same block and slot as in the target's cache (so prefix-cached blocks carry the head's keys
+too). Chain positions past the request's blocks go to a few scratch blocks per row, after the
+target's. Rejected chain positions are overwritten by the next catch-up.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.layer import set_forward_context
+from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda.spec_decode.proposer import TargetModel
+from pagoda_spec_eagle.checkpoint import check_fits, read_head
+from pagoda_spec_eagle.draft import EagleHead
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers (the inputs of these layers), as vLLM and
+    SpecForge pick them (clamped to ``0..num_layers`` for toy models)."""
+    picks = (2, num_layers // 2, num_layers - 3)
+    return tuple(min(max(i, 0), num_layers) for i in picks)  # type: ignore[return-value]
+
+
+class EagleProposer(SpeculativeProposer):
+    """``speculative: {method: eagle, model: HEAD_DIR, num_speculative_tokens: k}``."""
+
+    kind = "eagle"
+    needs_hidden_states = True
+
+    def __init__(self, ctx: ProposerContext) -> None:
+        super().__init__(ctx)
+        if not ctx.config.model:
+            raise ValueError(
+                f"speculative.method {self.kind!r} needs speculative.model: the folder of the "
+                "draft head's checkpoint"
+            )
+        self.ckpt = read_head(ctx.config.model, self.kind)
+        check_fits(self.ckpt, ctx.hidden_size, ctx.vocab_size)
+        self.k = ctx.num_speculative_tokens
+        self.head: EagleHead | None = None
+
+    def bind_target(self, target: TargetModel) -> None:
+        ck, ctx = self.ckpt, self.ctx
+        if ck.kind == "eagle3":
+            layers = ck.aux_layers or default_aux_layers(target.num_hidden_layers)
+            if len(layers) * ck.hidden_size != ck.weights["fc.weight"].shape[1]:
+                raise ValueError(
+                    f"{ck.label}: fc.weight takes {ck.weights['fc.weight'].shape[1]} features, "
+                    f"not {len(layers)} layers of {ck.hidden_size}"
+                )
+            self.hidden_state_layers = tuple(layers)
+        self.target = target
+        head = EagleHead(ck, target.attn_backend, ctx.max_model_len + 2 * self.k + 2)
+        head = head.to(device=ctx.device, dtype=ctx.dtype)
+        head.rotary_emb.to(ctx.device)  # its tables stay float32
+        head.load(ck)
+        self.head = head.eval()
+        ck.weights.clear()  # the head holds them now
+        inner = target.model.model
+        self.embed = head.embed_tokens if head.embed_tokens is not None else inner.embed_tokens
+        self.block_size = bs = target.block_size
+        # Scratch blocks for chain positions past a request's blocks: enough for k + 1 tokens.
+        self.scratch = (self.k + 1) // bs + 2
+        self.first_scratch = target.num_blocks
+        num_blocks = target.num_blocks + ctx.max_num_reqs * self.scratch
+        shape = target.attn_backend.get_kv_cache_shape(num_blocks, bs, ck.num_kv_heads, ck.head_dim)
+        if ctx.device.type == "cpu":
+            from pagoda.worker.host_memory import lazily_zeroed
+
+            head.attn.kv_cache = lazily_zeroed(shape, ctx.dtype)
+        else:
+            head.attn.kv_cache = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+
+    # ---- drafting ------------------------------------------------------------------------------
+
+    def _logits_to_ids(self, out: torch.Tensor) -> torch.Tensor:
+        head = self.head
+        if head.lm_head is not None:
+            return head.draft_to_target[head.lm_head(out).argmax(dim=-1)]
+        return self.target.model.compute_logits(out).argmax(dim=-1)
+
+    def _tables(self, rows: np.ndarray, max_pos: int) -> np.ndarray:
+        """[n, cols] block tables of ``rows`` covering positions ``0..max_pos``: the target's
+        blocks, then the row's scratch blocks."""
+        bs, t = self.block_size, self.target
+        cols = max_pos // bs + 1
+        table = np.zeros((len(rows), cols), dtype=np.int64)
+        have = min(cols, t.block_table.shape[1])
+        table[:, :have] = t.block_table[rows, :have]
+        nb = t.num_row_blocks[rows][:, None]
+        col = np.arange(cols)[None, :]
+        past = col >= nb
+        scratch = (
+            self.first_scratch
+            + rows[:, None] * self.scratch
+            + np.minimum(col - nb, self.scratch - 1)
+        )
+        return np.where(past, scratch, table)
+
+    def _run(
+        self,
+        tables: np.ndarray,
+        positions: np.ndarray,
+        qsl: np.ndarray,
+        seq_lens: np.ndarray,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        dev, bs = self.ctx.device, self.block_size
+        n = len(seq_lens)
+        req = np.repeat(np.arange(n), np.diff(qsl))
+        slots = tables[req, positions // bs] * bs + positions % bs
+
+        def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
+
+        common = CommonAttentionMetadata(
+            num_reqs=n,
+            num_actual_tokens=len(positions),
+            max_query_len=int(np.diff(qsl).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=put(qsl, torch.int32),
+            seq_lens=put(seq_lens, torch.int32),
+            block_table=put(tables, torch.int32),
+            slot_mapping=put(slots, torch.int64),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=bs,
+        )
+        pos_t = put(positions, torch.int64)
+        with set_forward_context(self.target.attn_backend.build_metadata(common)):
+            return self.head(pos_t, self.embed(tokens), hidden)
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        n = len(batch)
+        out = np.full((n, self.k), -1, dtype=np.int64)
+        if batch.new_hidden_states is None or self.head is None:
+            return Drafts(out)
+        m = np.diff(batch.hidden_loc)
+        sel = np.flatnonzero(m > 0)  # requests with something to catch up on
+        if not len(sel):
+            return Drafts(out)
+        m_sel = m[sel]
+        rows = batch.rows[sel]
+        num_tokens = batch.num_tokens[sel]
+        steps = int(batch.max_num_drafts[sel].max())
+        qsl = np.zeros(len(sel) + 1, dtype=np.int64)
+        np.cumsum(m_sel, out=qsl[1:])
+        total = int(qsl[-1])
+        positions = np.repeat(num_tokens - 1 - m_sel, m_sel) + (
+            np.arange(total) - np.repeat(qsl[:-1], m_sel)
+        )
+        ids = batch.token_ids[np.repeat(rows, m_sel), positions + 1]
+        # Catch-up positions, then chain positions num_tokens - 1 .. num_tokens + steps - 3.
+        tables = self._tables(rows, int(num_tokens.max()) + steps)
+        dev = self.ctx.device
+        hidden = self.head.combine(batch.new_hidden_states.to(self.ctx.dtype))
+        tokens = torch.from_numpy(ids).to(dev)
+        h, lm_in = self._run(tables, positions, qsl, num_tokens - 1, tokens, hidden)
+        last = torch.from_numpy(qsl[1:] - 1).to(dev)
+        h = h[last]
+        draft = self._logits_to_ids(lm_in[last])
+        drafts = [draft]
+        one = np.arange(len(sel) + 1, dtype=np.int64)
+        for s in range(1, steps):
+            pos = num_tokens - 2 + s
+            h, lm_in = self._run(tables, pos, one, pos + 1, draft, h)
+            draft = self._logits_to_ids(lm_in)
+            drafts.append(draft)
+        out[sel, :steps] = torch.stack(drafts, dim=1).cpu().numpy()
+        return Drafts(out)
+
+
+class Eagle3Proposer(EagleProposer):
+    """``speculative: {method: eagle3, model: HEAD_DIR, num_speculative_tokens: k}``."""
+
+    kind = "eagle3"
