@@ -47,6 +47,10 @@ class Registers:
     def register_models(self, register):
         register("HookedForCausalLM", "pagoda.models.llama:LlamaForCausalLM")
 
+    @hookimpl
+    def register_offload_policies(self, register):
+        register("hooked_policy", "pagoda.kv_offload.arc:ARCPolicy")
+
 
 @pytest.fixture
 def registers() -> Iterator[None]:
@@ -81,6 +85,14 @@ def test_hook_register_models_maps_an_architecture_to_a_class(registers) -> None
     from pagoda.models.llama import LlamaForCausalLM
 
     assert get_registry("models").get("HookedForCausalLM") is LlamaForCausalLM
+
+
+def test_hook_register_offload_policies_makes_a_policy_selectable(registers) -> None:
+    from pagoda.kv_offload import build_policy
+    from pagoda.kv_offload.arc import ARCPolicy
+
+    policy = build_policy("hooked_policy", 8)
+    assert isinstance(policy, ARCPolicy) and policy.capacity == 8
 
 
 class _Settings:

@@ -30,6 +30,12 @@ def register_models(register: Register) -> None:
 
 
 @hookimpl
+def register_offload_policies(register: Register) -> None:
+    register("lru", "pagoda.kv_offload.policy:LRUPolicy")
+    register("arc", "pagoda.kv_offload.arc:ARCPolicy")
+
+
+@hookimpl
 def admit_request(request: Request, scheduler: Scheduler) -> str | None:
     """Load shedding: ``scheduler.max_waiting_requests``. The samples of a request with n > 1
     after the first come in with it (they name it as their ``prefill_leader``)."""

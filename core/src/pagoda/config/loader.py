@@ -150,7 +150,10 @@ def flags_layer(flags: dict[str, tuple[Any, str]]) -> Layer:
 _SECTION_ALIASES = {"speculative_config": "speculative"}
 
 # vLLM's argument names for single keys: ``LLM(distributed_executor_backend="mp")``.
-_KEY_ALIASES = {"distributed_executor_backend": "executor"}
+_KEY_ALIASES = {
+    "distributed_executor_backend": "executor",
+    "kv_offloading_size": "cpu_offload_gb",
+}
 
 
 def explicit_layer(overrides: Mapping[str, Any]) -> Layer:

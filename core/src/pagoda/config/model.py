@@ -76,6 +76,23 @@ class CacheConfig(_Section):
     num_gpu_blocks_override: int | None = Field(
         None, ge=2, description="exact number of KV cache blocks (testing)"
     )
+    # KV offload (pagoda.kv_offload): prefix-cached blocks the GPU evicts go to a CPU pool.
+    cpu_offload_gb: float = Field(
+        0.0,
+        ge=0.0,
+        description="GiB of (pinned) CPU memory that keeps prefix-cached KV blocks evicted from"
+        " the device, loaded back on a prefix hit; 0: off; summed over tensor-parallel ranks"
+        " (vLLM's kv_offloading_size)",
+    )
+    offload_policy: str = Field(
+        "lru",
+        description="which block the full CPU pool drops, by name (`pagoda plugins`): lru, arc",
+    )
+    offload_store: Literal["evicted", "full"] = Field(
+        "evicted",
+        description="evicted: copy a cached block to the CPU pool when the device evicts it;"
+        " full: as soon as it is full and computed (off the step's path)",
+    )
 
 
 class SchedulerConfig(_Section):

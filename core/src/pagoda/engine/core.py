@@ -8,6 +8,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.model_info import ModelInfo
 from pagoda.executor.base import PendingOutput, executor_name
 from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.kv_offload import build_offload_manager
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
@@ -21,6 +22,8 @@ class EngineCore:
         self.config = config
         self.info = info
         start = time.perf_counter()
+        # KV offload's CPU pool (None: off); a bad policy name fails here, before any loading.
+        offload = build_offload_manager(config, info)
         executor_cls = get_registry("executors").get(executor_name(config.parallel))
         self.executor = executor_cls(config, info)
         self.num_blocks = self.executor.initialize()
@@ -32,6 +35,7 @@ class EngineCore:
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             info.max_model_len,
+            offload,
         )
         sched_config = config.scheduler.model_copy(
             update={"max_num_batched_tokens": info.max_num_batched_tokens}
@@ -70,7 +74,7 @@ class EngineCore:
         if so.is_empty and self._in_flight is None and self.structured_output.num_pending:
             self.structured_output.wait(0.05)  # nothing runs: wait for a grammar, do not spin
         launched = None
-        if not so.is_empty or so.finished_req_ids:
+        if not so.is_empty or so.finished_req_ids or so.kv_transfers is not None:
             launched = (so, self.executor.launch(so))
         previous, self._in_flight = self._in_flight, None
         if previous:

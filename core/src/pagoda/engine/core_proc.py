@@ -234,6 +234,7 @@ class _StatsTracker:
             grammar_cache_queries=grammar_queries,
             grammar_cache_hits=grammar_hits,
             **_spec_fields(self.core.scheduler.make_spec_stats()),
+            **_offload_fields(self.core.scheduler.offload),
         )
 
 
@@ -246,6 +247,19 @@ def _spec_fields(spec: Any) -> dict[str, Any]:
         "spec_num_draft_tokens": spec.num_draft_tokens,
         "spec_num_accepted_tokens": spec.num_accepted_tokens,
         "spec_accepted_per_pos": spec.accepted_per_pos,
+    }
+
+
+def _offload_fields(offload: Any) -> dict[str, Any]:
+    """``SchedulerStats`` fields of KV offload since the last stats (none when it is off)."""
+    if offload is None:
+        return {}
+    stats = offload.make_stats()
+    return {
+        "offload_stored_blocks": stats.stored_blocks,
+        "offload_loaded_blocks": stats.loaded_blocks,
+        "cpu_prefix_cache_hits": stats.cpu_hit_tokens,
+        "cpu_cache_usage": offload.usage,
     }
 
 

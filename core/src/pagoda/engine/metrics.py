@@ -134,6 +134,21 @@ class EngineMetrics:
             "Prefix-cached KV blocks evicted (handed to other requests).",
         )
         self.preemptions = counter("pagoda:num_preemptions", "Requests preempted.")
+        # KV offload (cache.cpu_offload_gb): the CPU pool behind the device's prefix cache.
+        self.cpu_prefix_hits = counter(
+            "pagoda:cpu_prefix_cache_hits",
+            "Prompt tokens found in the KV offload CPU pool past the device's prefix-cache hit"
+            " (over pagoda:prefix_cache_queries: the CPU share of the hit rate).",
+        )
+        self.offload_stored = counter(
+            "pagoda:kv_offload_stored_blocks", "KV blocks copied to the CPU pool."
+        )
+        self.offload_loaded = counter(
+            "pagoda:kv_offload_loaded_blocks", "KV blocks loaded back from the CPU pool."
+        )
+        self.cpu_usage = gauge(
+            "pagoda:kv_offload_cpu_usage_perc", "KV offload CPU pool usage (1 = full)."
+        )
         self.grammar_compile = histogram(
             "pagoda:structured_output_compile_seconds",
             "Time to compile one structured-output grammar (off the engine loop).",
@@ -237,6 +252,10 @@ class EngineMetrics:
             self.prefix_hits.inc(stats.prefix_cache_hits)
             self.preemptions.inc(stats.num_preemptions)
             self.evicted_blocks.inc(stats.evicted_blocks)
+            self.cpu_prefix_hits.inc(stats.cpu_prefix_cache_hits)
+            self.offload_stored.inc(stats.offload_stored_blocks)
+            self.offload_loaded.inc(stats.offload_loaded_blocks)
+            self.cpu_usage.set(stats.cpu_cache_usage)
             for q in stats.queue_times:
                 self.queue_time.observe(q)
             for n in stats.iteration_tokens:
@@ -248,6 +267,7 @@ class EngineMetrics:
             self._log.stats = stats
             self._log.prefix_queries += stats.prefix_cache_queries
             self._log.prefix_hits += stats.prefix_cache_hits
+            self._log.cpu_prefix_hits += stats.cpu_prefix_cache_hits
             if stats.spec_num_drafts:
                 self._record_spec(stats)
 
@@ -284,7 +304,7 @@ class _PeriodicLog:
         self.last = time.monotonic()
         self.stats: SchedulerStats | None = None
         self.prompt_tokens = self.generation_tokens = 0
-        self.prefix_queries = self.prefix_hits = 0
+        self.prefix_queries = self.prefix_hits = self.cpu_prefix_hits = 0
         self.spec = SpecDecodingStats()
         self._was_idle = True
 
@@ -297,16 +317,18 @@ class _PeriodicLog:
         idle = (s is None or s.num_running + s.num_waiting == 0) and not self.generation_tokens
         if not (idle and self._was_idle):
             hit = 100 * self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            cpu_hit = 100 * self.cpu_prefix_hits / max(self.prefix_queries, 1)
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                "Prefix cache hit rate: %.1f%%",
+                "Prefix cache hit rate: %.1f%%%s",
                 self.prompt_tokens / elapsed,
                 self.generation_tokens / elapsed,
                 s.num_running if s else 0,
                 s.num_waiting if s else 0,
                 100 * (s.kv_cache_usage if s else 0.0),
                 hit,
+                f" (+{cpu_hit:.1f}% from CPU)" if self.cpu_prefix_hits else "",
             )
             if self.spec.num_drafts:
                 self._log_spec(elapsed)
@@ -314,7 +336,7 @@ class _PeriodicLog:
         self.spec = SpecDecodingStats()
         self.last = now
         self.prompt_tokens = self.generation_tokens = 0
-        self.prefix_queries = self.prefix_hits = 0
+        self.prefix_queries = self.prefix_hits = self.cpu_prefix_hits = 0
 
     def _log_spec(self, elapsed: float) -> None:
         spec = self.spec

@@ -92,6 +92,12 @@ class SchedulerStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # KV offload since then: blocks copied to the CPU pool and back, prompt tokens the pool
+    # served (past the device's hit); and the pool's usage now (fraction of its blocks held).
+    offload_stored_blocks: int = 0
+    offload_loaded_blocks: int = 0
+    cpu_prefix_cache_hits: int = 0
+    cpu_cache_usage: float = 0.0
 
 
 class RequestError(msgspec.Struct):

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagoda.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagoda.kv_cache.hashing import update_block_hashes
 from pagoda.plugins.seams import seam
 from pagoda.request import Request
+
+if TYPE_CHECKING:
+    from pagoda.kv_offload import OffloadManager
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,6 +46,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         max_model_len: int | None = None,
+        offload: OffloadManager | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size}: must be at least 1")
@@ -49,7 +54,12 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # Plugin seam: None unless a plugin implements on_blocks_evicted.
         self._on_evicted = seam("on_blocks_evicted")
-        pool_cls = BlockPool if self._on_evicted is None else _RecordingBlockPool
+        # KV offload (pagoda.kv_offload): stores evicted (or every cached) block to a CPU pool.
+        self.offload = offload
+        self._evict_hooks = [
+            h for h in (self._on_evicted, offload and offload.on_blocks_evicted) if h is not None
+        ]
+        pool_cls = _RecordingBlockPool if self._evict_hooks else BlockPool
         self.block_pool = pool_cls(num_blocks, enable_caching)
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len if max_model_len is not None else num_blocks * block_size
@@ -139,8 +149,8 @@ class KVCacheManager:
             stats.hits += num_new_computed_tokens
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        if self._on_evicted is not None:  # plugin seam
-            self.block_pool.report_evicted(self._on_evicted)
+        if self._evict_hooks:  # plugin seam, KV offload
+            self.block_pool.report_evicted(self._evict_hooks)
         held = self.req_to_blocks.setdefault(req_id, held)
         held.extend(new_computed_blocks)
         held.extend(new_blocks)
@@ -162,8 +172,11 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = update_block_hashes(request, self.block_size)
-        self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], hashes, done, num_full)
+        blocks = self.req_to_blocks[req_id]
+        self.block_pool.cache_full_blocks(blocks, hashes, done, num_full)
         self.num_cached_blocks[req_id] = num_full
+        if self.offload is not None and self.offload.store_full:
+            self.offload.on_blocks_cached(blocks[done:num_full], hashes[done:num_full])
 
     def free(self, request: Request) -> None:
         """Return every block the request holds; its computed full blocks stay in the prefix
@@ -199,6 +212,8 @@ class KVCacheManager:
         """Forget all cached blocks. Blocks of running requests are offered to the cache again
         at their next allocation."""
         self.block_pool.reset_prefix_cache()
+        if self.offload is not None:
+            self.offload.reset()
         for req_id in self.num_cached_blocks:
             self.num_cached_blocks[req_id] = 0
 
@@ -221,7 +236,9 @@ class _RecordingBlockPool(BlockPool):
             self.evicted.append((block.block_id, block.block_hash))
         super()._evict(block)
 
-    def report_evicted(self, hook: Callable[..., None]) -> None:
+    def report_evicted(self, hooks: Sequence[Callable[..., None]]) -> None:
         if self.evicted:
             evicted, self.evicted = self.evicted, []
-            hook(block_ids=[i for i, _ in evicted], block_hashes=[h for _, h in evicted])
+            ids, hashes = [i for i, _ in evicted], [h for _, h in evicted]
+            for hook in hooks:
+                hook(block_ids=ids, block_hashes=hashes)

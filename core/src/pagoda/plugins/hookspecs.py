@@ -134,6 +134,20 @@ def register_plugin_settings(register: Register) -> None:
     """
 
 
+@hookspec
+def register_offload_policies(register: Register) -> None:
+    """Register eviction policies of the KV offload CPU pool by name (``lru``, ``arc``, ...).
+
+    :param register: call ``register(name, "pkg.mod:PolicyClass")`` for each policy; the class
+        implements :class:`pagoda.kv_offload.OffloadPolicy` and is built as
+        ``PolicyClass(capacity)``, ``capacity`` being the pool's size in blocks.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``cache.offload_policy``.
+    """
+
+
 # ---- seams: once per request or once per step ---------------------------------------------------
 
 
@@ -221,6 +235,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "grammar_backends": "register_grammar_backends",
     "models": "register_models",
     "plugin_settings": "register_plugin_settings",
+    "offload_policies": "register_offload_policies",
 }
 """Registry kind -> the hook that fills it."""
 

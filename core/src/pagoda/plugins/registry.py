@@ -57,8 +57,10 @@ class Registration:
 
 
 def _noun(kind: str) -> str:
-    """``attention_backends`` -> ``attention backend``."""
-    return kind.replace("_", " ").removesuffix("s")
+    """``attention_backends`` -> ``attention backend``, ``offload_policies`` -> ``offload
+    policy``."""
+    noun = kind.replace("_", " ")
+    return noun[:-3] + "y" if noun.endswith("ies") else noun.removesuffix("s")
 
 
 class Registry:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagoda.kv_offload.transfers import KVTransfers
 from pagoda.sampling_params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class SchedulerOutput:
     # req_id -> the draft tokens scheduled for it (speculative decoding); they are the last
     # ``len(drafts)`` of its ``num_scheduled_tokens`` and follow its last known token.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV offload: this step's copies between the device and the CPU pool (and waits), if any.
+    kv_transfers: KVTransfers | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -88,6 +91,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Speculative decoding: req_id -> the proposer's drafts for the request's next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # KV offload: the transfer jobs (``KVTransfers.job_id``) whose copies are done.
+    kv_offload_done: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -190,6 +190,8 @@ class Scheduler:
         # failed, for the next outputs.
         self.structured_output: StructuredOutputManager | None = None
         self.grammar_errors: list[EngineCoreOutput] = []
+        # KV offload: requests loading from the CPU pool wait there, not in ``waiting``.
+        self.offload = kv_cache_manager.offload
         # Speculative decoding: drafts verified since the last ``make_spec_stats`` (and ever),
         # and whether the last runner output proposed any drafts (the engine core then reads
         # each step's output before it schedules the next, so that drafts are fresh).
@@ -313,6 +315,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(step.num_scheduled.values()),
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=step.spec,
+            kv_transfers=None if self.offload is None else self.offload.build_step(),
         )
 
     def _drafts_to_schedule(self, req: Request, known: int, budget: int) -> list[int]:
@@ -333,6 +336,8 @@ class Scheduler:
         and do not hold up the ones behind them."""
         held = self._hold_grammar_waiters()
         try:
+            if self.offload is not None and self.offload.ready:
+                self._schedule_loaded(step)
             self._schedule_ready_waiting(step)
         finally:
             for req in reversed(held):
@@ -380,6 +385,11 @@ class Scheduler:
             num_hit = 0
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
+                if self.offload is not None and self.offload.try_load(
+                    req, kv, hit_blocks, num_hit
+                ):
+                    self.waiting.pop()  # its prompt's blocks load from the CPU pool meanwhile
+                    continue
             num_new = req.num_tokens - req.num_computed_tokens - num_hit
             if not self.enable_chunked_prefill and num_new > step.budget:
                 break
@@ -394,6 +404,24 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens += num_hit
+            self.running.append(req)
+            step.add(req, num_new, blocks, is_new=True)
+
+    def _schedule_loaded(self, step: _Step) -> None:
+        """Schedule the requests whose CPU-pool load is done, first: they hold blocks for their
+        whole prompt already, so they need only a seat and the token budget."""
+        for req in list(self.offload.ready):
+            if step.budget <= 0 or len(self.running) >= self.max_num_seqs:
+                return
+            num_new = req.num_tokens - req.num_computed_tokens
+            if not self.enable_chunked_prefill and num_new > step.budget:
+                return
+            num_new = min(num_new, step.budget)
+            blocks = self.kv_cache_manager.allocate_slots(req, num_new)
+            if blocks is None:
+                return
+            self.offload.ready.remove(req)
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.add(req, num_new, blocks, is_new=True)
 
@@ -438,6 +466,9 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        if model_runner_output.kv_offload_done and self.offload is not None:
+            for req in self.offload.finish_jobs(model_runner_output.kv_offload_done):
+                self.kv_cache_manager.cache_computed_blocks(req)  # the loaded blocks
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.draft_token_ids
@@ -570,6 +601,8 @@ class Scheduler:
                 self.running.remove(req)
             elif req in parked:
                 parked.remove(req)
+            elif self.offload is not None and self.offload.drop(req):
+                pass  # it was loading from the CPU pool, or loaded
             else:
                 self.waiting.remove(req)
             req.status = finished_status
@@ -577,7 +610,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + sum(len(p) for p in self.parked.values())
+        loading = 0 if self.offload is None else self.offload.num_waiting
+        return len(self.waiting) + sum(len(p) for p in self.parked.values()) + loading
 
     @property
     def num_running(self) -> int:
@@ -587,7 +621,9 @@ class Scheduler:
         return self.num_waiting + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        # KV offload: copies still in flight need steps that wait for them.
+        busy = self.offload is not None and self.offload.busy
+        return self.get_num_unfinished_requests() > 0 or busy
 
     def has_finished_requests(self) -> bool:
         """Whether finished ids still wait to reach the runner with the next schedule()."""

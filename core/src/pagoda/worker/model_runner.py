@@ -18,6 +18,7 @@ from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_tp_size, tp_shape
+from pagoda.kv_offload.worker import OffloadWorker, build_offload_worker
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
 from pagoda.loader.construct import build_model
 from pagoda.loader.sharded import iter_safetensors_slices
@@ -97,6 +98,7 @@ class ModelRunner:
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_offload: OffloadWorker | None = None  # KV offload's CPU pool and copies
         # Seconds spent in each start-up phase: load_weights_s, profile_s, kv_cache_s,
         # graph_capture_s (those that ran).
         self.startup_times: dict[str, float] = {}
@@ -234,6 +236,7 @@ class ModelRunner:
                 else:
                     module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(module.kv_cache)
+        self.kv_offload = build_offload_worker(self)
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         if self.proposer is not None:  # a draft model loads here, before graphs are captured
             self.hidden_feed = bind_proposer(self, num_blocks)
@@ -307,10 +310,12 @@ class ModelRunner:
         if self._unread and self._unread[-1].drafted is not None:
             self._unread.pop().get()  # NOTE: rows with drafts learn their length only there
         self._settle()
+        if so.kv_transfers is not None and self.kv_offload is not None:
+            self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait for it
         req_ids, starts = self._update_states(so)
         ib = self.input_batch
         if so.total_num_scheduled_tokens == 0:
-            return StepOutput(ib, [])
+            return StepOutput(ib, [], kv_offload=self.kv_offload)
         rows = np.fromiter((ib.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         if so.scheduled_spec_decode_tokens:
             ib.write_drafts(so.scheduled_spec_decode_tokens)
@@ -370,7 +375,7 @@ class ModelRunner:
             with set_forward_context(self.attn_backend.build_metadata(common)):
                 hidden = self.model(self.input_ids[:total], self.positions[:total])
 
-        out = StepOutput(ib, req_ids)
+        out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
         if self.hidden_feed is not None:

@@ -20,6 +20,7 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.scheduler.output import ModelRunnerOutput, PromptLogprobs
 
 if TYPE_CHECKING:
+    from pagoda.kv_offload.worker import OffloadWorker
     from pagoda.worker.input_batch import InputBatch
 
 
@@ -57,6 +58,9 @@ class StepOutput:
     # The step's rows of the hidden states the proposer asked for (``spec_decode.hidden``).
     hidden_feed: tuple | None = None
     num_emitted: np.ndarray | None = None  # per sampling row, set by ``get``
+    # KV offload: its copy jobs done by ``get`` are reported with this output (a step with no
+    # tokens, run only for them, waits for them all).
+    kv_offload: OffloadWorker | None = None
     _output: ModelRunnerOutput | None = None
 
     @property
@@ -75,6 +79,8 @@ class StepOutput:
 
     def _build(self) -> ModelRunnerOutput:
         out = ModelRunnerOutput(self.req_ids, [[] for _ in self.req_ids])
+        if self.kv_offload is not None:
+            out.kv_offload_done = self.kv_offload.poll(wait=not self.req_ids)
         if self.sampled is not None:
             tokens = self.sampled.numpy()
             if tokens.ndim == 1:

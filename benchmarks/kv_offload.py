@@ -1,0 +1,213 @@
+"""KV offload to CPU memory: time to first token and throughput of a multi-turn chat workload
+whose shared prefixes are several times the device's KV cache, offload on against off.
+
+Each of ``--conversations`` conversations opens with its own long context (``--prefix-len``
+random tokens: a document, a system prompt, a code base) and goes on for ``--turns`` turns:
+every turn's prompt is the context, the turns before with their answers, and a new question.
+Conversations take turns round-robin, ``--concurrency`` requests at a time, so by the time a
+conversation comes back the device has evicted its context: without offload it is computed
+again, with offload it is loaded from the CPU pool. Random weights (``--random-weights``) are
+enough: the work does not depend on them. Both engines run in this process, one after the
+other, on the same prompts; after each, the pools' figures once idle are recorded.
+
+    python benchmarks/kv_offload.py /tmp/out --random-weights benchmarks/configs/qwen3-0.6b
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.report import commit, hardware, save_report
+from pagoda.kv_offload.sizing import block_bytes_per_rank
+
+_WORKLOAD_KEYS = (
+    "conversations", "turns", "prefix_len", "question_len", "answer_len", "concurrency",
+    "cpu_offload_gb", "offload_policy", "dtype",
+)  # fmt: skip
+
+
+def conversations(n: int, prefix_len: int, question_len: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(10, vocab - 10) for _ in range(prefix_len)] for _ in range(n)]
+
+
+def run(llm: LLM, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Play the workload on ``llm``: every request's time to first token, and the totals."""
+    engine = llm.engine
+    rng = random.Random(1)
+    history = conversations(args.conversations, args.prefix_len, args.question_len, vocab)
+    params = SamplingParams(max_tokens=args.answer_len, temperature=0.0, ignore_eos=True)
+    order = [(t, c) for t in range(args.turns) for c in range(args.conversations)]
+    ttft: list[float] = []
+    first_turn_ttft: list[float] = []
+    in_flight: dict[str, tuple[int, int, float, bool]] = {}  # id -> conv, turn, start, got 1st
+    busy: set[int] = set()
+    answers: dict[int, list[list[int]]] = {c: [] for c in range(args.conversations)}
+    prompt_tokens = output_tokens = 0
+    start = time.perf_counter()
+    i = 0
+    while i < len(order) or in_flight:
+        while i < len(order) and len(in_flight) < args.concurrency and order[i][1] not in busy:
+            turn, conv = order[i]
+            question = [rng.randrange(10, vocab - 10) for _ in range(args.question_len)]
+            history[conv] = history[conv] + question
+            rid = f"c{conv}t{turn}"
+            engine.add_request(rid, {"prompt_token_ids": list(history[conv])}, params)
+            prompt_tokens += len(history[conv])
+            in_flight[rid] = (conv, turn, time.perf_counter(), False)
+            busy.add(conv)
+            i += 1
+        for out in engine.step():
+            conv, turn, t0, seen = in_flight[out.request_id]
+            tokens = out.outputs[0].token_ids
+            if tokens and not seen:
+                (first_turn_ttft if turn == 0 else ttft).append(time.perf_counter() - t0)
+                in_flight[out.request_id] = (conv, turn, t0, True)
+            if out.finished:
+                history[conv] = history[conv] + list(tokens)
+                answers[conv].append(list(tokens))
+                output_tokens += len(tokens)
+                busy.discard(conv)
+                del in_flight[out.request_id]
+    elapsed = time.perf_counter() - start
+    all_ttft = first_turn_ttft + ttft
+    return {
+        "requests": len(order),
+        "elapsed_s": round(elapsed, 3),
+        "ttft_p50_ms": round(1000 * float(np.median(all_ttft)), 2),
+        "ttft_p90_ms": round(1000 * float(np.percentile(all_ttft, 90)), 2),
+        "ttft_p50_later_turns_ms": round(1000 * float(np.median(ttft)), 2) if ttft else None,
+        "ttft_p50_first_turn_ms": round(1000 * float(np.median(first_turn_ttft)), 2),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 1),
+        "answers": answers,
+    }
+
+
+def pool_figures(llm: LLM) -> dict[str, Any]:
+    core = llm.engine.engine_core
+    kv = core.kv_cache_manager
+    out: dict[str, Any] = {
+        "gpu_blocks": kv.num_blocks - 1,
+        "gpu_free_blocks": kv.num_free_blocks,
+        "gpu_blocks_held": kv.num_blocks - 1 - kv.num_free_blocks,
+        "requests_holding_blocks": len(kv.req_to_blocks),
+    }
+    off = core.scheduler.offload
+    if off is not None:
+        stats = off.stats_total
+        out.update(
+            cpu_blocks=off.num_cpu_blocks,
+            cpu_blocks_used=off.num_used,
+            stored_blocks=stats.stored_blocks,
+            loaded_blocks=stats.loaded_blocks,
+            cpu_hit_tokens=stats.cpu_hit_tokens,
+            **off.idle_figures(),
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("output_dir", help="folder for the JSON report")
+    ap.add_argument("--random-weights", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--answer-len", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument(
+        "--prefix-to-cache", type=float, default=4.0,
+        help="the conversations' contexts over the device KV cache",
+    )  # fmt: skip
+    ap.add_argument("--cpu-offload-gb", type=float, default=4.0)
+    ap.add_argument("--offload-policy", default="lru")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    args = ap.parse_args()
+
+    from pagoda.config import CacheConfig
+    from pagoda.loader import ModelArchConfig, load_hf_config
+
+    arch = ModelArchConfig.from_hf_config(load_hf_config(args.random_weights))
+    dtype = getattr(torch, args.dtype)
+    token_bytes = block_bytes_per_rank(CacheConfig(), arch, dtype, 1) // CacheConfig().block_size
+    cache_tokens = int(args.conversations * args.prefix_len / args.prefix_to_cache)
+    max_len = args.prefix_len + args.turns * (args.question_len + args.answer_len) + 16
+    cache_tokens = max(cache_tokens, max_len + 64)
+    common = dict(
+        model=args.random_weights,
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=max_len,
+        kv_cache_memory_bytes=cache_tokens * token_bytes,
+        max_num_seqs=max(8, args.concurrency),
+    )
+    report: dict[str, Any] = {
+        "benchmark": "kv_offload",
+        "commit": commit(),
+        "workload": {k: getattr(args, k) for k in _WORKLOAD_KEYS},
+        "model": Path(args.random_weights).name + " (random weights)",
+        "gpu_kv_cache_tokens": cache_tokens,
+        "prefixes_over_kv_cache": round(args.conversations * args.prefix_len / cache_tokens, 2),
+    }
+    vocab = arch.vocab_size
+    for name, extra in (
+        ("off", {}),
+        ("on", {"cpu_offload_gb": args.cpu_offload_gb, "offload_policy": args.offload_policy}),
+    ):
+        t0 = time.perf_counter()
+        llm = LLM(**common, **extra)
+        load_s = time.perf_counter() - t0
+        device = llm.engine.info.device
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        warm_ids = [10 + i % (vocab - 20) for i in range(min(1000, max_len - 8))]
+        llm.generate([{"prompt_token_ids": warm_ids}], warm, use_tqdm=False)
+        llm.engine.engine_core.kv_cache_manager.reset_prefix_cache()
+        figures = run(llm, args, vocab)
+        figures["load_s"] = round(load_s, 2)
+        figures["idle_pools"] = pool_figures(llm)
+        report[name] = figures
+        report["hardware"] = hardware(device)
+        print(
+            f"offload {name}: TTFT p50 {figures['ttft_p50_ms']} ms (later turns "
+            f"{figures['ttft_p50_later_turns_ms']} ms), {figures['total_tokens_per_s']} tokens/s,"
+            f" {figures['elapsed_s']} s; idle pools {json.dumps(figures['idle_pools'])}",
+            flush=True,
+        )
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    on, off = report["on"], report["off"]
+    same = on.pop("answers") == off.pop("answers")
+    report["answers_equal"] = same
+    report["ttft_p50_speedup"] = round(off["ttft_p50_ms"] / on["ttft_p50_ms"], 2)
+    report["throughput_ratio"] = round(on["total_tokens_per_s"] / off["total_tokens_per_s"], 2)
+    print(
+        f"TTFT p50 cut {report['ttft_p50_speedup']}x, throughput {report['throughput_ratio']}x,"
+        f" answers equal: {same}"
+    )
+    name = f"kv-offload-{Path(args.random_weights).name}-{report['commit']}"
+    path = save_report(report, name, str(Path(args.output_dir) / f"{name}.json"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""How many KV blocks the CPU pool holds: ``cache.cpu_offload_gb`` over one block's bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.config import CacheConfig
+from pagoda.distributed import tp_shape
+from pagoda.loader import ModelArchConfig
+
+
+def block_bytes_per_rank(
+    cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtype, tp_size: int
+) -> int:
+    """Bytes of one KV block (keys and values, every layer) on one tensor-parallel rank."""
+    heads = tp_shape(arch, 0, tp_size).num_kv_heads
+    return 2 * cache.block_size * heads * arch.head_dim * arch.num_hidden_layers * dtype.itemsize
+
+
+def num_cpu_blocks(
+    cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtype, tp_size: int
+) -> int:
+    """Blocks of the CPU pool (0: offload is off). ``cpu_offload_gb`` is summed over the ranks,
+    each of which keeps its own part of every block."""
+    if cache.cpu_offload_gb <= 0:
+        return 0
+    per_block = block_bytes_per_rank(cache, arch, dtype, tp_size) * tp_size
+    n = int(cache.cpu_offload_gb * 2**30) // per_block
+    if n < 1:
+        raise ValueError(
+            f"cache.cpu_offload_gb={cache.cpu_offload_gb} holds no KV block of {per_block} bytes;"
+            " raise it, or set 0 to turn KV offload off"
+        )
+    return n

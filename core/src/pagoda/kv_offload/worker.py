@@ -1,0 +1,170 @@
+"""The workers' side of KV offload: the CPU pool's memory and the copies, on their own stream.
+
+Each worker keeps its part of every offloaded block (its KV heads, every layer) in one CPU
+tensor ``[num_cpu_blocks, num_layers, *block]``: pinned memory on CUDA, so that copies run
+asynchronously. A job's copies are queued on a side stream after everything the step's stream
+has queued so far; stores (device to CPU) gather the blocks of each layer into a staging
+tensor and copy block by block; loads do the reverse. The step's stream waits only where it
+must: for the job's stores when the step overwrites the blocks they read, and for older jobs
+the scheduler names. On a CPU the copies are plain and done at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from pagoda.kv_offload.transfers import KVTransfers
+
+# Blocks (of every layer) staged on the device at once: bounds the staging memory.
+_STAGING_BYTES = 64 << 20
+
+
+def block_dim(shape_of: object, block_size: int, num_kv_heads: int, head_size: int) -> int:
+    """Which dimension of a layer's cache tensor counts blocks, asked of the attention
+    backend's ``get_kv_cache_shape`` with two block counts."""
+    a = shape_of(2, block_size, num_kv_heads, head_size)  # type: ignore[operator]
+    b = shape_of(3, block_size, num_kv_heads, head_size)  # type: ignore[operator]
+    dims = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(dims) != 1:
+        raise ValueError(f"cannot tell the block dimension of KV cache shape {tuple(b)}")
+    return dims[0]
+
+
+def _runs(src: list[int], dst: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(src start, dst start, length) of the runs where both id lists go up by one."""
+    i = 0
+    while i < len(src):
+        j = i + 1
+        while j < len(src) and src[j] == src[j - 1] + 1 and dst[j] == dst[j - 1] + 1:
+            j += 1
+        yield src[i], dst[i], j - i
+        i = j
+
+
+class OffloadWorker:
+    def __init__(self, kv_caches: list[torch.Tensor], dim: int, num_cpu_blocks: int) -> None:
+        if not kv_caches:
+            raise ValueError("KV offload needs the KV cache allocated first")
+        first = kv_caches[0]
+        self.device = first.device
+        self.cuda = self.device.type == "cuda"
+        # Each layer's cache with blocks first (a view: copies write through to the cache).
+        self.layers = [kv.movedim(dim, 0) for kv in kv_caches]
+        block_shape = tuple(self.layers[0].shape[1:])
+        self.cpu = torch.empty(
+            (num_cpu_blocks, len(kv_caches), *block_shape),
+            dtype=first.dtype,
+            pin_memory=self.cuda,
+        )
+        self.block_bytes = self.cpu[0].numel() * first.element_size()
+        self.chunk = max(1, _STAGING_BYTES // self.block_bytes)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._jobs: dict[int, torch.cuda.Event | None] = {}  # job id -> end of its copies
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu.shape[0]
+
+    def submit(self, t: KVTransfers) -> None:
+        """Queue a job's copies and the waits the step's forward owes (called before the
+        step's forward is queued)."""
+        if t.has_copies:
+            if self.cuda:
+                self._submit_cuda(t)
+            else:
+                self._store(t.store_gpu, t.store_cpu)
+                self._load(t.load_cpu, t.load_gpu)
+                self._jobs[t.job_id] = None
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            for job in t.wait_jobs:
+                ev = self._jobs.get(job)
+                if ev is not None:
+                    main.wait_event(ev)
+
+    def poll(self, wait: bool = False) -> list[int]:
+        """Jobs whose copies are done, each reported once; ``wait``: wait for all of them."""
+        done = []
+        for job, ev in list(self._jobs.items()):
+            if ev is not None and not ev.query():
+                if not wait:
+                    continue
+                ev.synchronize()
+            done.append(job)
+            del self._jobs[job]
+        return done
+
+    # ---- copies ----------------------------------------------------------------------------------
+
+    def _submit_cuda(self, t: KVTransfers) -> None:
+        main = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)  # the blocks hold what every queued step wrote
+            self._store(t.store_gpu, t.store_cpu)
+            if t.stores_first:
+                stored = torch.cuda.Event()
+                stored.record(self.stream)
+                main.wait_event(stored)
+            self._load(t.load_cpu, t.load_gpu)
+            end = torch.cuda.Event()
+            end.record(self.stream)
+        self._jobs[t.job_id] = end
+
+    def _index(self, ids: list[int]) -> torch.Tensor:
+        t = torch.tensor(ids, dtype=torch.int64)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+
+    def _store(self, gpu: list[int], cpu: list[int]) -> None:
+        for s in range(0, len(gpu), self.chunk):
+            g, c = gpu[s : s + self.chunk], cpu[s : s + self.chunk]
+            idx = self._index(g)
+            if not self.cuda:
+                for layer, kv in enumerate(self.layers):
+                    self.cpu[torch.tensor(c), layer] = kv.index_select(0, idx)
+                continue
+            staging = torch.empty(
+                (len(g), *self.cpu.shape[1:]), dtype=self.cpu.dtype, device=self.device
+            )
+            for layer, kv in enumerate(self.layers):
+                staging[:, layer] = kv.index_select(0, idx)
+            for i, dst, n in _runs(list(range(len(c))), c):
+                self.cpu[dst : dst + n].copy_(staging[i : i + n], non_blocking=True)
+
+    def _load(self, cpu: list[int], gpu: list[int]) -> None:
+        for s in range(0, len(gpu), self.chunk):
+            c, g = cpu[s : s + self.chunk], gpu[s : s + self.chunk]
+            idx = self._index(g)
+            if not self.cuda:
+                src = self.cpu[torch.tensor(c)]
+                for layer, kv in enumerate(self.layers):
+                    kv.index_copy_(0, idx, src[:, layer])
+                continue
+            staging = torch.empty(
+                (len(g), *self.cpu.shape[1:]), dtype=self.cpu.dtype, device=self.device
+            )
+            for src, i, n in _runs(c, list(range(len(c)))):
+                staging[i : i + n].copy_(self.cpu[src : src + n], non_blocking=True)
+            for layer, kv in enumerate(self.layers):
+                kv.index_copy_(0, idx, staging[:, layer])
+
+
+def build_offload_worker(runner: object) -> OffloadWorker | None:
+    """The CPU pool of a model runner whose KV cache is allocated; None when offload is off."""
+    from pagoda.distributed import get_tp_size
+    from pagoda.kv_offload.sizing import num_cpu_blocks
+
+    r = runner
+    n = num_cpu_blocks(r.config.cache, r.arch, r.dtype, get_tp_size())  # type: ignore[attr-defined]
+    if n == 0:
+        return None
+    dim = block_dim(
+        r.attn_backend.get_kv_cache_shape,  # type: ignore[attr-defined]
+        r.block_size,  # type: ignore[attr-defined]
+        r.num_kv_heads,  # type: ignore[attr-defined]
+        r.arch.head_dim,  # type: ignore[attr-defined]
+    )
+    return OffloadWorker(r.kv_caches, dim, n)  # type: ignore[attr-defined]

@@ -1,0 +1,137 @@
+"""KV offload in a running engine (CPU tier, tiny random model): with a KV cache too small for a
+set of long shared prefixes, greedy output with offload on equals output with it off, token
+for token, while the CPU pool serves the hits; afterwards both pools are idle (no block held,
+no slot pinned, no copy in flight), also when a request is aborted while it loads."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.request import RequestStatus
+
+NUM_PREFIXES, PREFIX_LEN = 4, 192
+IDLE = {"pinned_slots": 0, "storing_slots": 0, "jobs_in_flight": 0, "requests_loading": 0}
+
+
+def _prefixes() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 1000) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)]
+
+
+def _engine(model: Path, **offload) -> LLM:
+    # 32 usable blocks of 16 tokens: under three of the four 192-token prefixes.
+    return LLM(
+        model=str(model),
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=33,
+        max_num_seqs=4,
+        **offload,
+    )
+
+
+def _workload(llm: LLM) -> list[list[int]]:
+    """Each prefix with a new question, one request at a time, twice round (each prefix comes
+    back after the others pushed it out of the device cache); then all at once."""
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = []
+    for rnd in range(2):
+        for i, p in enumerate(_prefixes()):
+            prompt = {"prompt_token_ids": p + [5 + rnd, 7 + i]}
+            outs.append(llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids)
+    burst = [{"prompt_token_ids": p + [9, 11 + i]} for i, p in enumerate(_prefixes())]
+    outs += [o.outputs[0].token_ids for o in llm.generate(burst, sp, use_tqdm=False)]
+    return outs
+
+
+def _assert_idle(llm: LLM) -> None:
+    core = llm.engine.engine_core
+    kv = core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1 and not kv.req_to_blocks
+    offload = core.scheduler.offload
+    if offload is not None:
+        assert offload.idle_figures() == IDLE
+        assert not core.executor.worker.model_runner.kv_offload._jobs
+        assert not core.scheduler.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[list[int]]:
+    llm = _engine(tiny_model)
+    outs = _workload(llm)
+    _assert_idle(llm)
+    return outs
+
+
+@pytest.mark.parametrize(("policy", "store"), [("lru", "evicted"), ("arc", "full")])
+def test_greedy_output_with_offload_equals_without_while_the_cpu_pool_serves_hits(
+    tiny_model: Path, reference: list[list[int]], policy: str, store: str
+) -> None:
+    llm = _engine(tiny_model, cpu_offload_gb=0.01, offload_policy=policy, offload_store=store)
+    offload = llm.engine.engine_core.scheduler.offload
+    assert _workload(llm) == reference
+    stats = offload.stats_total
+    # The second round and the burst find every prefix's 12 blocks in the CPU pool, except the
+    # one or two the device still holds.
+    assert stats.loaded_blocks >= 12 * 4 and stats.cpu_hit_tokens == 16 * stats.loaded_blocks
+    assert stats.stored_blocks >= 12 * NUM_PREFIXES
+    _assert_idle(llm)
+
+
+def test_scheduler_stats_carry_the_offload_figures_into_the_pagoda_metrics(
+    tiny_model: Path,
+) -> None:
+    from pagoda.engine.core_proc import _StatsTracker
+    from pagoda.engine.metrics import EngineMetrics
+
+    llm = _engine(tiny_model, cpu_offload_gb=0.01)
+    tracker = _StatsTracker()
+    tracker.core = llm.engine.engine_core
+    metrics = EngineMetrics("tiny")
+    tracker.make()  # start from zero
+    _workload(llm)
+    stats = tracker.make()
+    metrics.record([], stats)
+    text = metrics.render().decode()
+    total = llm.engine.engine_core.scheduler.offload.stats_total
+
+    def value(name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("pagoda:kv_offload_loaded_blocks_total") == total.loaded_blocks > 0
+    assert value("pagoda:kv_offload_stored_blocks_total") == total.stored_blocks > 0
+    assert value("pagoda:cpu_prefix_cache_hits_total") == total.cpu_hit_tokens > 0
+    gpu_hits = value("pagoda:prefix_cache_hits_total")
+    queries = value("pagoda:prefix_cache_queries_total")
+    # The split: device hits and CPU hits are separate shares of the same queries.
+    assert 0 < (gpu_hits + total.cpu_hit_tokens) / queries <= 1
+    assert 0 < value("pagoda:kv_offload_cpu_usage_perc") <= 1
+
+
+def test_a_request_aborted_while_it_loads_leaves_no_block_or_pin_behind(tiny_model: Path) -> None:
+    llm = _engine(tiny_model, cpu_offload_gb=0.01)
+    engine, sp = llm.engine, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prefixes = _prefixes()
+    for i, p in enumerate(prefixes):  # fill the CPU pool: the first prefixes are evicted
+        llm.generate({"prompt_token_ids": p + [1, i]}, sp, use_tqdm=False)
+    sched = engine.engine_core.scheduler
+    engine.add_request("victim", {"prompt_token_ids": prefixes[0] + [2, 2]}, sp)
+    engine.add_request("other", {"prompt_token_ids": prefixes[0] + [2, 3]}, sp)
+    so = sched.schedule()  # both load the first prefix (each its own copy); nothing computes
+    assert set(sched.offload.loading) == {"victim", "other"} and so.kv_transfers.load_cpu
+    engine.abort_request(["victim"])
+    assert "victim" not in sched.requests and "victim" not in sched.offload.loading
+    # The step that ran the loads never came back; run it now, then the rest.
+    runner_out = engine.engine_core.executor.execute_model(so)
+    sched.update_from_output(so, runner_out)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert sched.offload.stats_total.loaded_blocks == 24
+    assert sched.requests == {} and RequestStatus.FINISHED_ABORTED.is_finished
+    _assert_idle(llm)
