@@ -93,6 +93,7 @@ def env_layer() -> Layer:
                 var = f"{ENV_PREFIX}{section}{ENV_DELIMITER}{key}".upper()
                 if var in upper:
                     layer.origins[(section, key)] = f"environment {upper[var]}"
+    _vllm_alias(layer, upper)
     values, origins, errors = plugin_settings.env_values(environ)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -100,6 +101,17 @@ def env_layer() -> Layer:
         layer.values[plugin_settings.SECTION] = values
         layer.origins.update(origins)
     return layer
+
+
+def _vllm_alias(layer: Layer, upper: Mapping[str, str]) -> None:
+    """vLLM's ``VLLM_BATCH_INVARIANT`` sets ``model.batch_invariant`` unless Pagoda's own
+    variable does."""
+    from pagoda.ops.batch_invariant import ENV_VAR, env_requests_batch_invariant
+
+    if ENV_VAR not in upper or "batch_invariant" in layer.values.get("model", {}):
+        return
+    layer.values.setdefault("model", {})["batch_invariant"] = env_requests_batch_invariant()
+    layer.origins[("model", "batch_invariant")] = f"environment {upper[ENV_VAR]}"
 
 
 def _check_env_names(environ: Mapping[str, str]) -> None:

@@ -51,6 +51,12 @@ class ModelConfig(_Section):
         description="on CUDA, fused Triton kernels for RMSNorm with the residual add, SiLU times"
         " up, and rotary embedding",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="every request's logits, tokens and logprobs bit-identical whatever batch it"
+        " runs in and however its prompt is chunked (fixed-shape matmuls, norms, attention and"
+        " sampling; slower); also on with VLLM_BATCH_INVARIANT=1",
+    )
 
 
 class CacheConfig(_Section):

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagoda.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from pagoda.loader.sharded import WeightSlice, as_slice
+from pagoda.ops import linear
 from pagoda.utils import cdiv
 
 
@@ -74,6 +75,9 @@ class ColumnParallelLinear(nn.Linear):
         _check(label, w.shape, (part.size, *param.shape[1:]))
         _copy(param[off : off + part.local], w.narrow(0, part.start, part.local))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """``in_features`` (the checkpoint's) split over the ranks; the partial products are summed
@@ -96,7 +100,7 @@ class RowParallelLinear(nn.Linear):
         _copy(self.weight, w.narrow(1, self.in_start, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -135,5 +139,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     weight); ``forward`` returns every rank's logits gathered: ``[tokens, vocab_size]``."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = all_gather_last_dim(linear(hidden, self.weight))
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]

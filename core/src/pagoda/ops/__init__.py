@@ -15,11 +15,13 @@ import os
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
-from pagoda.ops import reference
+from pagoda.ops import batch_invariant, reference
 
 __all__ = [
     "fused_ops_enabled",
+    "linear",
     "rms_norm",
     "rotary_embedding",
     "set_fused_ops",
@@ -73,6 +75,8 @@ def rms_norm(
     """``weight * rmsnorm(x)`` over the last dimension; with ``residual``, of ``x + residual``,
     returned with that sum (the next layer's residual). ``x``: [tokens, hidden] or
     [tokens, heads, head_dim] (strided views are fine); the inputs are not modified."""
+    if batch_invariant._enabled:
+        return batch_invariant.rms_norm(x, weight, eps, residual)
     if _use_triton(x):
         from pagoda.ops.triton_norm import rms_norm_triton
 
@@ -80,8 +84,17 @@ def rms_norm(
     return reference.rms_norm(x, weight, eps, residual)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; in batch-invariant mode with each row's result independent of the batch."""
+    if batch_invariant._enabled:
+        return batch_invariant.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x`` = [..., 2 * I] holding gate then up; returns [..., I]."""
+    if batch_invariant._enabled and not x.is_cuda:
+        return batch_invariant.silu_and_mul(x)
     if _use_triton(x):
         from pagoda.ops.triton_activation import silu_and_mul_triton
 

@@ -73,7 +73,10 @@ def rms_norm_triton(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    fixed_tiling: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``fixed_tiling``: rows per program and warps from the row length alone, never from the
+    number of rows, so a row is reduced the same way in any batch (batch-invariant mode)."""
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     x, sxt, sxh = _rows(x)
@@ -88,7 +91,9 @@ def rms_norm_triton(
         res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     if num_rows > 0:
         block_n = triton.next_power_of_2(n)
-        block_m = min(max(_TILE // block_n, 1), triton.next_power_of_2(num_rows))
+        block_m = max(_TILE // block_n, 1)
+        if not fixed_tiling:
+            block_m = min(block_m, triton.next_power_of_2(num_rows))
         _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
             x,
             residual if residual is not None else x,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagoda.ops.batch_invariant import batch_invariant_enabled
 from pagoda.sample.metadata import LogprobsTensors, Penalties
 
 _NEG_INF = float("-inf")
@@ -59,7 +60,10 @@ def apply_top_k_top_p(
     # NOTE: when the candidates hold top_p of the mass, the first token after them is dropped.
     decided = no_top_p | (weights.sum(dim=-1, keepdim=True) >= top_p.unsqueeze(1) * total)
     logits.masked_fill_(decided & (logits < threshold), _NEG_INF)
-    if not bool(decided.all()):
+    if batch_invariant_enabled():  # one shape, whichever rows need the sort
+        if not bool(decided.all()):
+            logits = torch.where(decided, logits, _sort_top_p(logits.clone(), top_p))
+    elif not bool(decided.all()):
         rest = (~decided).nonzero()[:, 0]
         logits[rest] = _sort_top_p(logits[rest], top_p[rest])
     return logits

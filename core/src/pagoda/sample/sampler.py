@@ -20,6 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagoda.ops.batch_invariant import batch_invariant_enabled
+from pagoda.ops.batch_invariant import log_softmax as invariant_log_softmax
+from pagoda.sample.batch_invariant import sample_in_fixed_rows
 from pagoda.sample.metadata import SamplerOutput, SamplingMetadata
 from pagoda.sample.ops import (
     apply_min_p,
@@ -43,7 +46,10 @@ class Sampler(nn.Module):
         """``logits``: [num_rows, vocab], consumed (changed in place when float32)."""
         raw_logprobs = None
         if md.max_num_logprobs is not None:
-            raw_logprobs = logits.float().log_softmax(dim=-1)
+            if batch_invariant_enabled():
+                raw_logprobs = invariant_log_softmax(logits)
+            else:
+                raw_logprobs = logits.float().log_softmax(dim=-1)
         logits = self.process_logits(logits, md)
         sampled = self.sample(logits, md)
         if raw_logprobs is None:
@@ -73,7 +79,10 @@ class Sampler(nn.Module):
         if md.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        sampled = sample_from_probs(self.probs(logits, md), md.uniform)
+        if batch_invariant_enabled():
+            sampled = sample_in_fixed_rows(logits, md, self.probs)
+        else:
+            sampled = sample_from_probs(self.probs(logits, md), md.uniform)
         return sampled if greedy is None else torch.where(md.greedy_mask, greedy, sampled)
 
     @staticmethod

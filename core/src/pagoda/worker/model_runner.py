@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagoda.attention.batch_invariant import invariant_attention_backend
 from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
@@ -22,7 +23,7 @@ from pagoda.kv_offload.worker import OffloadWorker, build_offload_worker
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
 from pagoda.loader.construct import build_model
 from pagoda.loader.sharded import iter_safetensors_slices
-from pagoda.ops import set_fused_ops
+from pagoda.ops import batch_invariant, set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
 from pagoda.sample.metadata import LogprobsTensors
@@ -68,8 +69,14 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.block_size = config.cache.block_size
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
-        self.attn_backend: type[AttentionBackend] = select_attention_backend(
-            config.attention.backend, device, dtype, arch.head_dim, self.block_size
+        # Batch-invariant mode (model.batch_invariant) brings its own attention.
+        self.batch_invariant = config.model.batch_invariant
+        self.attn_backend: type[AttentionBackend] = (
+            invariant_attention_backend(config, device, dtype, arch.head_dim)
+            if self.batch_invariant
+            else select_attention_backend(
+                config.attention.backend, device, dtype, arch.head_dim, self.block_size
+            )
         )
         # KV heads of this tensor-parallel rank: its KV cache holds those only.
         self.num_kv_heads = tp_shape(arch).num_kv_heads
@@ -127,6 +134,7 @@ class ModelRunner:
         start = time.perf_counter()
         # NOTE: process-wide, read at each call: set before any graph is captured.
         set_fused_ops(self.config.model.fused_ops)
+        batch_invariant.set_batch_invariant(self.batch_invariant)
         model_cls = get_registry("models").get(self.arch.architecture)
         # Parameters are allocated, not initialised: the weights (or dummy values) fill them next.
         model = build_model(
@@ -503,7 +511,11 @@ class ModelRunner:
         for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):
             idx = slice(s, s + _PROMPT_LOGPROBS_CHUNK)
             logits = self.model.compute_logits(hidden[hidden_idx[idx]])
-            parts.append(gather_logprobs(logits.log_softmax(dim=-1), k, targets_t[idx]))
+            if self.batch_invariant:
+                lps = batch_invariant.log_softmax(logits)
+            else:
+                lps = logits.log_softmax(dim=-1)
+            parts.append(gather_logprobs(lps, k, targets_t[idx]))
         out.prompt_logprobs = PromptLogprobsPart(
             LogprobsTensors.cat(parts).to_host(), want, first, n_pos, starts, ks
         )
