@@ -18,6 +18,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first: a pinned CPU build where one is at hand, else the registry's build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0" || "${pip[@]}" torch
   "${pip[@]}" -e "core[test]"
+  # Schemathesis, pinned (core[test] names the same pin): the API fuzz over the server's OpenAPI
+  # document (tests/server/test_schema_fuzz.py); its pytest plugin is off (pyproject.toml).
+  "${pip[@]}" "schemathesis==4.32.5"
   # The plugins of this repository, each its own distribution. Their kernel libraries are
   # GPU stacks; only Triton is installed here, for its interpreter (CPU tests of the kernels).
   "${pip[@]}" triton

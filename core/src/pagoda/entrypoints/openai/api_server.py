@@ -26,6 +26,7 @@ from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
 from pagoda.engine.core_client import EngineDeadError, EngineStartError
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.limits import BodyGuard, check_count
+from pagoda.entrypoints.openai.openapi import install as install_openapi
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -174,6 +175,7 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     app.add_middleware(
         BodyGuard, max_bytes=server.max_request_body_bytes, max_depth=server.max_json_depth
     )
+    install_openapi(app, names, engine.info.arch.vocab_size, server, guarded=api_key is not None)
     return app
 
 
