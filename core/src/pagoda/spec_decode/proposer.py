@@ -20,8 +20,10 @@ Life cycle, in the process that runs the model (every worker with several):
 4. ``remove(req_ids)``: when requests finish, are aborted or preempted (their state may go).
 
 Drafts are a suggestion: the core may schedule fewer (token budget, ``max_tokens``, the context
-limit, KV cache pressure) or none (with async scheduling a draft computed for a position that is
-already in flight is dropped). A proposer must not assume its drafts were scheduled; the
+limit, KV cache pressure) or none (a request whose drafts keep being rejected backs off:
+``pagoda.spec_decode.inflight``). With async scheduling ``propose`` runs when the next step is
+already planned, with draft slots that its drafts fill. A proposer must not assume its drafts
+were scheduled; the
 accepted tokens reach it as ordinary history in ``batch.token_ids`` at its next call.
 """
 

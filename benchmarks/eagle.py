@@ -1,0 +1,135 @@
+"""EAGLE-3 at batch 1: tokens/s without speculation, with a trained head and with a random one,
+and the trained head's mean acceptance length, on held-out prompts (the training command's
+corpus past the prompts it trained on).
+
+    python benchmarks/eagle.py --model MODEL --head HEAD_DIR --train-prompts 768 OUT_DIR
+
+The three engines live in one process; each prompt runs on each engine in turn (rotating the
+order), so a machine shared with other work slows all alike; the figures are ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+from pagoda_spec_eagle.checkpoint import llama_head_config, random_head_weights, write_head
+from pagoda_spec_eagle.record import corpus, encode_prompts
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.report import commit, hardware, save_report
+
+
+def _random_head(trained: str, out: Path) -> str:
+    cfg = json.loads((Path(trained) / "config.json").read_text())
+    rnd = llama_head_config(
+        "eagle3", cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"],
+        cfg["num_key_value_heads"], cfg["vocab_size"], head_dim=cfg["head_dim"],
+        draft_vocab_size=cfg["draft_vocab_size"],
+    )  # fmt: skip
+    write_head(out, rnd, random_head_weights(rnd, seed=1))
+    return str(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--model", required=True)
+    p.add_argument("--head", required=True, help="a trained EAGLE-3 head folder")
+    p.add_argument("--train-prompts", type=int, required=True, help="corpus prompts trained on")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--training-json", default=None, help="the training command's figures")
+    args = p.parse_args()
+    out_dir = Path(args.out_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = {
+        "model": args.model,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": 4,
+        "kv_cache_memory_bytes": 1 << 30 if device.type == "cuda" else 64 << 20,
+        "enable_prefix_caching": False,
+    }
+    k = args.num_speculative_tokens
+    random_dir = _random_head(args.head, out_dir / "random-head")
+    engines = {
+        "none": LLM(**base),
+        "eagle3": LLM(**base, speculative_config={"method": "eagle3", "model": args.head,
+                                                  "num_speculative_tokens": k}),
+        "eagle3_random": LLM(**base, speculative_config={"method": "eagle3",
+                                                         "model": random_dir,
+                                                         "num_speculative_tokens": k}),
+    }  # fmt: skip
+    messages = corpus(args.train_prompts + args.num_prompts, args.seed)[args.train_prompts :]
+    room = args.max_model_len - args.max_tokens - k - 8
+    prompts = [p[-room:] for p in encode_prompts(engines["none"], messages)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for llm in engines.values():  # warm-up
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    for llm in engines.values():
+        st = llm.engine.engine_core.scheduler
+        st.spec_stats_total = type(st.spec_stats_total)()
+    seconds = dict.fromkeys(engines, 0.0)
+    tokens = dict.fromkeys(engines, 0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
+    names = list(engines)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % 3 :] + names[: i % 3]:
+            llm = engines[name]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += len(out.outputs[0].token_ids)
+            outputs[name].append(list(out.outputs[0].token_ids))
+    tps = {name: tokens[name] / seconds[name] for name in engines}
+    report = {
+        "benchmark": "eagle3-batch1",
+        "commit": commit(),
+        "hardware": hardware(device),
+        "model": Path(args.model).name,
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "num_speculative_tokens": k,
+        "tokens_per_s": tps,
+        "speedup_trained": tps["eagle3"] / tps["none"],
+        "speedup_random": tps["eagle3_random"] / tps["none"],
+        "greedy_identical": {
+            name: outputs[name] == outputs["none"] for name in ("eagle3", "eagle3_random")
+        },
+    }
+    for name in ("eagle3", "eagle3_random"):
+        st = engines[name].engine.engine_core.scheduler.spec_stats_total
+        report[name] = {
+            "mean_acceptance_length": st.mean_acceptance_length,
+            "acceptance_rate": st.acceptance_rate,
+            "acceptance_per_position": [
+                a / st.num_drafts if st.num_drafts else 0.0 for a in st.accepted_per_pos
+            ],
+            "num_drafts": st.num_drafts,
+        }
+    if args.training_json and Path(args.training_json).exists():
+        report["training"] = json.loads(Path(args.training_json).read_text())
+    path = save_report(
+        report,
+        "",
+        str(out_dir / f"eagle3-b1-{Path(args.model).stem.lower()}-{device.type}-{commit()}.json"),
+    )
+    print(json.dumps({k: report[k] for k in ("tokens_per_s", "speedup_trained", "speedup_random",
+                                              "greedy_identical")}))  # fmt: skip
+    print("trained head:", json.dumps(report["eagle3"]))
+    print("wrote", path)
+    del engines
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()

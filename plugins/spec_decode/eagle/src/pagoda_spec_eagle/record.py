@@ -1,0 +1,195 @@
+"""Generate with Pagoda and record the target's hidden states: the data an EAGLE-3 head trains
+on. A proposer that drafts nothing receives, through the proposer contract, the hidden states
+of EAGLE-3's three layers and of the last layer for every position the target computes."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams, hookimpl
+from pagoda.spec_decode import Drafts, ProposalBatch, SpeculativeProposer, TargetModel
+from pagoda_spec_eagle.proposer import default_aux_layers
+
+RECORDER = "eagle3-recorder"
+_ACTIVE: list[HiddenRecorder] = []  # the recorder of the engine in this process
+
+
+class HiddenRecorder(SpeculativeProposer):
+    needs_hidden_states = True
+
+    def bind_target(self, target: TargetModel) -> None:
+        n = target.num_hidden_layers
+        self.aux_layers = default_aux_layers(n)
+        # The three layers, then the stream after the last layer (before the final norm).
+        self.hidden_state_layers = (*self.aux_layers, n)
+        self.target = target
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self.first: dict[str, int] = {}
+        _ACTIVE[:] = [self]
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        loc = batch.hidden_loc
+        for i, req_id in enumerate(batch.req_ids):
+            m = int(loc[i + 1] - loc[i])
+            if not m:
+                continue
+            first = int(batch.num_tokens[i]) - 1 - m
+            if first == 0 or req_id not in self.rows:  # a new or recomputed request
+                self.rows[req_id], self.first[req_id] = [], first
+            self.rows[req_id].append(batch.new_hidden_states[loc[i] : loc[i + 1]].clone())
+        return Drafts.empty(len(batch))
+
+
+class _RecorderPlugin:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_spec_proposers(self, register) -> None:
+        register(RECORDER, HiddenRecorder)
+
+
+@dataclass
+class Recorded:
+    """One sequence: its tokens and, for positions 0..len - 2, the three layers' hidden states
+    [n - 1, 3H] and the target's final hidden state [n - 1, H] (normed)."""
+
+    tokens: torch.Tensor  # [n] int64
+    num_prompt: int
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+# ---- the corpus: text that ships with Python -----------------------------------------------------
+
+_MODULES = [
+    "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "colorsys",
+    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib",
+    "email", "enum", "fnmatch", "fractions", "functools", "getopt", "gettext", "glob", "gzip",
+    "hashlib", "heapq", "hmac", "html", "http", "imaplib", "inspect", "io", "ipaddress",
+    "itertools", "json", "logging", "mailbox", "math", "mimetypes", "numbers", "operator",
+    "optparse", "os", "pathlib", "pickle", "platform", "pprint", "queue", "random", "re",
+    "sched", "secrets", "shelve", "shlex", "shutil", "smtplib", "socket", "sqlite3",
+    "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
+    "threading", "timeit", "tokenize", "trace", "traceback", "typing", "unittest", "urllib",
+    "uuid", "warnings", "wave", "weakref", "zipfile", "zlib",
+]  # fmt: skip
+_ASKS = [
+    "Explain what the following Python documentation describes, in a few sentences:\n\n{}",
+    "Summarise this text from the Python standard library:\n\n{}",
+    "Write a short example that uses what this describes:\n\n{}",
+    "What is this Python code for? Answer briefly.\n\n{}",
+    "List the main ideas of this text:\n\n{}",
+]
+
+
+def _module_texts(name: str) -> list[str]:
+    """The docstrings of module ``name`` and of its public members, or the source of members
+    without one."""
+    texts: list[str] = []
+    try:
+        mod = __import__(name, fromlist=["_"])
+    except ImportError:
+        return texts
+    if inspect.getdoc(mod):
+        texts.append(inspect.getdoc(mod))
+    for attr in sorted(vars(mod)):
+        obj = getattr(mod, attr)
+        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        doc = inspect.getdoc(obj)
+        if doc and len(doc) > 80:
+            texts.append(f"{name}.{attr}: {doc}")
+        elif inspect.isfunction(obj):
+            try:
+                texts.append(inspect.getsource(obj))
+            except (OSError, TypeError):
+                pass
+    return texts
+
+
+def corpus(n: int, seed: int = 0, max_chars: int = 600) -> list[str]:
+    """``n`` user messages built from the docstrings and sources of standard-library modules
+    and their public functions, in a fixed shuffled order."""
+    texts: list[str] = []
+    with warnings.catch_warnings():  # some modules warn on access to deprecated names
+        warnings.simplefilter("ignore")
+        for name in _MODULES:
+            texts += _module_texts(name)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(texts))
+    out = []
+    for i in range(n):
+        text = texts[order[i % len(texts)]][:max_chars]
+        out.append(_ASKS[int(rng.integers(len(_ASKS)))].format(text))
+    return out
+
+
+def encode_prompts(llm: LLM, messages: list[str]) -> list[list[int]]:
+    """Token ids of each message through the model's chat template, or of the plain text for a
+    model without one."""
+    engine = llm.engine
+    out = []
+    for text in messages:
+        try:
+            prompt: Any = engine.apply_chat_template([{"role": "user", "content": text}])
+        except Exception:
+            prompt = text
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            prompt = prompt.get("prompt") if ids is None else ids
+        if isinstance(prompt, str):
+            prompt = llm.get_tokenizer().encode(prompt)
+        out.append(list(prompt))
+    return out
+
+
+def generate_and_record(
+    engine_args: dict[str, Any],
+    messages: list[str],
+    num_train: int,
+    max_tokens: int,
+    progress: bool = True,
+) -> tuple[list[Recorded], TargetModel, list[list[int]]]:
+    """Greedy continuations of the first ``num_train`` messages by the model, with the hidden
+    states the target computed for them (prefix caching off, so every position is computed);
+    also the token ids of the other messages (held out)."""
+    from pagoda.testing import plugin_registered
+
+    args = {**engine_args, "enable_prefix_caching": False}
+    args["speculative_config"] = {"method": RECORDER, "num_speculative_tokens": 1}
+    with plugin_registered(_RecorderPlugin(), "pagoda-eagle3-recorder"):
+        llm = LLM(**args)
+        room = int(engine_args.get("max_model_len") or 2048) - max_tokens - 8
+        all_prompts = [p[-room:] for p in encode_prompts(llm, messages)]
+        prompts, heldout = all_prompts[:num_train], all_prompts[num_train:]
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=progress)
+    rec = _ACTIVE.pop()
+    model = rec.target.model
+    h = model.config.hidden_size
+    data = []
+    for out in outs:
+        req_id = out.request_id
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        if req_id not in rec.rows or rec.first[req_id] != 0:
+            continue
+        rows = torch.cat(rec.rows.pop(req_id))[: len(tokens) - 1]
+        with torch.inference_mode():
+            final = model.model.norm(rows[:, 3 * h :].contiguous())
+        data.append(
+            Recorded(
+                torch.tensor(tokens[: len(rows) + 1]),
+                len(out.prompt_token_ids),
+                rows[:, : 3 * h].clone(),
+                final.clone(),
+            )
+        )
+    target = rec.target
+    del llm, rec
+    return data, target, heldout

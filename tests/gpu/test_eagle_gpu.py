@@ -1,0 +1,67 @@
+"""On a GPU: greedy output with an EAGLE-3 or EAGLE head (random values, published layouts)
+equals greedy output without speculation on a random-weight Qwen3-0.6B in bf16 (except at
+near-ties), with the target's decode and verification CUDA graphs replayed (the head's hidden
+states are copied inside the graphs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+from .gpu_helpers import check_same_or_near_tie
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+eagle = pytest.importorskip("pagoda_spec_eagle.checkpoint")
+
+CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagoda.loader.synthetic import synthetic_tokenizer
+
+    folder = tmp_path_factory.mktemp("qwen3-random-eagle")
+    cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_greedy_with_an_eagle_head_matches_without_on_cuda(qwen3_dir: Path, tmp_path, kind):
+    cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    dv = 32000 if kind == "eagle3" else None
+    head_cfg = eagle.llama_head_config(kind, h, 3 * h, 16, 8, vocab, head_dim=128,
+                                       draft_vocab_size=dv)  # fmt: skip
+    d2t = 4 * torch.arange(dv) - torch.arange(dv) if dv else None  # every fourth target id
+    eagle.write_head(tmp_path / kind, head_cfg, eagle.random_head_weights(head_cfg, 0, d2t))
+    common = dict(model=str(qwen3_dir), dtype="bfloat16", max_model_len=1024,
+                  kv_cache_memory_bytes=2 << 30, max_num_seqs=16)  # fmt: skip
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(10, 150_000, int(rng.integers(8, 300))).tolist() for _ in range(12)]
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    off = LLM(**common)
+    want = [o.outputs[0].token_ids for o in off.generate(ids, params, use_tqdm=False)]
+    spec = {"method": kind, "model": str(tmp_path / kind), "num_speculative_tokens": 4}
+    on = LLM(**common, speculative_config=spec)
+    runner = on.engine.engine_core.executor.worker.model_runner
+    got = [o.outputs[0].token_ids for o in on.generate(ids, params, use_tqdm=False)]
+    assert on.engine.engine_core.scheduler.spec_stats_total.num_draft_tokens > 0
+    assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
+    for p, g, w in zip(prompts, got, want):
+        check_same_or_near_tie(off, p, w, g)
+    single = [o.outputs[0].token_ids for o in on.generate(ids[:2], params, use_tqdm=False)]
+    for p, g, w in zip(prompts[:2], single, want[:2]):
+        check_same_or_near_tie(off, p, w, g)
