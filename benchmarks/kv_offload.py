@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("output_dir", help="folder for the JSON report")
     ap.add_argument("--random-weights", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--prefix-len", type=int, default=4096)
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--answer-len", type=int, default=16)

@@ -29,19 +29,18 @@ def test_an_unknown_policy_is_refused_naming_the_key_and_the_known_policies(
     tiny_model: Path,
 ) -> None:
     with pytest.raises(ValueError, match=r"cache\.offload_policy='mru'.*available: arc, lru"):
-        LLM(model=str(tiny_model), load_format="dummy", cpu_offload_gb=0.01, offload_policy="mru")
+        LLM(model=str(tiny_model), cpu_offload_gb=0.01, offload_policy="mru")
 
 
 def test_a_pool_too_small_for_one_block_is_refused_naming_the_key(tiny_model: Path) -> None:
     with pytest.raises(ValueError, match=r"cache\.cpu_offload_gb=1e-09 holds no KV block"):
-        LLM(model=str(tiny_model), load_format="dummy", cpu_offload_gb=1e-9)
+        LLM(model=str(tiny_model), cpu_offload_gb=1e-9)
 
 
 def test_offload_without_prefix_caching_is_refused_naming_both_keys(tiny_model: Path) -> None:
     with pytest.raises(ValueError, match=r"cpu_offload_gb.*enable_prefix_caching"):
         LLM(
             model=str(tiny_model),
-            load_format="dummy",
             cpu_offload_gb=0.01,
             enable_prefix_caching=False,
         )

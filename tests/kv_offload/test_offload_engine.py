@@ -26,7 +26,6 @@ def _engine(model: Path, **offload) -> LLM:
     # 32 usable blocks of 16 tokens: under three of the four 192-token prefixes.
     return LLM(
         model=str(model),
-        load_format="dummy",
         dtype="float32",
         max_model_len=256,
         num_gpu_blocks_override=33,
@@ -134,4 +133,35 @@ def test_a_request_aborted_while_it_loads_leaves_no_block_or_pin_behind(tiny_mod
         engine.step()
     assert sched.offload.stats_total.loaded_blocks == 24
     assert sched.requests == {} and RequestStatus.FINISHED_ABORTED.is_finished
+    _assert_idle(llm)
+
+
+def test_a_loading_request_waits_and_counts_loaded_tokens_only_once_its_copy_is_done(
+    tiny_model: Path,
+) -> None:
+    llm = _engine(tiny_model, cpu_offload_gb=0.01)
+    engine, sp = llm.engine, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prefixes = _prefixes()
+    for i, p in enumerate(prefixes):
+        llm.generate({"prompt_token_ids": p + [1, i]}, sp, use_tqdm=False)
+    core, sched = engine.engine_core, engine.engine_core.scheduler
+    engine.add_request("r", {"prompt_token_ids": prefixes[0] + [2, 2]}, sp)
+    req = sched.requests["r"]
+    so1 = sched.schedule()
+    assert "r" not in so1.num_scheduled_tokens and so1.kv_transfers.job_id >= 0
+    assert req.num_computed_tokens == 0 and len(so1.kv_transfers.load_gpu) == 12
+    out1 = core.executor.execute_model(so1)
+    assert out1.kv_offload_done == [so1.kv_transfers.job_id]
+    so2 = sched.schedule()  # the copy is done, but the scheduler has not heard yet
+    assert "r" not in so2.num_scheduled_tokens and req.num_computed_tokens == 0
+    sched.update_from_output(so1, out1)
+    assert req.num_computed_tokens == 12 * 16
+    sched.update_from_output(so2, core.executor.execute_model(so2))
+    so3 = sched.schedule()
+    (new,) = so3.scheduled_new_reqs
+    assert new.req_id == "r" and new.num_computed_tokens == 12 * 16
+    assert so3.num_scheduled_tokens["r"] == 2  # only the tokens past the loaded prefix
+    sched.update_from_output(so3, core.executor.execute_model(so3))
+    while engine.has_unfinished_requests():
+        engine.step()
     _assert_idle(llm)
