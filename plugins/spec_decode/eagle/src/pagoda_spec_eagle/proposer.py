@@ -50,6 +50,7 @@ class EagleProposer(SpeculativeProposer):
         check_fits(self.ckpt, ctx.hidden_size, ctx.vocab_size)
         self.k = ctx.num_speculative_tokens
         self.head: EagleHead | None = None
+        self._state: dict[str, _Backoff] = {}
 
     def bind_target(self, target: TargetModel) -> None:
         ck, ctx = self.ckpt, self.ctx
@@ -150,24 +151,60 @@ class EagleProposer(SpeculativeProposer):
         if batch.new_hidden_states is None or self.head is None:
             return Drafts(out)
         m = np.diff(batch.hidden_loc)
-        sel = np.flatnonzero(m > 0)  # requests with something to catch up on
+        go = np.zeros(n, dtype=bool)
+        pieces: list[tuple[int, torch.Tensor]] = []  # the drafting requests' rows to catch up on
+        plain = True  # every request drafts, on exactly this call's rows
+        for i, req_id in enumerate(batch.req_ids):
+            rows = batch.new_hidden_states[batch.hidden_loc[i] : batch.hidden_loc[i + 1]]
+            first = int(batch.num_tokens[i]) - 1 - int(m[i])
+            st = self._state.setdefault(req_id, _Backoff())
+            first, rows = st.join(first, rows)
+            st.score(batch.token_ids[batch.rows[i]], int(batch.num_tokens[i]))
+            if len(rows) and st.should_draft():
+                go[i] = True
+                pieces.append((first, rows))
+                plain &= len(rows) == m[i]
+            else:
+                st.keep(first, rows)
+                plain = False
+        sel = np.flatnonzero(go)
         if not len(sel):
             return Drafts(out)
-        m_sel = m[sel]
+        hidden = batch.new_hidden_states if plain else torch.cat([r for _, r in pieces])
+        m_sel = np.fromiter((len(r) for _, r in pieces), dtype=np.int64, count=len(sel))
+        first = np.fromiter((f for f, _ in pieces), dtype=np.int64, count=len(sel))
+        ids = self._draft(batch, sel, first, m_sel, hidden)
+        out[sel, : ids.shape[1]] = ids
+        for j, i in enumerate(sel.tolist()):
+            self._state[batch.req_ids[i]].drafted(ids[j], int(batch.num_tokens[i]))
+        return Drafts(out)
+
+    def remove(self, req_ids) -> None:
+        for req_id in req_ids:
+            self._state.pop(req_id, None)
+
+    def _draft(
+        self,
+        batch: ProposalBatch,
+        sel: np.ndarray,
+        first: np.ndarray,
+        m_sel: np.ndarray,
+        target_hidden: torch.Tensor,
+    ) -> np.ndarray:
+        """[len(sel), steps] drafts of the requests ``sel``, whose rows ``target_hidden`` (m_sel
+        each) hold positions ``first ..`` up to their last known token but one."""
         rows = batch.rows[sel]
         num_tokens = batch.num_tokens[sel]
         steps = int(batch.max_num_drafts[sel].max())
         qsl = np.zeros(len(sel) + 1, dtype=np.int64)
         np.cumsum(m_sel, out=qsl[1:])
         total = int(qsl[-1])
-        positions = np.repeat(num_tokens - 1 - m_sel, m_sel) + (
-            np.arange(total) - np.repeat(qsl[:-1], m_sel)
-        )
+        positions = np.repeat(first, m_sel) + (np.arange(total) - np.repeat(qsl[:-1], m_sel))
         ids = batch.token_ids[np.repeat(rows, m_sel), positions + 1]
         # Catch-up positions, then chain positions num_tokens - 1 .. num_tokens + steps - 3.
         tables = self._tables(rows, int(num_tokens.max()) + steps)
         dev = self.ctx.device
-        hidden = self.head.combine(batch.new_hidden_states.to(self.ctx.dtype))
+        hidden = self.head.combine(target_hidden.to(self.ctx.dtype))
         tokens = torch.from_numpy(ids).to(dev)
         h, lm_in = self._run(tables, positions, qsl, num_tokens - 1, tokens, hidden)
         last = torch.from_numpy(qsl[1:] - 1).to(dev)
@@ -180,8 +217,62 @@ class EagleProposer(SpeculativeProposer):
             h, lm_in = self._run(tables, pos, one, pos + 1, draft, h)
             draft = self._logits_to_ids(lm_in)
             drafts.append(draft)
-        out[sel, :steps] = torch.stack(drafts, dim=1).cpu().numpy()
-        return Drafts(out)
+        return torch.stack(drafts, dim=1).cpu().numpy()
+
+
+_PATIENCE = 3  # proposals in a row with no draft right before a request pauses
+_MAX_PAUSE = 32  # steps
+
+
+class _Backoff:
+    """A request whose drafts keep missing pauses drafting (1, 2, 4 .. 32 steps, then one
+    probe), so that a head that does not fit the text costs little; its hidden states wait
+    and are caught up on at the next draft. A draft counts as a hit when the target's next
+    token equals it, whether or not it was scheduled."""
+
+    __slots__ = ("first", "rows", "last", "at", "misses", "pause", "wait")
+
+    def __init__(self) -> None:
+        self.first = 0
+        self.rows: torch.Tensor | None = None
+        self.last: np.ndarray | None = None
+        self.at = 0
+        self.misses = 0
+        self.pause = 1
+        self.wait = 0
+
+    def join(self, first: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Waiting rows, then ``rows`` (from position ``first``), when they meet."""
+        kept, self.rows = self.rows, None
+        if kept is None or self.first + len(kept) != first:
+            return first, rows
+        return self.first, torch.cat([kept, rows])
+
+    def keep(self, first: int, rows: torch.Tensor) -> None:
+        self.first, self.rows = first, rows
+
+    def score(self, history: np.ndarray, num_tokens: int) -> None:
+        if self.last is None or num_tokens <= self.at:
+            return
+        hit = self.last[0] == history[self.at]
+        self.last = None
+        if hit:
+            self.misses, self.pause = 0, 1
+        else:
+            self.misses += 1
+
+    def should_draft(self) -> bool:
+        if self.wait > 0:
+            self.wait -= 1
+            return False
+        if self.misses >= _PATIENCE:
+            self.wait, self.pause = self.pause - 1, min(2 * self.pause, _MAX_PAUSE)
+            self.misses = _PATIENCE - 1  # one more miss after the pause pauses again
+            return False
+        return True
+
+    def drafted(self, ids: np.ndarray, num_tokens: int) -> None:
+        self.last, self.at = ids, num_tokens
 
 
 class Eagle3Proposer(EagleProposer):

@@ -371,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     engine_args = {"model": args.model, "device": device.type, "max_model_len": args.max_model_len}
+    if device.type == "cuda":  # the recording and the evaluating engines share the GPU
+        engine_args["kv_cache_memory_bytes"] = 4 << 30
     engine_args.update(json.loads(args.engine_args))
     progress = not args.no_progress
     messages = corpus(args.num_prompts + args.heldout_prompts, args.seed)
