@@ -73,7 +73,7 @@ def _check_idle(llm: LLM) -> None:
         assert off.idle_figures() == {
             "pinned_slots": 0, "storing_slots": 0, "jobs_in_flight": 0, "requests_loading": 0,
         }  # fmt: skip
-        assert not core.executor.worker.model_runner.kv_offload._jobs
+        assert core.executor.worker.model_runner.kv_offload.num_in_flight == 0
 
 
 @pytest.mark.parametrize(

@@ -44,3 +44,10 @@ def test_offload_without_prefix_caching_is_refused_naming_both_keys(tiny_model: 
             cpu_offload_gb=0.01,
             enable_prefix_caching=False,
         )
+
+
+def test_an_unknown_medium_is_refused_naming_the_key_and_the_known_mediums(
+    tiny_model: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"cache\.offload_medium='nvme'.*available: cpu"):
+        LLM(model=str(tiny_model), cpu_offload_gb=0.01, offload_medium="nvme")

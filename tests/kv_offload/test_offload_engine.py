@@ -1,16 +1,23 @@
 """KV offload in a running engine (CPU tier, tiny random model): with a KV cache too small for a
 set of long shared prefixes, greedy output with offload on equals output with it off, token
 for token, while the CPU pool serves the hits; afterwards both pools are idle (no block held,
-no slot pinned, no copy in flight), also when a request is aborted while it loads."""
+no slot pinned, no copy in flight), also when a request is aborted while it loads. A third
+party's medium (blocks in a file on disk, copied by a thread) passes the same test."""
 
 from __future__ import annotations
 
 import random
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, hookimpl
+from pagoda.kv_offload import KVTransfers, OffloadMedium
+from pagoda.plugins import plugin_registered
 from pagoda.request import RequestStatus
 
 NUM_PREFIXES, PREFIX_LEN = 4, 192
@@ -55,7 +62,7 @@ def _assert_idle(llm: LLM) -> None:
     offload = core.scheduler.offload
     if offload is not None:
         assert offload.idle_figures() == IDLE
-        assert not core.executor.worker.model_runner.kv_offload._jobs
+        assert core.executor.worker.model_runner.kv_offload.num_in_flight == 0
         assert not core.scheduler.has_unfinished_requests()
 
 
@@ -165,3 +172,65 @@ def test_a_loading_request_waits_and_counts_loaded_tokens_only_once_its_copy_is_
     while engine.has_unfinished_requests():
         engine.step()
     _assert_idle(llm)
+
+
+class DiskMedium(OffloadMedium):
+    """A plugin's medium: the pool in a memory-mapped file, copies in a background thread."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], block_dim: int, num_blocks: int) -> None:
+        super().__init__(kv_caches, block_dim, num_blocks)
+        shape = (num_blocks, len(self.layers), *self.layers[0].shape[1:])
+        self.path = Path(tempfile.mkdtemp()) / "kv-pool.bin"
+        self.file = torch.from_numpy(np.memmap(self.path, np.float32, "w+", shape=shape))
+        self.thread = ThreadPoolExecutor(1)
+        self.jobs: dict[int, Future] = {}
+
+    def submit(self, transfers: KVTransfers) -> None:
+        t = transfers
+        for job in t.wait_jobs:  # the step reuses blocks these jobs load into
+            if job in self.jobs:
+                self.jobs[job].result()
+        if not t.has_copies:
+            return
+        idx = torch.tensor(t.store_gpu, dtype=torch.int64)
+        # Read now: the step about to run may overwrite these blocks. Written in the thread.
+        stored = torch.stack([kv.index_select(0, idx) for kv in self.layers], dim=1)
+        self.jobs[t.job_id] = self.thread.submit(self._copy, t, stored)
+
+    def _copy(self, t: KVTransfers, stored: torch.Tensor) -> None:
+        self.file[torch.tensor(t.store_cpu, dtype=torch.int64)] = stored
+        src = self.file[torch.tensor(t.load_cpu, dtype=torch.int64)]
+        dst = torch.tensor(t.load_gpu, dtype=torch.int64)
+        for layer, kv in enumerate(self.layers):
+            kv.index_copy_(0, dst, src[:, layer])
+
+    def poll(self, wait: bool = False) -> list[int]:
+        done = [j for j, f in self.jobs.items() if wait or f.done()]
+        for j in done:
+            self.jobs.pop(j).result()
+        return done
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.jobs)
+
+
+class DiskPlugin:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_offload_mediums(self, register):
+        register("disk", DiskMedium)
+
+
+def test_a_third_party_medium_on_disk_serves_the_same_hits(
+    tiny_model: Path, reference: list[list[int]]
+) -> None:
+    with plugin_registered(DiskPlugin(), "disk-medium"):
+        llm = _engine(tiny_model, cpu_offload_gb=0.01, offload_medium="disk")
+        medium = llm.engine.engine_core.executor.worker.model_runner.kv_offload
+        assert isinstance(medium, DiskMedium)
+        assert _workload(llm) == reference
+        assert llm.engine.engine_core.scheduler.offload.stats_total.loaded_blocks >= 12 * 4
+        assert medium.path.stat().st_size > 0
+        _assert_idle(llm)

@@ -51,6 +51,10 @@ class Registers:
     def register_offload_policies(self, register):
         register("hooked_policy", "pagoda.kv_offload.arc:ARCPolicy")
 
+    @hookimpl
+    def register_offload_mediums(self, register):
+        register("hooked_medium", "pagoda.kv_offload.cpu:CPUMedium")
+
 
 @pytest.fixture
 def registers() -> Iterator[None]:
@@ -93,6 +97,12 @@ def test_hook_register_offload_policies_makes_a_policy_selectable(registers) -> 
 
     policy = build_policy("hooked_policy", 8)
     assert isinstance(policy, ARCPolicy) and policy.capacity == 8
+
+
+def test_hook_register_offload_mediums_makes_a_medium_selectable(registers) -> None:
+    from pagoda.kv_offload.cpu import CPUMedium
+
+    assert get_registry("offload_mediums").get("hooked_medium") is CPUMedium
 
 
 class _Settings:

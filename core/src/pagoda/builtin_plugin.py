@@ -36,6 +36,11 @@ def register_offload_policies(register: Register) -> None:
 
 
 @hookimpl
+def register_offload_mediums(register: Register) -> None:
+    register("cpu", "pagoda.kv_offload.cpu:CPUMedium")
+
+
+@hookimpl
 def admit_request(request: Request, scheduler: Scheduler) -> str | None:
     """Load shedding: ``scheduler.max_waiting_requests``. The samples of a request with n > 1
     after the first come in with it (they name it as their ``prefill_leader``)."""

@@ -99,6 +99,11 @@ class CacheConfig(_Section):
         description="evicted: copy a cached block to the CPU pool when the device evicts it;"
         " full: as soon as it is full and computed (off the step's path)",
     )
+    offload_medium: str = Field(
+        "cpu",
+        description="where offloaded blocks live, by name (`pagoda plugins`); cpu: host memory;"
+        " plugins add others (cpu_offload_gb then sizes that pool)",
+    )
 
 
 class SchedulerConfig(_Section):

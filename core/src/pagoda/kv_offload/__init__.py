@@ -2,20 +2,24 @@
 prefix lookup that misses on the device but hits the pool loads them back.
 
 The scheduler's side (:class:`OffloadManager`, no torch) decides what to store, load and drop
-(the policy, :class:`OffloadPolicy`, registered by name); the workers' side (``worker``) holds
-the pool's memory and copies. Configuration: ``cache.cpu_offload_gb``, ``cache.offload_policy``,
-``cache.offload_store``; the plugin guide (docs/plugins.md) has the contract.
+(the policy, :class:`OffloadPolicy`, registered by name); the workers' side, an
+:class:`OffloadMedium` (registered by name; the core's is ``cpu``), holds the pool's memory and
+copies. Configuration: ``cache.cpu_offload_gb``, ``cache.offload_policy``,
+``cache.offload_store``, ``cache.offload_medium``; the plugin guide (docs/plugins.md) has the
+contract.
 """
 
 from __future__ import annotations
 
 from pagoda.kv_offload.manager import OffloadManager, OffloadStats
+from pagoda.kv_offload.medium import OffloadMedium
 from pagoda.kv_offload.policy import LRUPolicy, OffloadPolicy, build_policy
 from pagoda.kv_offload.transfers import KVTransfers
 
 __all__ = [
     "KVTransfers",
     "LRUPolicy",
+    "OffloadMedium",
     "OffloadManager",
     "OffloadPolicy",
     "OffloadStats",
@@ -37,5 +41,12 @@ def build_offload_manager(config, info) -> OffloadManager | None:  # noqa: ANN00
             "cache.cpu_offload_gb > 0 needs cache.enable_prefix_caching: the CPU pool keeps"
             " prefix-cached blocks by their hash"
         )
+    from pagoda.plugins import get_registry
+    from pagoda.plugins.errors import PluginError
+
+    try:  # built in the workers; its name is checked here, before anything loads
+        get_registry("offload_mediums").registration(cache.offload_medium)
+    except PluginError as e:
+        raise ValueError(f"cache.offload_medium={cache.offload_medium!r}: {e}") from e
     policy = build_policy(cache.offload_policy, n)
     return OffloadManager(n, cache.block_size, policy, store_full=cache.offload_store == "full")

@@ -1,7 +1,7 @@
 """The scheduler's side of KV offload: which block hash sits in which CPU pool slot, which
 copies are in flight, and which requests wait for a load.
 
-No torch here: the manager decides, the workers copy (``pagoda.kv_offload.worker``). Each step
+No torch here: the manager decides, the workers copy (``pagoda.kv_offload.medium``). Each step
 the manager's decisions leave as one :class:`KVTransfers` job in the scheduler output; the
 job's id comes back in a runner output once its copies are done.
 
@@ -145,6 +145,8 @@ class OffloadManager:
         """If the request's prompt hits the pool past its device hit (``hit_blocks``), give it
         device blocks for its whole prompt, queue the load and park it in ``loading``; say
         whether it did. Not enough free device blocks: False, nothing changed."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return False  # its prompt is computed whole, as for the device's prefix cache
         hashes = req.block_hashes
         max_hit = (req.num_tokens - 1) // self.block_size
         first = len(hit_blocks)

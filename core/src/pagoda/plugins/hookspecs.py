@@ -148,6 +148,20 @@ def register_offload_policies(register: Register) -> None:
     """
 
 
+@hookspec
+def register_offload_mediums(register: Register) -> None:
+    """Register KV offload mediums by name (``cpu``, ...): where offloaded blocks live.
+
+    :param register: call ``register(name, "pkg.mod:MediumClass")`` for each medium; the class
+        implements :class:`pagoda.kv_offload.OffloadMedium` and is built in each worker as
+        ``MediumClass(kv_caches, block_dim, num_blocks)`` once its KV cache is allocated.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``cache.offload_medium``.
+    """
+
+
 # ---- seams: once per request or once per step ---------------------------------------------------
 
 
@@ -236,6 +250,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "models": "register_models",
     "plugin_settings": "register_plugin_settings",
     "offload_policies": "register_offload_policies",
+    "offload_mediums": "register_offload_mediums",
 }
 """Registry kind -> the hook that fills it."""
 

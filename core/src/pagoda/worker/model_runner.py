@@ -19,7 +19,7 @@ from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
 from pagoda.distributed import get_tp_size, tp_shape
-from pagoda.kv_offload.worker import OffloadWorker, build_offload_worker
+from pagoda.kv_offload.medium import OffloadMedium, build_offload_medium
 from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
 from pagoda.loader.construct import build_model
 from pagoda.loader.sharded import iter_safetensors_slices
@@ -105,7 +105,7 @@ class ModelRunner:
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
-        self.kv_offload: OffloadWorker | None = None  # KV offload's CPU pool and copies
+        self.kv_offload: OffloadMedium | None = None  # KV offload's pool and copies
         # Seconds spent in each start-up phase: load_weights_s, profile_s, kv_cache_s,
         # graph_capture_s (those that ran).
         self.startup_times: dict[str, float] = {}
@@ -244,7 +244,7 @@ class ModelRunner:
                 else:
                     module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 self.kv_caches.append(module.kv_cache)
-        self.kv_offload = build_offload_worker(self)
+        self.kv_offload = build_offload_medium(self)
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         if self.proposer is not None:  # a draft model loads here, before graphs are captured
             self.hidden_feed = bind_proposer(self, num_blocks)

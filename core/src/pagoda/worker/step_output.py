@@ -20,7 +20,7 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.scheduler.output import ModelRunnerOutput, PromptLogprobs
 
 if TYPE_CHECKING:
-    from pagoda.kv_offload.worker import OffloadWorker
+    from pagoda.kv_offload.medium import OffloadMedium
     from pagoda.worker.input_batch import InputBatch
 
 
@@ -60,7 +60,7 @@ class StepOutput:
     num_emitted: np.ndarray | None = None  # per sampling row, set by ``get``
     # KV offload: its copy jobs done by ``get`` are reported with this output (a step with no
     # tokens, run only for them, waits for them all).
-    kv_offload: OffloadWorker | None = None
+    kv_offload: OffloadMedium | None = None
     _output: ModelRunnerOutput | None = None
 
     @property

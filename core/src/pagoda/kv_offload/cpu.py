@@ -1,7 +1,7 @@
-"""The workers' side of KV offload: the CPU pool's memory and the copies, on their own stream.
+"""The core's offload medium: blocks in CPU memory, copies on their own CUDA stream.
 
 Each worker keeps its part of every offloaded block (its KV heads, every layer) in one CPU
-tensor ``[num_cpu_blocks, num_layers, *block]``: pinned memory on CUDA, so that copies run
+tensor ``[num_blocks, num_layers, *block]``: pinned memory on CUDA, so that copies run
 asynchronously. A job's copies are queued on a side stream after everything the step's stream
 has queued so far; stores (device to CPU) gather the blocks of each layer into a staging
 tensor and copy block by block; loads do the reverse. The step's stream waits only where it
@@ -15,21 +15,11 @@ from collections.abc import Iterator
 
 import torch
 
+from pagoda.kv_offload.medium import OffloadMedium
 from pagoda.kv_offload.transfers import KVTransfers
 
 # Blocks (of every layer) staged on the device at once: bounds the staging memory.
 _STAGING_BYTES = 64 << 20
-
-
-def block_dim(shape_of: object, block_size: int, num_kv_heads: int, head_size: int) -> int:
-    """Which dimension of a layer's cache tensor counts blocks, asked of the attention
-    backend's ``get_kv_cache_shape`` with two block counts."""
-    a = shape_of(2, block_size, num_kv_heads, head_size)  # type: ignore[operator]
-    b = shape_of(3, block_size, num_kv_heads, head_size)  # type: ignore[operator]
-    dims = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-    if len(dims) != 1:
-        raise ValueError(f"cannot tell the block dimension of KV cache shape {tuple(b)}")
-    return dims[0]
 
 
 def _runs(src: list[int], dst: list[int]) -> Iterator[tuple[int, int, int]]:
@@ -43,18 +33,15 @@ def _runs(src: list[int], dst: list[int]) -> Iterator[tuple[int, int, int]]:
         i = j
 
 
-class OffloadWorker:
-    def __init__(self, kv_caches: list[torch.Tensor], dim: int, num_cpu_blocks: int) -> None:
-        if not kv_caches:
-            raise ValueError("KV offload needs the KV cache allocated first")
+class CPUMedium(OffloadMedium):
+    def __init__(self, kv_caches: list[torch.Tensor], block_dim: int, num_blocks: int) -> None:
+        super().__init__(kv_caches, block_dim, num_blocks)
         first = kv_caches[0]
         self.device = first.device
         self.cuda = self.device.type == "cuda"
-        # Each layer's cache with blocks first (a view: copies write through to the cache).
-        self.layers = [kv.movedim(dim, 0) for kv in kv_caches]
         block_shape = tuple(self.layers[0].shape[1:])
         self.cpu = torch.empty(
-            (num_cpu_blocks, len(kv_caches), *block_shape),
+            (num_blocks, len(kv_caches), *block_shape),
             dtype=first.dtype,
             pin_memory=self.cuda,
         )
@@ -64,8 +51,8 @@ class OffloadWorker:
         self._jobs: dict[int, torch.cuda.Event | None] = {}  # job id -> end of its copies
 
     @property
-    def num_cpu_blocks(self) -> int:
-        return self.cpu.shape[0]
+    def num_in_flight(self) -> int:
+        return len(self._jobs)
 
     def submit(self, t: KVTransfers) -> None:
         """Queue a job's copies and the waits the step's forward owes (called before the
@@ -150,21 +137,3 @@ class OffloadWorker:
                 staging[i : i + n].copy_(self.cpu[src : src + n], non_blocking=True)
             for layer, kv in enumerate(self.layers):
                 kv.index_copy_(0, idx, staging[:, layer])
-
-
-def build_offload_worker(runner: object) -> OffloadWorker | None:
-    """The CPU pool of a model runner whose KV cache is allocated; None when offload is off."""
-    from pagoda.distributed import get_tp_size
-    from pagoda.kv_offload.sizing import num_cpu_blocks
-
-    r = runner
-    n = num_cpu_blocks(r.config.cache, r.arch, r.dtype, get_tp_size())  # type: ignore[attr-defined]
-    if n == 0:
-        return None
-    dim = block_dim(
-        r.attn_backend.get_kv_cache_shape,  # type: ignore[attr-defined]
-        r.block_size,  # type: ignore[attr-defined]
-        r.num_kv_heads,  # type: ignore[attr-defined]
-        r.arch.head_dim,  # type: ignore[attr-defined]
-    )
-    return OffloadWorker(r.kv_caches, dim, n)  # type: ignore[attr-defined]
