@@ -11,7 +11,12 @@ alternating order, so a machine shared with other work slows both alike; the fig
 
     python benchmarks/spec_decode.py [--batch-size 1] [--num-prompts 9] [--max-tokens 128]
     python benchmarks/spec_decode.py --random-weights benchmarks/configs/qwen3-0.6b \\
-        --batch-size 64 --max-tokens 128 --device cuda
+        --batch-size 64 --max-tokens 128 --device cuda --dtype bfloat16
+    python benchmarks/spec_decode.py --model SmolLM2-135M-Instruct.gguf --device cuda \\
+        --dtype bfloat16 --batch-size 1 --num-prompts 6
+
+On a GPU both engines replay CUDA graphs (decode steps, and verification steps of k + 1 tokens a
+request); the report counts the engine steps each took.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ def _build(args: argparse.Namespace, spec: dict | None) -> LLM:
 def _prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]:
     if args.random_weights:
         rng = np.random.default_rng(0)
-        ids = rng.integers(10, 10_000, (args.num_prompts, args.input_len))
+        vocab = llm.engine.engine_core.executor.worker.model_runner.arch.vocab_size
+        ids = rng.integers(10, min(10_000, vocab), (args.num_prompts, args.input_len))
         return [{"prompt_token_ids": row.tolist()} for row in ids], ["random"] * args.num_prompts
     tok = llm.get_tokenizer()
     prompts, kinds = [], []
@@ -117,6 +123,44 @@ def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _count_steps(llm: LLM) -> dict[str, int]:
+    """Counts the engine's steps and those that carried drafts (or draft slots)."""
+    scheduler = llm.engine.engine_core.scheduler
+    counts = {"steps": 0, "steps_with_drafts": 0}
+    schedule = scheduler.schedule
+
+    def counting() -> Any:
+        so = schedule()
+        counts["steps"] += not so.is_empty
+        counts["steps_with_drafts"] += bool(so.scheduled_spec_decode_tokens)
+        return so
+
+    scheduler.schedule = counting
+    return counts
+
+
+def _graph_replays(llm: LLM) -> dict[str, int]:
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    graphs = {"decode": getattr(runner, "decode_graphs", None)}
+    graphs["verify"] = getattr(runner, "verify_graphs", None)
+    return {k: g.replays for k, g in graphs.items() if g is not None}
+
+
+def _profile(engines: dict[str, LLM], batch: list[dict], params: SamplingParams, n: int) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    for name, llm in engines.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        _timed(llm, batch, params)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(n)
+        print(f"--- profile: {name}\n{text.getvalue()}", file=sys.stderr)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
@@ -134,6 +178,14 @@ def main() -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     p.add_argument("--output-json", default=None)
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile one more pass of the first batch per engine (cProfile) and "
+        "print its N costliest functions by own time",
+    )
     args = p.parse_args()
     if args.random_weights:
         from pagoda.bench.random_weights import ensure_random_weights
@@ -161,6 +213,8 @@ def main() -> None:
         stats.num_draft_tokens,
         stats.num_accepted_tokens,
     )
+    steps = {name: _count_steps(llm) for name, llm in engines.items()}
+    replays0 = {name: _graph_replays(llm) for name, llm in engines.items()}
     seconds = {"off": 0.0, "ngram": 0.0}
     tokens = {"off": 0, "ngram": 0}
     same = True
@@ -177,6 +231,8 @@ def main() -> None:
         same &= outs["off"] == outs["ngram"]
         so_far = {k: tokens[k] / seconds[k] for k in seconds}
         print(f"batch {b}: tok/s so far {so_far}", file=sys.stderr)
+    if args.profile:
+        _profile(engines, batches[0], params, args.profile)
     drafts = stats.num_drafts - drafts0
     draft_tokens = stats.num_draft_tokens - draft_tokens0
     accepted = stats.num_accepted_tokens - accepted0
@@ -205,9 +261,16 @@ def main() -> None:
         "draft_tokens": draft_tokens,
         "accepted_tokens": accepted,
         "greedy_outputs_identical": bool(same),
+        "engine_steps": steps,
+        "graph_replays": {
+            name: {k: v - replays0[name][k] for k, v in _graph_replays(llm).items()}
+            for name, llm in engines.items()
+        },
     }
-    where = "gpu" if runner.device.type == "cuda" else "cpu"
-    model = Path(report["model"]).name.split()[0].lower()
+    where = "cpu"
+    if runner.device.type == "cuda":
+        where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
+    model = Path(report["model"].split()[0]).name.lower().removesuffix(".gguf")
     name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"
     path = save_report(report, name, args.output_json)
     keys = ("tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length")

@@ -47,6 +47,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(config, info)
         register_manager(config, self.structured_output)
         self.scheduler.structured_output = self.structured_output
+        if config.speculative.method is not None:
+            self.scheduler.num_spec_tokens = config.speculative.num_speculative_tokens
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
         self.async_scheduling = config.scheduler.async_scheduling
@@ -67,9 +69,6 @@ class EngineCore:
         while the device runs step N.
         """
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None and self._needs_fresh_output(self._in_flight[0]):
-            outputs = self._finish(*self._in_flight)
-            self._in_flight = None
         so = self.scheduler.schedule()
         if so.is_empty and self._in_flight is None and self.structured_output.num_pending:
             self.structured_output.wait(0.05)  # nothing runs: wait for a grammar, do not spin
@@ -87,13 +86,6 @@ class EngineCore:
         if self.scheduler.grammar_errors:
             outputs += self.scheduler.take_grammar_errors()
         return outputs
-
-    def _needs_fresh_output(self, in_flight: SchedulerOutput) -> bool:
-        """Speculative decoding under async scheduling: read the step in flight before the next
-        schedule when it verifies drafts (how many were accepted decides where its requests go
-        on) or when the last output proposed drafts (drafts for a position already in flight are
-        stale). While the proposer finds nothing, steps overlap as without speculation."""
-        return bool(in_flight.scheduled_spec_decode_tokens) or self.scheduler.drafts_pending
 
     def _finish(
         self, scheduler_output: SchedulerOutput, pending: PendingOutput

@@ -45,7 +45,8 @@ class SchedulerOutput:
     # Requests the runner must drop its state for (finished, aborted or preempted) before this step.
     finished_req_ids: set[str] = field(default_factory=set)
     # req_id -> the draft tokens scheduled for it (speculative decoding); they are the last
-    # ``len(drafts)`` of its ``num_scheduled_tokens`` and follow its last known token.
+    # ``len(drafts)`` of its ``num_scheduled_tokens`` and follow its last known token. All -1:
+    # draft slots that the runner fills (``pagoda.spec_decode.inflight``).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # KV offload: this step's copies between the device and the CPU pool (and waits), if any.
     kv_transfers: KVTransfers | None = None
@@ -91,6 +92,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Speculative decoding: req_id -> the proposer's drafts for the request's next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> how many of its draft slots the runner filled (and verified) this step.
+    draft_counts: dict[str, int] = field(default_factory=dict)
     # KV offload: the transfer jobs (``KVTransfers.job_id``) whose copies are done.
     kv_offload_done: list[int] = field(default_factory=list)
 

@@ -44,6 +44,7 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagoda.spec_decode.inflight import DraftBackoff
 from pagoda.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
@@ -192,12 +193,13 @@ class Scheduler:
         self.grammar_errors: list[EngineCoreOutput] = []
         # KV offload: requests loading from the CPU pool wait there, not in ``waiting``.
         self.offload = kv_cache_manager.offload
-        # Speculative decoding: drafts verified since the last ``make_spec_stats`` (and ever),
-        # and whether the last runner output proposed any drafts (the engine core then reads
-        # each step's output before it schedules the next, so that drafts are fresh).
+        # Speculative decoding: drafts verified since the last ``make_spec_stats`` (and ever);
+        # ``num_spec_tokens`` (k, 0: off) is set by the engine core. A request with a step in
+        # flight gets k draft slots that the runner fills (``pagoda.spec_decode.inflight``).
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_total = SpecDecodingStats()
-        self.drafts_pending = False
+        self.num_spec_tokens = 0
+        self.draft_backoff = DraftBackoff()
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -243,6 +245,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         step = _Step(budget=self.max_num_batched_tokens)
+        self.draft_backoff.tick()
 
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -307,7 +310,8 @@ class Scheduler:
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
             r.num_computed_tokens += step.num_scheduled[r.request_id]
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
-                r.num_output_placeholders += 1  # this step samples the next token
+                # This step samples the next token, and may emit every draft before it.
+                r.num_output_placeholders += 1 + len(step.spec.get(r.request_id, ()))
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached_data,
@@ -321,14 +325,25 @@ class Scheduler:
     def _drafts_to_schedule(self, req: Request, known: int, budget: int) -> list[int]:
         """The part of ``req``'s drafts this step can verify: only for a request whose one
         uncomputed token is its last (decoding), within the token budget and the context, and
-        never more than ``max_tokens`` lets it emit (a step emits at most drafts + 1 tokens)."""
-        drafts = req.spec_token_ids
-        if not drafts or known - req.num_computed_tokens != 1 or req.num_output_placeholders:
+        never more than ``max_tokens`` lets it emit (a step emits at most drafts + 1 tokens).
+
+        A request with a step in flight (async scheduling) gets draft slots (``-1``) instead,
+        which the runner fills once that step's tokens are known; ``known`` then counts every
+        draft in flight as accepted, so the limits here are conservative."""
+        if known - req.num_computed_tokens != 1 or not self.num_spec_tokens:
             return []
+        if not self.draft_backoff.allows(req.request_id, len(self.running)):
+            return []
+        if req.num_output_placeholders:
+            if req.sampling_params.structured_outputs is not None:
+                return []
+            drafts = [-1] * self.num_spec_tokens
+        else:
+            drafts = req.spec_token_ids
         limit = min(len(drafts), budget - 1, self.max_model_len - known)
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
-            limit = min(limit, max_tokens - req.num_output_tokens - 1)
+            limit = min(limit, max_tokens - (known - req.num_prompt_tokens) - 1)
         return drafts[: max(limit, 0)]
 
     def _schedule_waiting(self, step: _Step) -> None:
@@ -458,6 +473,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # what is in flight for it is dropped
         req.spec_token_ids = []
+        self.draft_backoff.forget(req.request_id)
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add_preempted(req)
@@ -472,7 +488,6 @@ class Scheduler:
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         proposed = model_runner_output.draft_token_ids
-        self.drafts_pending = bool(proposed)
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -481,18 +496,20 @@ class Scheduler:
                 continue  # ended or preempted since it was scheduled: its token is dropped
             new_token_ids: list[int] = []
             tokens = sampled.get(req_id, ())
-            req.num_output_placeholders = max(req.num_output_placeholders - len(tokens), 0)
             drafts = scheduled_drafts.get(req_id)
+            emitted = 1 + len(drafts) if drafts else len(tokens)  # as ``schedule`` counted
+            req.num_output_placeholders = max(req.num_output_placeholders - emitted, 0)
             if drafts:
-                self._apply_drafts(req, len(drafts), len(tokens) - 1)
+                filled = model_runner_output.draft_counts.get(req_id, len(drafts))
+                self._apply_drafts(req, len(drafts), filled, len(tokens) - 1)
             for token in tokens:
                 req.output_token_ids.append(token)
                 new_token_ids.append(token)
                 if self._check_stop(req, token):
                     break
             if drafts and not req.is_finished:
-                # Blocks past the known tokens held only rejected drafts.
-                self.kv_cache_manager.trim(req, req.num_tokens)
+                # Blocks past the known tokens (and the step in flight) held only rejected drafts.
+                self.kv_cache_manager.trim(req, max(req.num_tokens, req.num_computed_tokens))
             if req_id in proposed and not req.is_finished:
                 self.set_drafts(req, proposed[req_id])
             if new_token_ids and req_id in self.parked:
@@ -521,24 +538,31 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
-    def _apply_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """Roll ``num_computed_tokens`` back over the drafts the rejection sampler refused.
+    def _apply_drafts(
+        self, req: Request, num_scheduled: int, num_drafts: int, num_accepted: int
+    ) -> None:
+        """Roll ``num_computed_tokens`` back over the drafts the rejection sampler refused and
+        the draft slots the runner left empty.
 
         NOTE (for grammar backends and other draft-aware state): this is where the accepted
-        count of a step is known; ``num_accepted`` of the ``num_drafts`` scheduled drafts were
-        accepted, and the step emitted ``num_accepted + 1`` tokens (before stop checks).
+        count of a step is known; ``num_accepted`` of the ``num_drafts`` verified drafts (of
+        ``num_scheduled`` drafts or slots) were accepted, and the step emitted
+        ``num_accepted + 1`` tokens (before stop checks).
         """
         num_accepted = max(num_accepted, 0)
-        req.num_computed_tokens -= num_drafts - num_accepted
-        self.spec_stats.observe(num_drafts, num_accepted)
-        self.spec_stats_total.observe(num_drafts, num_accepted)
+        req.num_computed_tokens -= num_scheduled - num_accepted
+        self.draft_backoff.observe(req.request_id, num_drafts, num_accepted)
+        if num_drafts:
+            self.spec_stats.observe(num_drafts, num_accepted)
+            self.spec_stats_total.observe(num_drafts, num_accepted)
 
     def set_drafts(self, req: Request, drafts: list[int]) -> None:
         """Attach the proposer's drafts to ``req`` for its next step.
 
         NOTE (for grammar backends): the place to validate or cut drafts before they are
         scheduled. Drafts are dropped when the request has a step in flight whose output is not
-        back yet (async scheduling): they were proposed for a position already being computed.
+        back yet (async scheduling): they were proposed for a position already being computed,
+        and its next step gets draft slots that the runner fills from fresher drafts.
         A request with a grammar (structured output) gets none for now: its matcher advances one
         token a step and its bitmask covers one position.
         """
@@ -580,6 +604,7 @@ class Scheduler:
         if self.structured_output is not None:
             self.structured_output.forget(req.request_id)
         self._unpark(req)
+        self.draft_backoff.forget(req.request_id)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)

@@ -185,6 +185,7 @@ def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutp
     in the same row), now that their tokens are on the host; they go out in ``output``."""
     proposer = runner.proposer
     ib = runner.input_batch
+    runner._proposals = output.draft_token_ids  # NOTE: only the latest step's drafts are fresh
     if proposer is None or step.num_emitted is None or not len(step.sample_idx):
         return
     req_ids = [step.req_ids[i] for i in step.sample_idx.tolist()]

@@ -31,6 +31,7 @@ from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
+from pagoda.spec_decode.inflight import fill_draft_slots
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import GrammarRows
@@ -94,6 +95,8 @@ class ModelRunner:
             )
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
+        # req_id -> the drafts proposed after the last step read (fill draft slots).
+        self._proposals: dict[str, list[int]] = {}
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
@@ -315,8 +318,11 @@ class ModelRunner:
         The tokens sampled by the previous step may still be on the device (their rows hold -1):
         they reach this step's input ids there, without a host round trip.
         """
-        if self._unread and self._unread[-1].drafted is not None:
-            self._unread.pop().get()  # NOTE: rows with drafts learn their length only there
+        spec = so.scheduled_spec_decode_tokens
+        if self._unread and (self._unread[-1].drafted is not None or spec):
+            # NOTE: rows with drafts learn their length only there, and draft slots are filled
+            # with the drafts proposed there.
+            self._read_unread()
         self._settle()
         if so.kv_transfers is not None and self.kv_offload is not None:
             self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait for it
@@ -325,13 +331,19 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return StepOutput(ib, [], kv_offload=self.kv_offload)
         rows = np.fromiter((ib.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        if so.scheduled_spec_decode_tokens:
-            ib.write_drafts(so.scheduled_spec_decode_tokens)
-        if self._unread and ib.sampling.needs_token_history(rows):
-            self._unread.pop().get()  # bad words read the ids on the host: wait for them
         counts = np.fromiter(
             (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
+        drafts, filled = {}, {}
+        if self.proposer is not None:
+            # NOTE: a request whose last step had drafts was scheduled as if all were accepted;
+            # it goes on from its last known token.
+            np.minimum(starts, ib.num_tokens[rows] - 1, out=starts)
+        if spec:
+            drafts, filled = fill_draft_slots(self, spec, req_ids, counts)
+            ib.write_drafts(drafts)
+        if self._unread and ib.sampling.needs_token_history(rows):
+            self._unread.pop().get()  # bad words read the ids on the host: wait for them
         num_reqs, total = len(req_ids), int(counts.sum())
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
@@ -389,10 +401,11 @@ class ModelRunner:
         if self.hidden_feed is not None:
             q = self.verify_graphs.query_len if verified is not None else None
             self.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
-        if len(sample_idx) and so.scheduled_spec_decode_tokens:
+        out.draft_counts = filled
+        if len(sample_idx) and drafts:
             # Like _sample, with drafts: the rejection sampler keeps each request's accepted
             # drafts and adds one token.
-            verify_drafts(self, hidden, out, rows, sample_idx, qsl, so.scheduled_spec_decode_tokens)
+            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None:
@@ -403,7 +416,7 @@ class ModelRunner:
             out.event.record()
         self._unread.append(out)
         if self.grammar.entries and out.sampled is not None:
-            if not getattr(so, "scheduled_spec_decode_tokens", None):
+            if not drafts:
                 # Structured output: the next bitmask is filled while the host moves on.
                 sampled_ids = [req_ids[i] for i in out.sample_idx]
                 self.grammar.prefetch(sampled_ids, out.sampled, out.event, self.device)

@@ -61,6 +61,7 @@ class StepOutput:
     # KV offload: its copy jobs done by ``get`` are reported with this output (a step with no
     # tokens, run only for them, waits for them all).
     kv_offload: OffloadMedium | None = None
+    draft_counts: dict[str, int] = field(default_factory=dict)  # draft slots filled, by request
     _output: ModelRunnerOutput | None = None
 
     @property
@@ -81,6 +82,7 @@ class StepOutput:
         out = ModelRunnerOutput(self.req_ids, [[] for _ in self.req_ids])
         if self.kv_offload is not None:
             out.kv_offload_done = self.kv_offload.poll(wait=not self.req_ids)
+        out.draft_counts = self.draft_counts
         if self.sampled is not None:
             tokens = self.sampled.numpy()
             if tokens.ndim == 1:

@@ -47,18 +47,18 @@ def ngram_drafts(
         return out
     width = int(num_tokens.max())
     pos = np.arange(width)
+    ar = np.arange(n)
     hist = token_ids[rows, :width]
-    known = pos[None, :] < num_tokens[:, None]
-    hist = np.where(known, hist, -2)
-    # A window ends at e and is followed by at least one known token: e <= num_tokens - 2.
+    hist = np.where(pos[None, :] < num_tokens[:, None], hist, -2)
+    # alive[i, e]: the window of the last m + 1 tokens ends at e (and at least one known token
+    # follows it: e <= num_tokens - 2). Shifted slices, not gathers, keep each length one pass.
     alive = pos[None, :] <= (num_tokens - 2)[:, None]
-    run = np.zeros((n, width), dtype=np.int64)
-    ar = np.arange(n)[:, None]
+    run = np.zeros((n, width), dtype=np.int32)
     for m in range(max_n):
-        col = pos - m
-        suffix_at = num_tokens - 1 - m
-        suffix = np.where(suffix_at >= 0, hist[np.arange(n), np.maximum(suffix_at, 0)], -3)
-        alive &= (col >= 0)[None, :] & (hist[ar, np.maximum(col, 0)[None, :]] == suffix[:, None])
+        at = num_tokens - 1 - m
+        suffix = np.where(at >= 0, hist[ar, np.maximum(at, 0)], -3)
+        alive[:, :m] = False
+        alive[:, m:] &= hist[:, : width - m] == suffix[:, None]
         if not alive.any():
             break
         run += alive
@@ -66,13 +66,13 @@ def ngram_drafts(
     full = pos[None, :] + k < num_tokens[:, None]
     score = np.where(run >= min_n, (2 * run + full) * width + pos[None, :], -1)
     best = score.argmax(axis=1)
-    found = score[np.arange(n), best] >= 0
+    found = score[ar, best] >= 0
     cols = np.arange(k)
     at = best[:, None] + 1 + cols[None, :]
     ok = found[:, None] & (at < num_tokens[:, None])
     if max_num_drafts is not None:
         ok &= cols[None, :] < max_num_drafts[:, None]
-    out[ok] = hist[ar, np.minimum(at, width - 1)][ok]
+    out[ok] = hist[ar[:, None], np.minimum(at, width - 1)][ok]
     return out
 
 

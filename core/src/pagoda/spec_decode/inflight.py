@@ -1,0 +1,108 @@
+"""Speculation that keeps the host ahead of the device: drafts for a request whose previous step
+is still running, and a back-off for requests whose drafts keep failing.
+
+With async scheduling the scheduler plans step N+1 while the device runs step N, before it knows
+how many of step N's drafts were accepted. It plans optimistically (as vLLM's async scheduler
+does): a decoding request with a step in flight is scheduled as if every draft of that step were
+accepted, with up to ``k`` *draft slots* (``-1`` placeholders in ``scheduled_spec_decode_tokens``)
+whose KV cache slots it reserves. The model runner, once step N's tokens are on the host, knows
+each request's true length, asks the proposer for drafts from the fresh history and fills the
+slots (:func:`fill_draft_slots`); slots it cannot fill stay empty, and a step where none is
+filled is an ordinary decode step. Its output says how many drafts each request verified
+(``ModelRunnerOutput.draft_counts``); the scheduler rolls ``num_computed_tokens`` back by the
+reserved slots that did not become accepted tokens, as for rejected drafts.
+
+The host then waits for the device once per step only inside the runner, just before it builds
+the next step, while scheduling and output processing overlap the device as without
+speculation. :class:`DraftBackoff` keeps requests whose drafts are rejected (or never found) from
+reserving slots every step, so that with nothing accepted most steps are plain decode steps that
+need no wait at all.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pagoda.worker.model_runner import ModelRunner
+
+# A request drafts every step until it misses twice in a row (no draft accepted, or none
+# found); then every 2nd, 4th, ... step, at most every ``2 ** _MAX_LEVEL``-th, until a draft of
+# it is accepted. Below ``_MIN_BATCH`` running requests a verification step costs about what a
+# decode step does, and nobody backs off.
+_MISSES_BEFORE_BACKOFF = 2
+_MAX_LEVEL = 4
+_MIN_BATCH = 8
+
+
+class DraftBackoff:
+    """Which requests may draft this step: exponential back-off after consecutive misses.
+
+    The steps a backed-off request drafts in are multiples of its period on one step counter, so
+    that requests at the same level draft in the same steps and the steps between them carry no
+    drafts at all (plain decode steps, which overlap the device)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._misses: dict[str, int] = {}
+
+    def tick(self) -> None:
+        """A new schedule."""
+        self.step += 1
+
+    def allows(self, req_id: str, num_running: int) -> bool:
+        """Whether ``req_id`` may have drafts scheduled this step, with ``num_running``
+        requests running."""
+        misses = self._misses.get(req_id, 0)
+        if misses < _MISSES_BEFORE_BACKOFF or num_running < _MIN_BATCH:
+            return True
+        level = min(misses - _MISSES_BEFORE_BACKOFF + 1, _MAX_LEVEL)
+        return self.step % (1 << level) == 0
+
+    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
+        """A step that reserved draft slots for ``req_id``: ``num_drafts`` were filled and
+        ``num_accepted`` of them accepted."""
+        if num_drafts and num_accepted:
+            self._misses.pop(req_id, None)
+        else:
+            self._misses[req_id] = self._misses.get(req_id, 0) + 1
+
+    def forget(self, req_id: str) -> None:
+        self._misses.pop(req_id, None)
+
+
+def is_slots(draft_ids: list[int]) -> bool:
+    """Whether scheduled drafts are slots for the runner to fill (``-1`` placeholders)."""
+    return bool(draft_ids) and draft_ids[0] < 0
+
+
+def fill_draft_slots(
+    runner: ModelRunner,
+    spec: dict[str, list[int]],
+    req_ids: list[str],
+    counts: np.ndarray,
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """The drafts this step verifies, by request: the scheduler's own, and the draft slots filled
+    with the proposer's latest drafts (made once the previous step's tokens reached the host).
+
+    A request with slots gets ``1 + filled`` tokens: ``counts`` ([requests of the step]) is
+    corrected in place. Returns ``(drafts, filled)``: the non-empty drafts to verify, and the
+    count filled per request with slots (0 where the proposer had none)."""
+    proposals = runner._proposals
+    drafts: dict[str, list[int]] = {}
+    filled: dict[str, int] = {}
+    index = {r: i for i, r in enumerate(req_ids)}
+    for req_id, ids in spec.items():
+        if not is_slots(ids):
+            drafts[req_id] = ids
+            continue
+        i = index[req_id]
+        got = proposals.get(req_id)
+        n = 0 if got is None else min(len(got), len(ids))
+        counts[i] = 1 + n
+        filled[req_id] = n
+        if n:
+            drafts[req_id] = got[:n]
+    return drafts, filled
