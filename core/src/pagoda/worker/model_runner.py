@@ -32,6 +32,7 @@ from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.inflight import fill_draft_slots
+from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import GrammarRows
@@ -95,6 +96,7 @@ class ModelRunner:
             )
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
+        self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # req_id -> the drafts proposed after the last step read (fill draft slots).
         self._proposals: dict[str, list[int]] = {}
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for

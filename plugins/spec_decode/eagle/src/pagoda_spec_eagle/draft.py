@@ -11,6 +11,8 @@ vocabulary's LM head and the sum before the norm is the next step's ``h``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -98,10 +100,15 @@ class EagleHead(nn.Module):
         return self.fc(target_hidden) if self.eagle3 else target_hidden
 
     def forward(
-        self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(next step's hidden, what the LM head reads), [tokens, H] each. Attention reads the
-        forward context the caller set."""
+        """(next step's hidden, what the LM head reads), [tokens, H] each. Attention goes
+        through the target's backend and the forward context the caller set, or through
+        ``attend(q, k, v)`` (``pagoda_spec_eagle.chain``)."""
         if self.eagle3:
             normed_h = self.hidden_norm(hidden)
             residual = normed_h if self.norm_before_residual else hidden
@@ -114,7 +121,10 @@ class EagleHead(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        x = self.o_proj(self.attn(q, k, v))
+        if attend is None:
+            x = self.o_proj(self.attn(q, k, v))
+        else:
+            x = self.o_proj(attend(q, k, v).reshape(n, self.q_size))
         x, residual = self.post_attention_layernorm(x, residual)
         x = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         if self.eagle3:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import set_forward_context
 from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
 from pagoda.spec_decode.proposer import TargetModel
+from pagoda_spec_eagle.chain import DenseChain, table_width
 from pagoda_spec_eagle.checkpoint import check_fits, read_head
 from pagoda_spec_eagle.draft import EagleHead
 
@@ -72,10 +73,11 @@ class EagleProposer(SpeculativeProposer):
         inner = target.model.model
         self.embed = head.embed_tokens if head.embed_tokens is not None else inner.embed_tokens
         self.block_size = bs = target.block_size
-        # Scratch blocks for chain positions past a request's blocks: enough for k + 1 tokens.
+        # Scratch blocks for chain positions past a request's blocks: enough for k + 1 tokens;
+        # then one block for pad rows to write to.
         self.scratch = (self.k + 1) // bs + 2
         self.first_scratch = target.num_blocks
-        num_blocks = target.num_blocks + ctx.max_num_reqs * self.scratch
+        num_blocks = target.num_blocks + ctx.max_num_reqs * self.scratch + 1
         shape = target.attn_backend.get_kv_cache_shape(num_blocks, bs, ck.num_kv_heads, ck.head_dim)
         if ctx.device.type == "cpu":
             from pagoda.worker.host_memory import lazily_zeroed
@@ -83,6 +85,18 @@ class EagleProposer(SpeculativeProposer):
             head.attn.kv_cache = lazily_zeroed(shape, ctx.dtype)
         else:
             head.attn.kv_cache = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)
+        self.chain: DenseChain | None = None
+        if shape == AttentionBackend.get_kv_cache_shape.__func__(
+            AttentionBackend, num_blocks, bs, ck.num_kv_heads, ck.head_dim
+        ):  # the default layout, which the fixed-shape draft reads
+            width = table_width(ctx.max_model_len, self.k, bs, self.scratch)
+            hidden_in = head.fc.in_features if head.eagle3 else ck.hidden_size
+            self.chain = DenseChain(
+                head, self._logits_to_ids, self.embed, self.k, width, bs, num_blocks - 1,
+                hidden_in, ctx.device, ctx.dtype,
+            )  # fmt: skip
+            if ctx.device.type == "cuda":
+                self.chain.capture()
 
     # ---- drafting ------------------------------------------------------------------------------
 
@@ -203,6 +217,10 @@ class EagleProposer(SpeculativeProposer):
         ids = batch.token_ids[np.repeat(rows, m_sel), positions + 1]
         # Catch-up positions, then chain positions num_tokens - 1 .. num_tokens + steps - 3.
         tables = self._tables(rows, int(num_tokens.max()) + steps)
+        chain = self.chain
+        if chain is not None and steps == self.k and chain.fits(len(sel), m_sel, tables.shape[1]):
+            b = chain.load(tables, first, m_sel, ids, target_hidden)
+            return chain.run(b)[: len(sel)].cpu().numpy()
         dev = self.ctx.device
         hidden = self.head.combine(target_hidden.to(self.ctx.dtype))
         tokens = torch.from_numpy(ids).to(dev)

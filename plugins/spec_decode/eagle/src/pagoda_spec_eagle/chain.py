@@ -1,0 +1,195 @@
+"""The whole draft (catch-up and chain) as one fixed-shape computation, replayed as a CUDA graph.
+
+For decoding requests, a call catches up on at most k + 1 positions a request (the last known
+token and the accepted drafts), then drafts k tokens. Padded to ``q = k + 1`` rows a request, the
+computation has fixed shapes, so it is captured once per batch-size bucket and replayed: one
+launch for the whole draft instead of a few hundred small ones, and no attention planning.
+Attention is a plain masked softmax over each request's gathered blocks (a fixed number of
+them: the cost grows with the context limit, so this path serves small batches and contexts;
+the rest drafts eagerly through the target's attention backend).
+
+The head's cache is the backend's default layout, ``[2, num_blocks, block_size, kv_heads,
+head_dim]``: keys at [0], values at [1]. Pad rows write to a block no request holds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from pagoda_spec_eagle.draft import EagleHead
+
+# Gathered context positions (requests x positions) above which drafting stays eager.
+MAX_GATHERED = 1 << 16
+BUCKETS = (1, 2, 4, 8)
+
+
+class DenseChain:
+    def __init__(
+        self,
+        head: EagleHead,
+        logits_to_ids,
+        embed,
+        k: int,
+        width: int,
+        block_size: int,
+        trash_block: int,
+        hidden_in: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.head, self.logits_to_ids, self.embed = head, logits_to_ids, embed
+        self.k, self.q, self.width, self.bs = k, k + 1, width, block_size
+        self.trash = trash_block
+        self.device = device
+        self.max_batch = max(b for b in BUCKETS if b * width * block_size <= MAX_GATHERED or b == 1)
+        b, q = self.max_batch, self.q
+        self.tokens = torch.zeros(b, q, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(b, q, dtype=torch.int64, device=device)
+        self.valid = torch.zeros(b, q, dtype=torch.bool, device=device)
+        self.last = torch.zeros(b, dtype=torch.int64, device=device)
+        self.table = torch.zeros(b, width, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(b, q, hidden_in, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self.runs = 0
+
+    def fits(self, n: int, m: np.ndarray, cols: int) -> bool:
+        return n <= self.max_batch and int(m.max()) <= self.q and cols <= self.width
+
+    # ---- the computation ----------------------------------------------------------------------
+
+    def _attend(self, b: int, rows: int, positions: torch.Tensor, slots: torch.Tensor):
+        """The head's attention over the paged cache for ``b`` requests of ``rows`` rows each."""
+        cache = self.head.attn.kv_cache
+        kv, hd = cache.shape[-2], cache.shape[-1]
+        table = self.table[:b]
+        span = self.width * self.bs
+        key_pos = torch.arange(span, device=self.device)
+        # Causal: row at position p sees the request's slots at positions 0..p.
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [b, rows, span]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache = cache[0].view(-1, kv, hd)
+            v_cache = cache[1].view(-1, kv, hd)
+            k_cache.index_copy_(0, slots, k.reshape(-1, kv, hd))
+            v_cache.index_copy_(0, slots, v.reshape(-1, kv, hd))
+            keys = cache[0][table].reshape(b, span, kv, hd).transpose(1, 2)
+            values = cache[1][table].reshape(b, span, kv, hd).transpose(1, 2)
+            nh = q.shape[1]
+            qh = q.reshape(b, rows, kv, nh // kv, hd).permute(0, 2, 1, 3, 4)
+            qh = qh.reshape(b, kv, rows * (nh // kv), hd)
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=self.device)
+            bias = bias.masked_fill(~mask, float("-inf"))
+            bias = bias.repeat_interleave(nh // kv, dim=1)[:, None]  # [b, 1, rows * g, span]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qh, keys, values, attn_mask=bias, scale=hd**-0.5
+            )
+            o = o.reshape(b, kv, rows, nh // kv, hd).permute(0, 2, 1, 3, 4)
+            return o.reshape(b * rows, nh, hd)
+
+        return attend
+
+    def _slots(self, b: int, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        cols = (positions // self.bs).clamp(max=self.width - 1)
+        block = self.table[:b].gather(1, cols)
+        block = torch.where(valid, block, torch.full_like(block, self.trash))
+        return (block * self.bs + positions % self.bs).reshape(-1)
+
+    def compute(self, b: int) -> torch.Tensor:
+        """Drafts [b, k] for the first ``b`` rows of the input buffers."""
+        head, q = self.head, self.q
+        pos = self.positions[:b]
+        valid = self.valid[:b]
+        attend = self._attend(b, q, pos, self._slots(b, pos, valid))
+        hidden = head.combine(self.hidden[:b].reshape(b * q, -1))
+        h, lm_in = head(pos.reshape(-1), self.embed(self.tokens[:b].reshape(-1)), hidden, attend)
+        pick = torch.arange(b, device=self.device) * q + self.last[:b]
+        h = h[pick]
+        draft = self.logits_to_ids(lm_in[pick])
+        drafts = [draft]
+        base = pos.gather(1, self.last[:b, None])  # [b, 1]: the last caught-up position
+        ones = torch.ones(b, 1, dtype=torch.bool, device=self.device)
+        for s in range(1, self.k):
+            p = base + s
+            attend = self._attend(b, 1, p, self._slots(b, p, ones))
+            h, lm_in = head(p.reshape(-1), self.embed(draft), h, attend)
+            draft = self.logits_to_ids(lm_in)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1)
+
+    # ---- inputs, capture, replay -------------------------------------------------------------
+
+    def load(
+        self,
+        tables: np.ndarray,
+        first: np.ndarray,
+        m: np.ndarray,
+        tokens: np.ndarray,
+        hidden: torch.Tensor,
+    ) -> int:
+        """Fill the input buffers for ``n`` requests whose ``m`` rows start at positions
+        ``first`` (``tokens``: their input ids, flat; ``hidden``: their target rows, flat);
+        returns the bucket."""
+        n, q = len(m), self.q
+        b = self.bucket(n)
+        idx = np.repeat(np.arange(n) * q, m) + (
+            np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+        )
+        tok = np.zeros(b * q, dtype=np.int64)
+        tok[idx] = tokens
+        pos = np.zeros((b, q), dtype=np.int64)
+        pos[:n] = first[:, None] + np.minimum(np.arange(q)[None, :], (m - 1)[:, None])
+        valid = np.zeros(b * q, dtype=bool)
+        valid[idx] = True
+        last = np.zeros(b, dtype=np.int64)
+        last[:n] = m - 1
+        table = np.zeros((b, self.width), dtype=np.int64)
+        table[:, :] = self.trash
+        table[:n, : tables.shape[1]] = tables
+        pinned = self.device.type == "cuda"
+
+        def put(dst: torch.Tensor, a: np.ndarray) -> None:
+            t = torch.from_numpy(a)
+            dst.copy_((t.pin_memory() if pinned else t).view(dst.shape), non_blocking=True)
+
+        put(self.tokens[:b], tok)
+        put(self.positions[:b], pos)
+        put(self.valid[:b], valid)
+        put(self.last[:b], last)
+        put(self.table[:b], table)
+        rows = self.hidden[:b].view(b * q, -1)
+        rows.zero_()
+        rows[torch.from_numpy(idx).to(self.device)] = hidden.to(rows.dtype)
+        return b
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in BUCKETS if b >= n) if self.graphs else n
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        self.table.fill_(self.trash)
+        for b in reversed([b for b in BUCKETS if b <= self.max_batch]):
+            self.compute(b)  # warm-up (kernels compiled and tuned)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self.compute(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def run(self, b: int) -> torch.Tensor:
+        self.runs += 1
+        if b in self.graphs:
+            self.replays += 1
+            self.graphs[b].replay()
+            return self.outputs[b]
+        return self.compute(b)
+
+
+def table_width(max_model_len: int, k: int, block_size: int, scratch: int) -> int:
+    return math.ceil((max_model_len + 2 * k + 2) / block_size) + scratch
