@@ -1,7 +1,7 @@
 """On a GPU: greedy output with an EAGLE-3 or EAGLE head (random values, published layouts)
 equals greedy output without speculation on a random-weight Qwen3-0.6B in bf16 (except at
 near-ties), with the target's decode and verification CUDA graphs replayed (the head's hidden
-states are copied inside the graphs)."""
+states are copied inside the graphs) and the head's own drafts replayed from its graphs."""
 
 from __future__ import annotations
 
@@ -62,6 +62,11 @@ def test_greedy_with_an_eagle_head_matches_without_on_cuda(qwen3_dir: Path, tmp_
     assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
     for p, g, w in zip(prompts, got, want):
         check_same_or_near_tie(off, p, w, g)
+    # One request at a time: decoding steps draft through the fixed-shape CUDA graph.
+    chain = runner.proposer.chain
+    assert chain is not None and chain.graphs
+    replays = chain.replays
     single = [o.outputs[0].token_ids for o in on.generate(ids[:2], params, use_tqdm=False)]
     for p, g, w in zip(prompts[:2], single, want[:2]):
         check_same_or_near_tie(off, p, w, g)
+    assert chain.replays > replays
