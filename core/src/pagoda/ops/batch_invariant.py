@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``x @ weight.T (+ bias)`` with every GEMM call of ``row_tile`` rows: a row's result does
     not depend on how many rows ``x`` has or where the row sits."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # one layout: one kernel
     m, tile = x2.shape[0], row_tile(x.device)
     padded = _pad_rows(x2, -(-max(m, 1) // tile) * tile)
     out = x2.new_empty((padded.shape[0], weight.shape[0]))
