@@ -170,6 +170,13 @@ class SpeculativeProposer(ABC):
         the dtype."""
         self.ctx = ctx
 
+    def kv_cache_block_bytes(self, block_size: int) -> int:
+        """Called when the target's KV cache is sized (before ``bind_target``), with
+        ``cache.block_size`` as ``block_size``. Returns the bytes a draft model will allocate per
+        block of the target's cache (a cache parallel to it), so that the cache budget counts
+        them; default 0."""
+        return 0
+
     def bind_target(self, target: TargetModel) -> None:  # noqa: B027 (optional to override)
         """Called once, after the target's weights loaded and its KV cache was allocated, before
         CUDA graphs are captured: ``target`` (a :class:`TargetModel`). A draft model loads its

@@ -159,7 +159,8 @@ class ModelRunner:
     def kv_cache_block_bytes(self) -> int:
         a = self.arch
         elems = 2 * self.block_size * self.num_kv_heads * a.head_dim
-        return elems * a.num_hidden_layers * self.dtype.itemsize
+        extra = self.proposer.kv_cache_block_bytes(self.block_size) if self.proposer else 0
+        return elems * a.num_hidden_layers * self.dtype.itemsize + extra
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache

@@ -53,6 +53,10 @@ class EagleProposer(SpeculativeProposer):
         self.head: EagleHead | None = None
         self._state: dict[str, _Backoff] = {}
 
+    def kv_cache_block_bytes(self, block_size: int) -> int:
+        ck = self.ckpt
+        return 2 * block_size * ck.num_kv_heads * ck.head_dim * self.ctx.dtype.itemsize
+
     def bind_target(self, target: TargetModel) -> None:
         ck, ctx = self.ckpt, self.ctx
         if ck.kind == "eagle3":
