@@ -70,7 +70,7 @@ def main() -> None:
     messages = corpus(args.train_prompts + args.num_prompts, args.seed)[args.train_prompts :]
     room = args.max_model_len - args.max_tokens - k - 8
     prompts = [p[-room:] for p in encode_prompts(engines["none"], messages)]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for llm in engines.values():  # warm-up
         llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     for llm in engines.values():
