@@ -210,6 +210,10 @@ def _run_pagoda(
             "drafts": spec.num_drafts,
             "draft_tokens": spec.num_draft_tokens,
             "accepted_tokens": spec.num_accepted_tokens,
+            # How often the draft at each position was accepted, per draft: how deep drafts pay.
+            "acceptance_per_position": [
+                round(a / spec.num_drafts, 4) for a in spec.accepted_per_pos
+            ],
         }
     return figures, startup, llm
 
