@@ -203,10 +203,10 @@ def _collate(data: list[Recorded], ids: list[int], device: torch.device, dtype: 
     t = max(len(data[i].tokens) - 1 for i in ids)
     b = len(ids)
     h3 = data[ids[0]].aux.shape[1]
-    out = {
+    out = {  # built where the recorded rows are (the GPU's, on a GPU)
         "tokens": torch.zeros(b, t + 1, dtype=torch.int64),
-        "aux": torch.zeros(b, t, h3, dtype=dtype),
-        "final": torch.zeros(b, t, h3 // 3, dtype=dtype),
+        "aux": torch.zeros(b, t, h3, dtype=dtype, device=device),
+        "final": torch.zeros(b, t, h3 // 3, dtype=dtype, device=device),
         "valid": torch.zeros(b, t, dtype=torch.bool),
         "learn": torch.zeros(b, t, dtype=torch.bool),
     }
@@ -214,8 +214,8 @@ def _collate(data: list[Recorded], ids: list[int], device: torch.device, dtype: 
         r = data[i]
         n = len(r.tokens) - 1
         out["tokens"][j, : n + 1] = r.tokens
-        out["aux"][j, :n] = r.aux.to(dtype)
-        out["final"][j, :n] = r.final.to(dtype)
+        out["aux"][j, :n] = r.aux.to(device, dtype)
+        out["final"][j, :n] = r.final.to(device, dtype)
         out["valid"][j, :n] = True
         out["learn"][j, max(r.num_prompt - 1, 0) : n] = True
     return {k: v.to(device, non_blocking=True) for k, v in out.items()}
@@ -290,7 +290,10 @@ def train_head(
     recent: list[list[float]] = []
     for ids_b in bar:
         batch = _collate(data, ids_b, device, dtype)
-        loss, agree = ttt_loss(head, batch, embed, target_logits, inv_freq, steps, feature_weight)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            loss, agree = ttt_loss(
+                head, batch, embed, target_logits, inv_freq, steps, feature_weight
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
