@@ -1,8 +1,8 @@
 """EAGLE-3 at batch 1: tokens/s without speculation, with a trained head and with a random one,
 and the trained head's mean acceptance length, on held-out prompts (the training command's
-corpus past the prompts it trained on).
+corpus, texts it does not train on, past those its own evaluation used).
 
-    python benchmarks/eagle.py --model MODEL --head HEAD_DIR --train-prompts 768 OUT_DIR
+    python benchmarks/eagle.py --model MODEL --head HEAD_DIR OUT_DIR
 
 The three engines live in one process; each prompt runs on each engine in turn (rotating the
 order), so a machine shared with other work slows all alike; the figures are ratios.
@@ -40,7 +40,9 @@ def main() -> None:
     p.add_argument("out_dir")
     p.add_argument("--model", required=True)
     p.add_argument("--head", required=True, help="a trained EAGLE-3 head folder")
-    p.add_argument("--train-prompts", type=int, required=True, help="corpus prompts trained on")
+    p.add_argument(
+        "--heldout-skip", type=int, default=16, help="held-out prompts the training evaluated on"
+    )
     p.add_argument("--num-prompts", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
@@ -67,7 +69,7 @@ def main() -> None:
                                                          "model": random_dir,
                                                          "num_speculative_tokens": k}),
     }  # fmt: skip
-    messages = corpus(args.train_prompts + args.num_prompts, args.seed)[args.train_prompts :]
+    messages = corpus(args.num_prompts, args.seed, heldout=True, skip=args.heldout_skip)
     room = args.max_model_len - args.max_tokens - k - 8
     prompts = [p[-room:] for p in encode_prompts(engines["none"], messages)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

@@ -33,7 +33,7 @@ NUM_TRAIN = 4
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, list[list[int]]]:
     """A head trained on SmolLM2's greedy continuations of a few prompts; the held-out prompts."""
-    messages = corpus(NUM_TRAIN + 2, seed=1)
+    messages = corpus(NUM_TRAIN, seed=1) + corpus(2, seed=1, heldout=True)
     data, target, heldout = generate_and_record(BASE, messages, NUM_TRAIN, 24, progress=False)
     weights, config, _ = train_head(
         data, target, draft_vocab=2048, epochs=10, steps=3, lr=3e-3, tokens_per_batch=4096,

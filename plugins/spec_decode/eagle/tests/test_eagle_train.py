@@ -46,7 +46,10 @@ def test_train_command_writes_a_head_that_drafts_and_keeps_greedy_output(
 
     engine = {"model": str(folder), "device": "cpu", "max_model_len": 256}
     base = LLM(**engine)
-    prompts = [{"prompt_token_ids": base.get_tokenizer().encode(m)} for m in corpus(15)[12:]]
+    prompts = [
+        {"prompt_token_ids": base.get_tokenizer().encode(m)}
+        for m in corpus(3, heldout=True, skip=3)
+    ]
     prompts += [{"prompt_token_ids": list(range(40, 90))}]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]

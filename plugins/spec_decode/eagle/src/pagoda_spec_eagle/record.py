@@ -113,9 +113,17 @@ def _module_texts(name: str) -> list[str]:
     return texts
 
 
-def corpus(n: int, seed: int = 0, max_chars: int = 600) -> list[str]:
+HELD_OUT_TEXTS = 64  # texts no training message uses, for held-out figures
+
+
+def corpus(
+    n: int, seed: int = 0, *, heldout: bool = False, skip: int = 0, max_chars: int = 600
+) -> list[str]:
     """``n`` user messages built from the docstrings and sources of standard-library modules
-    and their public functions, in a fixed shuffled order."""
+    and their public functions, under a few instructions. Training messages (the default) are
+    the (text, instruction) pairs of every text but ``HELD_OUT_TEXTS`` of them, in a fixed
+    shuffled order; held-out messages (``heldout=True``) use those texts only, from the
+    ``skip``-th on, one instruction each."""
     texts: list[str] = []
     with warnings.catch_warnings():  # some modules warn on access to deprecated names
         warnings.simplefilter("ignore")
@@ -123,11 +131,17 @@ def corpus(n: int, seed: int = 0, max_chars: int = 600) -> list[str]:
             texts += _module_texts(name)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))
-    out = []
-    for i in range(n):
-        text = texts[order[i % len(texts)]][:max_chars]
-        out.append(_ASKS[int(rng.integers(len(_ASKS)))].format(text))
-    return out
+    train, held = order[:-HELD_OUT_TEXTS], order[-HELD_OUT_TEXTS:]
+    if heldout:
+        if skip + n > len(held):
+            raise ValueError(f"only {len(held)} held-out texts; asked for {skip} + {n}")
+        asks = rng.integers(len(_ASKS), size=len(held))
+        picks = [(int(held[i]), int(asks[i])) for i in range(skip, skip + n)]
+    else:
+        pairs = [(int(t), a) for t in train for a in range(len(_ASKS))]
+        perm = rng.permutation(len(pairs))
+        picks = [pairs[perm[i % len(pairs)]] for i in range(n)]
+    return [_ASKS[a].format(texts[t][:max_chars]) for t, a in picks]
 
 
 def encode_prompts(llm: LLM, messages: list[str]) -> list[list[int]]:

@@ -353,7 +353,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="the target: a model folder or GGUF file")
     p.add_argument("--out", required=True, help="folder the head is written to")
     p.add_argument("--num-prompts", type=int, default=512, help="training prompts")
-    p.add_argument("--heldout-prompts", type=int, default=16, help="prompts kept for evaluation")
+    p.add_argument(
+        "--heldout-prompts",
+        type=int,
+        default=16,
+        help="evaluation prompts (on texts not trained on)",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--ttt-steps", type=int, default=4, help="training-time-test steps")
@@ -378,7 +383,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine_args["kv_cache_memory_bytes"] = 4 << 30
     engine_args.update(json.loads(args.engine_args))
     progress = not args.no_progress
-    messages = corpus(args.num_prompts + args.heldout_prompts, args.seed)
+    messages = corpus(args.num_prompts, args.seed)
+    messages += corpus(args.heldout_prompts, args.seed, heldout=True)
     t0 = time.perf_counter()
     data, target, heldout = generate_and_record(
         engine_args, messages, args.num_prompts, args.max_tokens, progress
