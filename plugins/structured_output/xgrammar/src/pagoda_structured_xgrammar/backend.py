@@ -4,6 +4,7 @@ vocabulary; a step's bitmask is filled by xgrammar's threads and applied by its 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -61,6 +62,18 @@ def _build(params: StructuredOutputsParams, any_whitespace: bool) -> xgr.Grammar
         return _grammar(params, any_whitespace)
     except (RuntimeError, ValueError, TypeError) as e:
         raise ValueError(f"{_WHAT[params.kind]}: {_message(e)}") from None
+
+
+def mask_threads() -> int:
+    """Threads that fill a batch's bitmasks: half the CPUs this process may run on, at most 8.
+    NOTE: xgrammar's own default counts the host's CPUs, not the container's or the affinity
+    mask's; on a 16-CPU slice of a large host it starts dozens of threads that then wait for
+    each other."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -142,7 +155,7 @@ class XGrammarBackend(GrammarBackend):
             matchers[0].fill_bitmask(bitmask, rows[0])
             return
         if cls._batch is None:
-            cls._batch = xgr.BatchGrammarMatcher()
+            cls._batch = xgr.BatchGrammarMatcher(mask_threads())
         inner = [m.matcher for m in matchers]  # type: ignore[attr-defined]
         cls._batch.batch_fill_next_token_bitmask(inner, bitmask, list(rows))
 
