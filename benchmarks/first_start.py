@@ -53,6 +53,20 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, A
         return json.loads(r.read())
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (its engine included), SIGKILL after 60 s."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def one_start(model: str, extra: list[str], log: Path, wait_compile_s: float) -> dict[str, Any]:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -81,11 +95,7 @@ def one_start(model: str, extra: list[str], log: Path, wait_compile_s: float) ->
                 break
             time.sleep(0.5)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _stop(proc)
     text = log.read_text()
     chosen = re.findall(r"attention: (\w+) \(attention\.backend", text)
     row["attention_backend"] = chosen[-1] if chosen else None
