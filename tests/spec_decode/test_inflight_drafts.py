@@ -32,8 +32,10 @@ class OracleProposer(SpeculativeProposer):
     modulo the vocabulary (always wrong)."""
 
     shift = 0
+    proposed = 0  # requests proposed for, over all calls
 
     def propose(self, batch):
+        type(self).proposed += len(batch)
         k = self.ctx.num_speculative_tokens
         out = np.full((len(batch), k), -1, dtype=np.int64)
         for i in range(len(batch)):
@@ -87,13 +89,14 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     flight inside a launch; checks the KV cache after every step."""
     core = llm.engine.engine_core
     runner = core.executor.worker.model_runner
-    seen = {"steps": 0, "with_drafts": 0, "waits": 0}
+    seen = {"steps": 0, "with_drafts": 0, "slots": 0, "waits": 0}
     schedule, read = core.scheduler.schedule, runner._read_unread
 
     def counting_schedule():
         so = schedule()
         seen["steps"] += not so.is_empty
         seen["with_drafts"] += bool(so.scheduled_spec_decode_tokens)
+        seen["slots"] += sum(d[0] < 0 for d in so.scheduled_spec_decode_tokens.values())
         check_kv_cache(core.kv_cache_manager, core.scheduler)
         return so
 
@@ -128,6 +131,7 @@ def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling)
     spec = {"method": "wrong", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=async_scheduling)
     seen = _instrumented(llm)
+    WrongProposer.proposed = 0
     assert _generate(llm, prompts, params) == want
     stats = llm.engine.engine_core.scheduler.spec_stats_total
     assert stats.num_drafts and stats.num_accepted_tokens == 0, stats
@@ -137,6 +141,8 @@ def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling)
         # The runner waits for the step in flight only around steps with drafts: to fill the
         # slots of one, and to learn the lengths its requests reached before the next.
         assert seen["waits"] <= 2 * seen["with_drafts"] + 1, seen
+        # A proposer that reads only history is asked only for requests with draft slots.
+        assert 0 < WrongProposer.proposed <= seen["slots"], (WrongProposer.proposed, seen)
     core = llm.engine.engine_core
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pagoda.spec_decode.verify import propose
+
 if TYPE_CHECKING:
     from pagoda.worker.model_runner import ModelRunner
 
@@ -76,6 +78,18 @@ class DraftBackoff:
 def is_slots(draft_ids: list[int]) -> bool:
     """Whether scheduled drafts are slots for the runner to fill (``-1`` placeholders)."""
     return bool(draft_ids) and draft_ids[0] < 0
+
+
+def propose_for_slots(runner: ModelRunner, spec: dict[str, list[int]]) -> None:
+    """Async scheduling, for a proposer that reads only token history: propose now, once the
+    step in flight (the runner's last) is read, and only for the requests whose next step has
+    draft slots (backed-off requests cost nothing). Fills ``runner._proposals``."""
+    slots = {r: len(ids) for r, ids in spec.items() if is_slots(ids)}
+    runner._proposals = {}
+    step = runner._last_step
+    if slots and step is not None:
+        step.get()
+        propose(runner, step, runner._proposals, slots)
 
 
 def fill_draft_slots(

@@ -183,9 +183,21 @@ def _draft_probs(
 def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutput) -> None:
     """Ask the proposer for drafts for the requests that sampled in ``step`` (still running
     in the same row), now that their tokens are on the host; they go out in ``output``."""
+    runner._proposals = output.draft_token_ids  # NOTE: only the latest step's drafts are fresh
+    propose(runner, step, output.draft_token_ids)
+
+
+def propose(
+    runner: ModelRunner,
+    step: StepOutput,
+    into: dict[str, list[int]],
+    slots: dict[str, int] | None = None,
+) -> None:
+    """Drafts for the requests that sampled in ``step`` (read already), by request id into
+    ``into``; with ``slots`` (request id -> draft slots of the next step) only for those, at
+    most that many each."""
     proposer = runner.proposer
     ib = runner.input_batch
-    runner._proposals = output.draft_token_ids  # NOTE: only the latest step's drafts are fresh
     if proposer is None or step.num_emitted is None or not len(step.sample_idx):
         return
     req_ids = [step.req_ids[i] for i in step.sample_idx.tolist()]
@@ -197,6 +209,10 @@ def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutp
     num_tokens = step.sample_pos + step.num_emitted
     k = runner.config.speculative.num_speculative_tokens
     max_drafts = np.minimum(k, runner.max_model_len - num_tokens)
+    if slots is not None:
+        max_drafts = np.minimum(
+            max_drafts, np.fromiter((slots.get(r, 0) for r in req_ids), np.int64, len(req_ids))
+        )
     keep = np.flatnonzero(owned & (max_drafts >= 1))
     if not len(keep):
         return
@@ -221,7 +237,7 @@ def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutp
     ids = drafts.token_ids
     for i in np.flatnonzero(counts).tolist():
         req_id = batch.req_ids[i]
-        output.draft_token_ids[req_id] = ids[i, : counts[i]].tolist()
+        into[req_id] = ids[i, : counts[i]].tolist()
         if drafts.probs is not None:
             runner._draft_probs[req_id] = drafts.probs[i, : counts[i]]
         else:

@@ -31,7 +31,7 @@ from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
-from pagoda.spec_decode.inflight import fill_draft_slots
+from pagoda.spec_decode.inflight import fill_draft_slots, propose_for_slots
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
@@ -97,8 +97,16 @@ class ModelRunner:
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
-        # req_id -> the drafts proposed after the last step read (fill draft slots).
+        # req_id -> the drafts proposed after the last step read (fill draft slots). With async
+        # scheduling a proposer that reads only history proposes in ``launch``, for the
+        # requests with draft slots, from the last step launched; others after each step.
         self._proposals: dict[str, list[int]] = {}
+        self._last_step: StepOutput | None = None
+        self._propose_in_launch = (
+            self.proposer is not None
+            and config.scheduler.async_scheduling
+            and not self.proposer.needs_hidden_states
+        )
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
@@ -326,6 +334,8 @@ class ModelRunner:
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
             self._read_unread()
+        if spec and self._propose_in_launch:
+            propose_for_slots(self, spec)
         self._settle()
         if so.kv_transfers is not None and self.kv_offload is not None:
             self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait for it
@@ -411,8 +421,9 @@ class ModelRunner:
             verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
-        if self.proposer is not None:
+        if self.proposer is not None and not self._propose_in_launch:
             out.on_output = self._propose
+        self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if self.device.type == "cuda":
             out.event = torch.cuda.Event()
