@@ -89,7 +89,8 @@ class EagleHead(nn.Module):
             put(self.hidden_norm.weight, w[f"{p}hidden_norm.weight"])
             put(self.norm.weight, w["norm.weight"])
             if "d2t" in w:
-                self.draft_to_target.copy_(self.draft_to_target + w["d2t"].long())
+                d2t = w["d2t"].long().to(self.draft_to_target.device)
+                self.draft_to_target.copy_(self.draft_to_target + d2t)
         if self.embed_tokens is not None:
             put(self.embed_tokens.weight, w["embed_tokens.weight"])
         if self.lm_head is not None:
