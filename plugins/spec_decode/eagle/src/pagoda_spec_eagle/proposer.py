@@ -15,6 +15,8 @@ target's. Rejected chain positions are overwritten by the next catch-up.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -25,6 +27,8 @@ from pagoda.spec_decode.proposer import TargetModel
 from pagoda_spec_eagle.chain import DenseChain, table_width
 from pagoda_spec_eagle.checkpoint import check_fits, read_head
 from pagoda_spec_eagle.draft import EagleHead
+
+logger = logging.getLogger(__name__)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -100,7 +104,12 @@ class EagleProposer(SpeculativeProposer):
                 hidden_in, ctx.device, ctx.dtype,
             )  # fmt: skip
             if ctx.device.type == "cuda":
-                self.chain.capture()
+                try:
+                    self.chain.capture()
+                except Exception:  # noqa: BLE001 (drafting goes on without the graphs)
+                    logger.warning("EAGLE: drafts run eagerly (CUDA graph capture failed)",
+                                   exc_info=True)  # fmt: skip
+                    self.chain = None
 
     # ---- drafting ------------------------------------------------------------------------------
 
