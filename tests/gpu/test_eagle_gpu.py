@@ -37,8 +37,29 @@ def qwen3_dir(tmp_path_factory) -> Path:
     return folder
 
 
+COMMON = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=2 << 30, max_num_seqs=8)
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(10, 150_000, int(rng.integers(8, 300))).tolist() for _ in range(8)]
+
+
+PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir: Path):
+    off = LLM(model=str(qwen3_dir), **COMMON)
+    ids = [{"prompt_token_ids": p} for p in _prompts()]
+    return off, [o.outputs[0].token_ids for o in off.generate(ids, PARAMS, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
-def test_greedy_with_an_eagle_head_matches_without_on_cuda(qwen3_dir: Path, tmp_path, kind):
+def test_greedy_with_an_eagle_head_matches_without_on_cuda(
+    qwen3_dir: Path, reference, tmp_path, kind
+):
+    off, want = reference
     cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     dv = 32000 if kind == "eagle3" else None
@@ -46,18 +67,12 @@ def test_greedy_with_an_eagle_head_matches_without_on_cuda(qwen3_dir: Path, tmp_
                                        draft_vocab_size=dv)  # fmt: skip
     d2t = 4 * torch.arange(dv) - torch.arange(dv) if dv else None  # every fourth target id
     eagle.write_head(tmp_path / kind, head_cfg, eagle.random_head_weights(head_cfg, 0, d2t))
-    common = dict(model=str(qwen3_dir), dtype="bfloat16", max_model_len=1024,
-                  kv_cache_memory_bytes=2 << 30, max_num_seqs=16)  # fmt: skip
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(10, 150_000, int(rng.integers(8, 300))).tolist() for _ in range(12)]
+    prompts = _prompts()
     ids = [{"prompt_token_ids": p} for p in prompts]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    off = LLM(**common)
-    want = [o.outputs[0].token_ids for o in off.generate(ids, params, use_tqdm=False)]
     spec = {"method": kind, "model": str(tmp_path / kind), "num_speculative_tokens": 4}
-    on = LLM(**common, speculative_config=spec)
+    on = LLM(model=str(qwen3_dir), **COMMON, speculative_config=spec)
     runner = on.engine.engine_core.executor.worker.model_runner
-    got = [o.outputs[0].token_ids for o in on.generate(ids, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in on.generate(ids, PARAMS, use_tqdm=False)]
     assert on.engine.engine_core.scheduler.spec_stats_total.num_draft_tokens > 0
     assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
     for p, g, w in zip(prompts, got, want):
@@ -66,7 +81,7 @@ def test_greedy_with_an_eagle_head_matches_without_on_cuda(qwen3_dir: Path, tmp_
     chain = runner.proposer.chain
     assert chain is not None and chain.graphs
     replays = chain.replays
-    single = [o.outputs[0].token_ids for o in on.generate(ids[:2], params, use_tqdm=False)]
+    single = [o.outputs[0].token_ids for o in on.generate(ids[:2], PARAMS, use_tqdm=False)]
     for p, g, w in zip(prompts[:2], single, want[:2]):
         check_same_or_near_tie(off, p, w, g)
     assert chain.replays > replays

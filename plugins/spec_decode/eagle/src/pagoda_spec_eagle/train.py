@@ -245,6 +245,7 @@ def train_head(
     device: torch.device,
     seed: int,
     progress: bool = True,
+    max_seconds: float | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float]]:
     """Fit a head on ``data``; returns its published weights, its config and training figures."""
     model = target.model
@@ -286,9 +287,13 @@ def train_head(
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     start = time.perf_counter()
+    done = 0
     bar = tqdm(batches, desc="training EAGLE-3 head", unit="batch", disable=not progress)
     recent: list[list[float]] = []
     for ids_b in bar:
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break  # out of time: the head so far
+        done += 1
         batch = _collate(data, ids_b, device, dtype)
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
             loss, agree = ttt_loss(
@@ -317,7 +322,12 @@ def train_head(
     config["target_hidden_size"] = h
     per_step = [sum(r[s] for r in recent if len(r) > s) / max(1, sum(len(r) > s for r in recent))
                 for s in range(steps)]  # fmt: skip
-    figures = {"train_s": seconds, "batches": len(batches), "top1_per_step_last": per_step}
+    figures = {
+        "train_s": seconds,
+        "batches": done,
+        "batches_planned": len(batches),
+        "top1_per_step_last": per_step,
+    }
     return head.export(d2t, cfg.vocab_size), config, figures
 
 
@@ -370,6 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--engine-args", default="{}", help="more LLM(...) arguments, as JSON")
+    p.add_argument("--max-train-s", type=float, default=None, help="stop training after this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures to this file")
     p.add_argument("--no-progress", action="store_true")
@@ -396,12 +407,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     weights, config, figures = train_head(
         data, target, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.ttt_steps,
         lr=args.lr, tokens_per_batch=args.tokens_per_batch, feature_weight=args.feature_weight,
-        device=device, seed=args.seed, progress=progress,
+        device=device, seed=args.seed, progress=progress, max_seconds=args.max_train_s,
     )  # fmt: skip
     del data, target
     gc.collect()
     write_head(args.out, config, weights)
-    print(f"trained in {figures['train_s']:.1f} s ({figures['batches']} batches); head: {args.out}")
+    print(
+        f"trained in {figures['train_s']:.1f} s ({figures['batches']} of "
+        f"{figures['batches_planned']} batches); head: {args.out}"
+    )
     report: dict[str, Any] = {
         "model": args.model,
         "device": device.type,
