@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def main() -> None:
         "enable_prefix_caching": False,
     }
     k = args.num_speculative_tokens
-    random_dir = _random_head(args.head, out_dir / "random-head")
+    random_dir = _random_head(args.head, Path(tempfile.mkdtemp(prefix="eagle3-random-head-")))
     engines = {
         "none": LLM(**base),
         "eagle3": LLM(**base, speculative_config={"method": "eagle3", "model": args.head,
