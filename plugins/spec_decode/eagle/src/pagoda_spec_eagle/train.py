@@ -426,6 +426,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **figures,
         "draft_vocab_size": config["draft_vocab_size"],
     }
+    if args.json:  # now, and again with the held-out figures
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     if heldout:
         acc = heldout_acceptance(
             engine_args, args.out, heldout, args.max_tokens, args.num_speculative_tokens
