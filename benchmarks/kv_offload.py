@@ -32,7 +32,7 @@ from pagoda.kv_offload.sizing import block_bytes_per_rank
 
 _WORKLOAD_KEYS = (
     "conversations", "turns", "prefix_len", "question_len", "answer_len", "concurrency",
-    "cpu_offload_gb", "offload_policy", "dtype",
+    "cpu_offload_gb", "offload_policy", "offload_store", "dtype",
 )  # fmt: skip
 
 
@@ -122,9 +122,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("output_dir", help="folder for the JSON report")
     ap.add_argument("--random-weights", default="benchmarks/configs/qwen3-0.6b")
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--prefix-len", type=int, default=4096)
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--prefix-len", type=int, default=16384)
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--answer-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=1)
@@ -132,8 +132,13 @@ def main() -> None:
         "--prefix-to-cache", type=float, default=4.0,
         help="the conversations' contexts over the device KV cache",
     )  # fmt: skip
-    ap.add_argument("--cpu-offload-gb", type=float, default=4.0)
+    ap.add_argument("--cpu-offload-gb", type=float, default=8.0)
     ap.add_argument("--offload-policy", default="lru")
+    ap.add_argument(
+        "--offload-store", default="full", choices=["evicted", "full"],
+        help="full: store blocks as they are computed, so that a load never waits for the"
+        " stores of the blocks it evicts",
+    )  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto")
@@ -169,7 +174,14 @@ def main() -> None:
     vocab = arch.vocab_size
     for name, extra in (
         ("off", {}),
-        ("on", {"cpu_offload_gb": args.cpu_offload_gb, "offload_policy": args.offload_policy}),
+        (
+            "on",
+            {
+                "cpu_offload_gb": args.cpu_offload_gb,
+                "offload_policy": args.offload_policy,
+                "offload_store": args.offload_store,
+            },
+        ),
     ):
         t0 = time.perf_counter()
         llm = LLM(**common, **extra)
@@ -207,6 +219,7 @@ def main() -> None:
     name = f"kv-offload-{Path(args.random_weights).name}-{report['commit']}"
     path = save_report(report, name, str(Path(args.output_dir) / f"{name}.json"))
     print(f"wrote {path}")
+    print(json.dumps(report, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 
 Each worker keeps its part of every offloaded block (its KV heads, every layer) in one CPU
 tensor ``[num_blocks, num_layers, *block]``: pinned memory on CUDA, so that copies run
-asynchronously. A job's copies are queued on a side stream after everything the step's stream
-has queued so far; stores (device to CPU) gather the blocks of each layer into a staging
-tensor and copy block by block; loads do the reverse. The step's stream waits only where it
-must: for the job's stores when the step overwrites the blocks they read, and for older jobs
-the scheduler names. On a CPU the copies are plain and done at once.
+asynchronously. A job's copies are queued after everything the step's stream has queued so
+far, stores (device to CPU) on one side stream and loads on another, so that both directions of
+the bus work at once; stores gather the blocks of each layer into a staging tensor and copy
+block by block, loads do the reverse. Loads wait for stores, and the step's stream for either,
+only where the scheduler says they touch the same blocks (``stores_first``, ``wait_jobs``).
+On a CPU the copies are plain and done at once.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ class CPUMedium(OffloadMedium):
         )
         self.block_bytes = self.cpu[0].numel() * first.element_size()
         self.chunk = max(1, _STAGING_BYTES // self.block_bytes)
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._jobs: dict[int, torch.cuda.Event | None] = {}  # job id -> end of its copies
+        if self.cuda:
+            self.store_stream = torch.cuda.Stream(self.device)
+            self.load_stream = torch.cuda.Stream(self.device)
+        # job id -> the events that end its stores and its loads (none on a CPU: done)
+        self._jobs: dict[int, list[torch.cuda.Event]] = {}
 
     @property
     def num_in_flight(self) -> int:
@@ -63,22 +67,22 @@ class CPUMedium(OffloadMedium):
             else:
                 self._store(t.store_gpu, t.store_cpu)
                 self._load(t.load_cpu, t.load_gpu)
-                self._jobs[t.job_id] = None
+                self._jobs[t.job_id] = []
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             for job in t.wait_jobs:
-                ev = self._jobs.get(job)
-                if ev is not None:
+                for ev in self._jobs.get(job, ()):
                     main.wait_event(ev)
 
     def poll(self, wait: bool = False) -> list[int]:
         """Jobs whose copies are done, each reported once; ``wait``: wait for all of them."""
         done = []
-        for job, ev in list(self._jobs.items()):
-            if ev is not None and not ev.query():
+        for job, events in list(self._jobs.items()):
+            if not all(ev.query() for ev in events):
                 if not wait:
                     continue
-                ev.synchronize()
+                for ev in events:
+                    ev.synchronize()
             done.append(job)
             del self._jobs[job]
         return done
@@ -88,18 +92,31 @@ class CPUMedium(OffloadMedium):
     def _submit_cuda(self, t: KVTransfers) -> None:
         main = torch.cuda.current_stream(self.device)
         ready = torch.cuda.Event()
-        ready.record(main)
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)  # the blocks hold what every queued step wrote
-            self._store(t.store_gpu, t.store_cpu)
-            if t.stores_first:
+        ready.record(main)  # the blocks hold what every step queued so far wrote
+        events = []
+        stored = None
+        if t.store_gpu:
+            with torch.cuda.stream(self.store_stream):
+                self.store_stream.wait_event(ready)
+                self._store(t.store_gpu, t.store_cpu)
                 stored = torch.cuda.Event()
-                stored.record(self.stream)
+                stored.record(self.store_stream)
+            events.append(stored)
+            if t.stores_first:  # the step (and this job's loads) overwrite what they read
                 main.wait_event(stored)
-            self._load(t.load_cpu, t.load_gpu)
-            end = torch.cuda.Event()
-            end.record(self.stream)
-        self._jobs[t.job_id] = end
+        if t.load_cpu:
+            with torch.cuda.stream(self.load_stream):
+                self.load_stream.wait_event(ready)
+                if t.stores_first and stored is not None:
+                    self.load_stream.wait_event(stored)
+                for job in t.wait_jobs:  # older stores of the blocks these loads fill
+                    for ev in self._jobs.get(job, ()):
+                        self.load_stream.wait_event(ev)
+                self._load(t.load_cpu, t.load_gpu)
+                loaded = torch.cuda.Event()
+                loaded.record(self.load_stream)
+            events.append(loaded)
+        self._jobs[t.job_id] = events
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         t = torch.tensor(ids, dtype=torch.int64)
