@@ -96,8 +96,9 @@ class CacheConfig(_Section):
     )
     offload_store: Literal["evicted", "full"] = Field(
         "evicted",
-        description="evicted: copy a cached block to the CPU pool when the device evicts it;"
-        " full: as soon as it is full and computed (off the step's path)",
+        description="evicted: copy a cached block to the CPU pool when the device evicts it"
+        " (its step and any load into it wait for the copy); full: as soon as it is full and"
+        " computed, off the step's path (more copies, but hits never wait for stores)",
     )
     offload_medium: str = Field(
         "cpu",
