@@ -53,7 +53,8 @@ def apply_top_k_top_p(
     weights = (values - values[:, :1]).exp_()
     total = (logits - values[:, :1]).exp_().sum(dim=-1, keepdim=True)
     before = (weights.cumsum(dim=-1) - weights).div_(total)  # mass of the more likely tokens
-    num_kept = (before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+    # NOTE: at least one: a top_p that rounds to 0 in float32 (5e-324) keeps the likeliest.
+    num_kept = (before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     threshold = values.gather(1, num_kept - 1)
     no_top_p = (top_p >= 1.0).unsqueeze(1)
     threshold.masked_fill_(no_top_p, _NEG_INF)
