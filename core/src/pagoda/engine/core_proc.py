@@ -23,6 +23,7 @@ import zmq
 
 from pagoda.config import EngineConfig
 from pagoda.engine import wire
+from pagoda.engine.heap import HeapTrimmer
 from pagoda.plugins import PLUGIN_API_VERSION, RequestRejectedError, hookimpl, register_plugin
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class EngineLoop:
         self.poller.register(in_sock, zmq.POLLIN)
         self.stats = stats if stats is not None else _StatsTracker()
         self.stats.core = core
+        self.heap = HeapTrimmer()  # free heap memory back to the OS when idle after work
         self.running = True
 
     def run(self) -> None:
@@ -105,6 +107,7 @@ class EngineLoop:
                 if os.getppid() != self.parent_pid:
                     logger.warning("the client process is gone; the engine stops")
                     return
+                self.heap.idle()
                 continue
             reply = self._handle_inputs()
             if not self.running:
@@ -117,6 +120,7 @@ class EngineLoop:
             if self.core.has_unfinished_requests():
                 reply.outputs = self.core.step()
                 reply.stats = self.stats.make()
+                self.heap.worked()
             elif self.stats.changed():
                 reply.stats = self.stats.make()  # e.g. an abort emptied the cache
             else:
