@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -186,7 +187,16 @@ def main() -> None:
         help="after timing, profile one more pass of the first batch per engine (cProfile) and "
         "print its N costliest functions by own time",
     )
+    p.add_argument(
+        "--async-drafts",
+        choices=["slots", "alternate"],
+        default=None,
+        help="async speculation: fill draft slots after reading the step in flight, or "
+        "alternate (PAGODA_SPEC_ASYNC_DRAFTS); default: the engine's",
+    )
     args = p.parse_args()
+    if args.async_drafts:
+        os.environ["PAGODA_SPEC_ASYNC_DRAFTS"] = args.async_drafts
     if args.random_weights:
         from pagoda.bench.random_weights import ensure_random_weights
 
@@ -251,6 +261,7 @@ def main() -> None:
         "kinds": sorted(set(kinds)),
         "max_tokens": args.max_tokens,
         "speculative": spec,
+        "async_drafts": os.environ.get("PAGODA_SPEC_ASYNC_DRAFTS", "slots"),
         "output_tokens": tokens,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
@@ -272,6 +283,8 @@ def main() -> None:
         where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
     model = Path(report["model"].split()[0]).name.lower().removesuffix(".gguf")
     name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"
+    if args.async_drafts:
+        name += f"-{args.async_drafts}"
     path = save_report(report, name, args.output_json)
     keys = ("tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length")
     print(json.dumps({k: report[k] for k in (*keys, "greedy_outputs_identical")}))

@@ -109,8 +109,12 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     return seen
 
 
-def test_async_draft_slots_are_filled_with_fresh_drafts(setup) -> None:
+@pytest.mark.parametrize("mode", ["slots", "alternate"])
+def test_async_drafts_are_fresh(setup, mode, monkeypatch) -> None:
+    """Draft slots filled once the step in flight is read, or (alternating) requests that sit
+    out a step and draft from its tokens: either way no draft is stale."""
     engine, prompts, params, want = setup
+    monkeypatch.setenv("PAGODA_SPEC_ASYNC_DRAFTS", mode)
     spec = {"method": "oracle", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     seen = _instrumented(llm)
@@ -125,9 +129,14 @@ def test_async_draft_slots_are_filled_with_fresh_drafts(setup) -> None:
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling) -> None:
+@pytest.mark.parametrize(
+    ("async_scheduling", "mode"), [(True, "slots"), (True, "alternate"), (False, "slots")]
+)
+def test_always_rejected_drafts_back_off_to_plain_steps(
+    setup, async_scheduling, mode, monkeypatch
+) -> None:
     engine, prompts, params, want = setup
+    monkeypatch.setenv("PAGODA_SPEC_ASYNC_DRAFTS", mode)
     spec = {"method": "wrong", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=async_scheduling)
     seen = _instrumented(llm)
@@ -137,7 +146,10 @@ def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling)
     assert stats.num_drafts and stats.num_accepted_tokens == 0, stats
     # Backing off, requests draft in about 1 step of 16 (aligned), after a few misses each.
     assert seen["with_drafts"] <= seen["steps"] * 0.3, seen
-    if async_scheduling:
+    if async_scheduling and mode == "alternate":
+        # Requests with drafts in flight sit the next step out: the runner never waits.
+        assert seen["waits"] == 0, seen
+    elif async_scheduling:
         # The runner waits for the step in flight only around steps with drafts: to fill the
         # slots of one, and to learn the lengths its requests reached before the next.
         assert seen["waits"] <= 2 * seen["with_drafts"] + 1, seen

@@ -14,6 +14,7 @@ from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.output import EngineCoreOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.spec_decode.inflight import alternate_drafts
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
 
@@ -49,6 +50,9 @@ class EngineCore:
         self.scheduler.structured_output = self.structured_output
         if config.speculative.method is not None:
             self.scheduler.num_spec_tokens = config.speculative.num_speculative_tokens
+            if config.scheduler.async_scheduling and alternate_drafts():
+                self.scheduler.spec_alternate = True
+                self.scheduler.draft_backoff.min_accepted = 2  # a step sat out must pay
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
         self.async_scheduling = config.scheduler.async_scheduling

@@ -200,6 +200,10 @@ class Scheduler:
         self.spec_stats_total = SpecDecodingStats()
         self.num_spec_tokens = 0
         self.draft_backoff = DraftBackoff()
+        # Async speculation that alternates (``inflight.alternate_drafts``), set by the engine
+        # core; the requests whose last proposal had drafts.
+        self.spec_alternate = False
+        self._proposing: set[str] = set()
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -256,7 +260,7 @@ class Scheduler:
                 step.budget,
                 self.max_model_len - req.num_computed_tokens,
             )
-            if num_new <= 0 or self._ends_before(req, known):
+            if num_new <= 0 or self._ends_before(req, known) or self._sits_out(req):
                 i += 1
                 continue
             drafts = self._drafts_to_schedule(req, known, step.budget)
@@ -322,6 +326,17 @@ class Scheduler:
             kv_transfers=None if self.offload is None else self.offload.build_step(),
         )
 
+    def _sits_out(self, req: Request) -> bool:
+        """Alternating async speculation: a decoding request whose step in flight verifies
+        drafts waits for it; one whose plain step is in flight, and whose last proposal had
+        drafts, waits once so that its next step verifies fresh drafts."""
+        if not self.spec_alternate or not req.num_output_placeholders:
+            return False
+        if req.num_output_placeholders > 1:
+            return True
+        rid = req.request_id
+        return rid in self._proposing and self.draft_backoff.allows(rid, len(self.running))
+
     def _drafts_to_schedule(self, req: Request, known: int, budget: int) -> list[int]:
         """The part of ``req``'s drafts this step can verify: only for a request whose one
         uncomputed token is its last (decoding), within the token budget and the context, and
@@ -335,7 +350,7 @@ class Scheduler:
         if not self.draft_backoff.allows(req.request_id, len(self.running)):
             return []
         if req.num_output_placeholders:
-            if req.sampling_params.structured_outputs is not None:
+            if self.spec_alternate or req.sampling_params.structured_outputs is not None:
                 return []
             drafts = [-1] * self.num_spec_tokens
         else:
@@ -512,6 +527,11 @@ class Scheduler:
                 self.kv_cache_manager.trim(req, max(req.num_tokens, req.num_computed_tokens))
             if req_id in proposed and not req.is_finished:
                 self.set_drafts(req, proposed[req_id])
+            if self.spec_alternate and tokens:
+                if req_id in proposed:
+                    self._proposing.add(req_id)
+                else:
+                    self._proposing.discard(req_id)
             if new_token_ids and req_id in self.parked:
                 self._unpark(req)
             if req.is_finished:
@@ -605,6 +625,7 @@ class Scheduler:
             self.structured_output.forget(req.request_id)
         self._unpark(req)
         self.draft_backoff.forget(req.request_id)
+        self._proposing.discard(req.request_id)
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)

@@ -21,6 +21,7 @@ need no wait at all.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,7 +29,9 @@ import numpy as np
 from pagoda.spec_decode.verify import propose
 
 if TYPE_CHECKING:
+    from pagoda.scheduler.output import SchedulerOutput
     from pagoda.worker.model_runner import ModelRunner
+    from pagoda.worker.step_output import StepOutput
 
 # A request drafts every step until it misses twice in a row (no draft accepted, or none
 # found); then every 2nd, 4th, ... step, at most every ``2 ** _MAX_LEVEL``-th, until a draft of
@@ -39,6 +42,14 @@ _MAX_LEVEL = 4
 _MIN_BATCH = 8
 
 
+def alternate_drafts() -> bool:
+    """Whether async speculation alternates instead of filling draft slots
+    (``PAGODA_SPEC_ASYNC_DRAFTS=alternate``): a request whose step with drafts is in flight sits
+    out the next step, and drafts again (fresh) in the one after, so that the runner never waits
+    for a step in flight; a request drafting nothing runs every step."""
+    return os.environ.get("PAGODA_SPEC_ASYNC_DRAFTS", "slots") == "alternate"
+
+
 class DraftBackoff:
     """Which requests may draft this step: exponential back-off after consecutive misses.
 
@@ -46,9 +57,11 @@ class DraftBackoff:
     that requests at the same level draft in the same steps and the steps between them carry no
     drafts at all (plain decode steps, which overlap the device)."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_accepted: int = 1) -> None:
         self.step = 0
         self._misses: dict[str, int] = {}
+        # Accepted drafts a step needs to count as a hit.
+        self.min_accepted = min_accepted
 
     def tick(self) -> None:
         """A new schedule."""
@@ -66,13 +79,26 @@ class DraftBackoff:
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A step that reserved draft slots for ``req_id``: ``num_drafts`` were filled and
         ``num_accepted`` of them accepted."""
-        if num_drafts and num_accepted:
+        if num_drafts and num_accepted >= self.min_accepted:
             self._misses.pop(req_id, None)
         else:
             self._misses[req_id] = self._misses.get(req_id, 0) + 1
 
     def forget(self, req_id: str) -> None:
         self._misses.pop(req_id, None)
+
+
+def must_read_last(last: StepOutput, so: SchedulerOutput) -> bool:
+    """Whether a launch must wait for ``last``, the step in flight: to fill draft slots from
+    its tokens, or because a request of this step verified drafts there (its length is known
+    only then). Plain decode rows take their last token from the device instead."""
+    spec = so.scheduled_spec_decode_tokens
+    if any(is_slots(ids) for ids in spec.values()):
+        return True
+    if last.drafted is None or not last.drafted.any():
+        return False
+    drafted = {last.req_ids[i] for i in last.sample_idx[last.drafted].tolist()}
+    return any(r in drafted for r in so.num_scheduled_tokens)
 
 
 def is_slots(draft_ids: list[int]) -> bool:

@@ -59,7 +59,8 @@ def verify_drafts(
     n = len(sample_idx)
     sample_rows = rows[sample_idx]
     req_ids = out.req_ids
-    nd = np.fromiter((len(drafts.get(req_ids[i], ())) for i in sample_idx), np.int64, count=n)
+    sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
+    nd = np.array([len(drafts.get(r, ())) for r in sample_req_ids], dtype=np.int64)
     k = int(nd.max())
     width = nd + 1
     starts = np.zeros(n, dtype=np.int64)
@@ -74,14 +75,21 @@ def verify_drafts(
     draft_ids = ib.token_ids[sample_rows[:, None], at]
     draft_ids = np.where(cols < nd[:, None], draft_ids, -1)
 
-    h = hidden[runner._as_device(hidden_idx)]
+    # NOTE: one host-to-device copy for the step's index arrays.
+    packed = runner._as_device(np.concatenate([hidden_idx, draft_ids.ravel(), nd, starts]))
+    hidden_idx_t, draft_t = packed[:total], packed[total : total + n * k].view(n, k)
+    nd_t, starts_t = packed[total + n * k : total + n * k + n], packed[total + n * k + n :]
+    h = hidden[hidden_idx_t]
     logits = runner.model.compute_logits(h)
     md = ib.sampling.metadata(rows_exp, ib.token_ids, ib.num_tokens, ib.num_prompt, offsets)
-    row_req_ids = [req_ids[i] for i in np.repeat(sample_idx, width).tolist()]
+    grammar = getattr(runner, "grammar", None)
+    constrained = grammar is not None and grammar.entries
+    row_req_ids = None
+    if runner.sampler.logits_processors or constrained:
+        row_req_ids = [sample_req_ids[i] for i in np.repeat(runner._arange[:n], width).tolist()]
     if runner.sampler.logits_processors:
         md.req_ids = row_req_ids
-    grammar = getattr(runner, "grammar", None)
-    if grammar is not None and grammar.entries:
+    if constrained:
         # NOTE: constrained requests get no drafts (``Scheduler.set_drafts``): one row each.
         md.grammar = grammar.mask(
             row_req_ids,
@@ -92,7 +100,6 @@ def verify_drafts(
             runner._read_unread,
             runner.device,
         )
-    draft_t = runner._as_device(draft_ids)
     if md.penalties is not None:
         _count_drafts_before(md.penalties.output_counts, draft_ids, nd, starts, runner)
     raw_logprobs = None
@@ -101,7 +108,6 @@ def verify_drafts(
     logits = runner.sampler.process_logits(logits, md)
     argmax = logits.argmax(dim=-1)
     probs = greedy = u_accept = None
-    starts_t = runner._as_device(starts)
     if not md.all_greedy:
         probs = Sampler.probs(logits, md)
         if md.greedy_mask is not None:
@@ -112,10 +118,10 @@ def verify_drafts(
         argmax,
         probs,
         draft_t,
-        runner._as_device(nd),
+        nd_t,
         starts_t,
         greedy=greedy,
-        draft_probs=_draft_probs(runner, [req_ids[i] for i in sample_idx], draft_ids, nd, k),
+        draft_probs=_draft_probs(runner, sample_req_ids, draft_ids, nd, k),
         uniform_accept=u_accept,
         uniform_final=md.uniform,
     )
@@ -253,6 +259,8 @@ def run_verify_graph(
     positions: np.ndarray,
     slots: np.ndarray,
     rows: np.ndarray,
+    unknown: np.ndarray | None = None,
+    unknown_rows: np.ndarray | None = None,
 ) -> torch.Tensor | None:
     """Replay a verification graph (q = k + 1 tokens a request) for a step of up to q tokens a
     request, padded to q: pad tokens write their keys and values into block 0 and come after the
@@ -279,6 +287,8 @@ def run_verify_graph(
     bs = runner.block_size
     max_blocks = -(-int(seq_lens.max()) // bs)
     runner._to_device(runner.input_ids[: n * q], spread(input_ids))
+    if unknown is not None and len(unknown):  # ids the last step sampled, still on the device
+        runner._fill_from_device(index[unknown], unknown_rows)
     runner._to_device(runner.positions[: n * q], spread(positions))
     runner._to_device(runner.slot_mapping[: n * q], spread(slots))  # pads: slot 0 of block 0
     runner._to_device(runner.query_start_loc[: n + 1], qsl_pad.astype(np.int32))

@@ -31,8 +31,12 @@ from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
-from pagoda.spec_decode.inflight import fill_draft_slots, propose_for_slots
-from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
+from pagoda.spec_decode.inflight import (
+    alternate_drafts,
+    fill_draft_slots,
+    must_read_last,
+    propose_for_slots,
+)
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import GrammarRows
@@ -96,7 +100,6 @@ class ModelRunner:
             )
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
-        self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # req_id -> the drafts proposed after the last step read (fill draft slots). With async
         # scheduling a proposer that reads only history proposes in ``launch``, for the
         # requests with draft slots, from the last step launched; others after each step.
@@ -106,6 +109,7 @@ class ModelRunner:
             self.proposer is not None
             and config.scheduler.async_scheduling
             and not self.proposer.needs_hidden_states
+            and not alternate_drafts()
         )
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
@@ -330,7 +334,7 @@ class ModelRunner:
         they reach this step's input ids there, without a host round trip.
         """
         spec = so.scheduled_spec_decode_tokens
-        if self._unread and (self._unread[-1].drafted is not None or spec):
+        if self._unread and must_read_last(self._unread[-1], so):
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
             self._read_unread()
@@ -397,9 +401,9 @@ class ModelRunner:
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
         verified = None
-        if bucket is None and self.verify_graphs is not None and not len(unknown):
+        if bucket is None and self.verify_graphs is not None:
             step = (counts, starts, qsl, input_ids, positions, slots, rows)
-            verified = run_verify_graph(self, *step)
+            verified = run_verify_graph(self, *step, unknown, token_rows[unknown])
         if bucket is not None:
             hidden = graphs.run(common, bucket)
         elif verified is not None:

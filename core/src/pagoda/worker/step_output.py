@@ -122,12 +122,22 @@ class StepOutput:
             sub = StepOutput(ib, self.req_ids, self.sample_idx[plain], self.sample_rows[plain])
             sub.sample_pos = self.sample_pos[plain]
             sub._write_back(tokens[plain, 0])
-        for j in np.flatnonzero(self.drafted).tolist():
-            row = int(self.sample_rows[j])
-            if ib.row_of.get(self.req_ids[self.sample_idx[j]]) == row:
-                pos, n = int(self.sample_pos[j]), int(self.num_emitted[j])
-                ib.token_ids[row, pos : pos + n] = tokens[j, :n]
-                ib.num_tokens[row] = pos + n
+        drafted = np.flatnonzero(self.drafted)
+        rows = self.sample_rows[drafted]
+        owned = np.array(
+            [
+                ib.row_of.get(self.req_ids[i]) == r
+                for i, r in zip(self.sample_idx[drafted].tolist(), rows.tolist())
+            ],
+            dtype=bool,
+        )
+        drafted, rows = drafted[owned], rows[owned]
+        n = self.num_emitted[drafted]
+        pos = self.sample_pos[drafted]
+        cols = np.arange(tokens.shape[1])
+        keep = cols[None, :] < n[:, None]
+        ib.token_ids[np.repeat(rows, n), (pos[:, None] + cols)[keep]] = tokens[drafted][keep]
+        ib.num_tokens[rows] = pos + n
 
     def _write_back(self, tokens: np.ndarray) -> None:
         """Put the sampled ids in place of the placeholders the runner left in its rows, for
