@@ -37,6 +37,7 @@ from pagoda.spec_decode.inflight import (
     must_read_last,
     propose_for_slots,
 )
+from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import GrammarRows
@@ -100,6 +101,7 @@ class ModelRunner:
             )
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
+        self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # req_id -> the drafts proposed after the last step read (fill draft slots). With async
         # scheduling a proposer that reads only history proposes in ``launch``, for the
         # requests with draft slots, from the last step launched; others after each step.
