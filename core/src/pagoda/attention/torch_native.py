@@ -118,24 +118,27 @@ class TorchNativeImpl(AttentionImpl):
         if md.decode_blocks is not None:
             q = query.index_select(0, md.decode_tokens)
             out.index_copy_(0, md.decode_tokens, self._decode(q, key_cache, value_cache, md))
-        group = self.num_heads // self.num_kv_heads
+        h_kv, d = self.num_kv_heads, self.head_size
+        group = self.num_heads // h_kv
         for p in md.prefills:
-            k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len].transpose(0, 1)
-            v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len].transpose(0, 1)
-            if group > 1:
-                # NOTE: 4-D inputs with K/V expanded reach torch's fused CPU kernel; enable_gqa
-                # falls back to a path several times slower.
-                k = k.repeat_interleave(group, dim=0)
-                v = v.repeat_interleave(group, dim=0)
+            if p.mask is None:  # no context: the keys are the step's own, no gather
+                k, v = key[p.start : p.end], value[p.start : p.end]
+            else:
+                k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+                v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+            q_len, kv_len = p.end - p.start, k.shape[0]
+            # NOTE: KV heads as the batch and the query heads sharing one as its heads, K and V
+            # expanded (stride 0, no copy): torch's fused CPU kernel with no copy of K and V per
+            # query head, the same bits as repeating them (enable_gqa takes a slower path).
             o = F.scaled_dot_product_attention(
-                query[p.start : p.end].transpose(0, 1).unsqueeze(0),
-                k.unsqueeze(0),
-                v.unsqueeze(0),
+                query[p.start : p.end].view(q_len, h_kv, group, d).permute(1, 2, 0, 3),
+                k.permute(1, 0, 2).unsqueeze(1).expand(h_kv, group, kv_len, d),
+                v.permute(1, 0, 2).unsqueeze(1).expand(h_kv, group, kv_len, d),
                 attn_mask=p.mask,
                 is_causal=p.mask is None,
                 scale=self.scale,
             )
-            out[p.start : p.end] = o[0].transpose(0, 1)
+            out[p.start : p.end] = o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads, d)
         return out
 
     def _decode(

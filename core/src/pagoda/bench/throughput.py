@@ -12,6 +12,7 @@ is set against its memory-bandwidth floor (:mod:`pagoda.bench.roofline`). Worklo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -97,6 +98,7 @@ def run_throughput(args: argparse.Namespace, config: Any) -> int:
     """Run the benchmark of ``args`` with the engine configuration ``config``."""
     from pagoda.bench.prepare import prepare
 
+    load_start = os.getloadavg()  # a shared machine's other work slows every engine
     run = prepare(args, config)
     wl, info, device = run.workload, run.info, run.info.device
     pagoda, startup, decode, table = _pagoda_phase(run)
@@ -124,6 +126,7 @@ def run_throughput(args: argparse.Namespace, config: Any) -> int:
         "commit": commit(),
         **versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "engine_config": run.config.model_dump(mode="json", exclude={"server"}),
         "startup": startup,
         "results": results,
