@@ -216,3 +216,16 @@ def test_a_top_p_that_rounds_to_zero_is_answered_and_the_engine_lives(tiny_serve
             assert resp.status_code == 200, resp.text
             assert "error" not in resp.text, resp.text
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("field", ["priority", "top_k"])
+@pytest.mark.parametrize("value", [2**70, -(2**70)])
+def test_an_integer_past_64_bits_is_a_400_naming_the_field(tiny_server, field, value) -> None:
+    """Found by the long run: such a ``priority`` (or ``top_k``) reached the engine's wire, which
+    carries 64-bit integers, and the request got a 500."""
+    body = {"prompt": "Hello", "max_tokens": 2, field: value}
+    resp = httpx.post(
+        f"{tiny_server.url}/v1/completions", json=body, headers=tiny_server.headers, timeout=60
+    )
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == field

@@ -63,7 +63,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**63)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: NonNegInt = 0
@@ -73,7 +73,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[NonNegInt] | None = None
     bad_words: list[str] | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), lt=2**63)  # int64, as the engine's wire carries it
     request_id: str | None = Field(None, min_length=1, max_length=256)
     # Structured output: OpenAI's, vLLM's, and vLLM's older names (see ``structured.py``).
     response_format: ResponseFormat | None = None
