@@ -143,14 +143,28 @@ class FlashInferBackend(AttentionBackend):
         b, width = common.num_reqs, common.block_table.shape[1]
         device = common.block_table.device
         md = cls.build_metadata(common)
+        i32 = dict(dtype=torch.int32, device=device)
+        if not md.decode_only:
+            # NOTE: speculative verification graphs (k + 1 tokens a request) plan the prefill
+            # form, which the decode wrapper does not take.
+            md.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                _workspace(device),
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(b + 1, **i32),
+                paged_kv_indptr_buf=torch.zeros(b + 1, **i32),
+                paged_kv_indices_buf=torch.zeros(b * width, **i32),
+                paged_kv_last_page_len_buf=torch.zeros(b, **i32),
+            )
+            return md
         md.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             _workspace(device),
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=torch.zeros(b * width, dtype=torch.int32, device=device),
-            paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=device),
+            paged_kv_indptr_buffer=torch.zeros(b + 1, **i32),
+            paged_kv_indices_buffer=torch.zeros(b * width, **i32),
+            paged_kv_last_page_len_buffer=torch.zeros(b, **i32),
         )
         return md
 
@@ -161,7 +175,7 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("a FlashInfer decode graph is replayed before it was planned")
         step = cls.build_metadata(common)
         md.kv_indptr, md.kv_indices = step.kv_indptr, step.kv_indices
-        md.kv_last_page_len = step.kv_last_page_len
+        md.kv_last_page_len, md.qo_indptr = step.kv_last_page_len, step.qo_indptr
         _plan(md.wrapper, md, *md.plan_args)
 
 
