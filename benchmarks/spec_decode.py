@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -191,12 +190,10 @@ def main() -> None:
         "--async-drafts",
         choices=["slots", "alternate"],
         default=None,
-        help="async speculation: fill draft slots after reading the step in flight, or "
-        "alternate (PAGODA_SPEC_ASYNC_DRAFTS); default: the engine's",
+        help="speculative.async_drafts: alternate, or fill draft slots after reading the step "
+        "in flight; default: the engine's",
     )
     args = p.parse_args()
-    if args.async_drafts:
-        os.environ["PAGODA_SPEC_ASYNC_DRAFTS"] = args.async_drafts
     if args.random_weights:
         from pagoda.bench.random_weights import ensure_random_weights
 
@@ -210,6 +207,8 @@ def main() -> None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
+    if args.async_drafts:
+        spec["async_drafts"] = args.async_drafts
     engines = {"off": _build(args, None), "ngram": _build(args, spec)}
     prompts, kinds = _prompts(args, engines["off"])
     params = SamplingParams(
@@ -261,7 +260,7 @@ def main() -> None:
         "kinds": sorted(set(kinds)),
         "max_tokens": args.max_tokens,
         "speculative": spec,
-        "async_drafts": os.environ.get("PAGODA_SPEC_ASYNC_DRAFTS", "slots"),
+        "async_drafts": engines["ngram"].engine.engine_core.config.speculative.async_drafts,
         "output_tokens": tokens,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},

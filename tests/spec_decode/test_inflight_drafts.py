@@ -110,12 +110,11 @@ def _instrumented(llm: LLM) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("mode", ["slots", "alternate"])
-def test_async_drafts_are_fresh(setup, mode, monkeypatch) -> None:
+def test_async_drafts_are_fresh(setup, mode) -> None:
     """Draft slots filled once the step in flight is read, or (alternating) requests that sit
     out a step and draft from its tokens: either way no draft is stale."""
     engine, prompts, params, want = setup
-    monkeypatch.setenv("PAGODA_SPEC_ASYNC_DRAFTS", mode)
-    spec = {"method": "oracle", "num_speculative_tokens": K}
+    spec = {"method": "oracle", "num_speculative_tokens": K, "async_drafts": mode}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     seen = _instrumented(llm)
     assert _generate(llm, prompts, params) == want
@@ -132,12 +131,9 @@ def test_async_drafts_are_fresh(setup, mode, monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("async_scheduling", "mode"), [(True, "slots"), (True, "alternate"), (False, "slots")]
 )
-def test_always_rejected_drafts_back_off_to_plain_steps(
-    setup, async_scheduling, mode, monkeypatch
-) -> None:
+def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling, mode) -> None:
     engine, prompts, params, want = setup
-    monkeypatch.setenv("PAGODA_SPEC_ASYNC_DRAFTS", mode)
-    spec = {"method": "wrong", "num_speculative_tokens": K}
+    spec = {"method": "wrong", "num_speculative_tokens": K, "async_drafts": mode}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=async_scheduling)
     seen = _instrumented(llm)
     WrongProposer.proposed = 0

@@ -178,6 +178,12 @@ class SpeculativeConfig(_Section):
         description="eagle, eagle3: folder of the draft head's checkpoint (config.json and"
         " safetensors or pytorch_model.bin, the layouts EAGLE and EAGLE-3 publish)",
     )
+    async_drafts: Literal["slots", "alternate"] = Field(
+        "alternate",
+        description="with async scheduling: alternate (a request whose step with drafts is in"
+        " flight sits out the next step, so no step waits for another) or slots (every step,"
+        " with draft slots filled once the step in flight is read)",
+    )
 
 
 class StructuredOutputConfig(_Section):

@@ -50,7 +50,7 @@ class EngineCore:
         self.scheduler.structured_output = self.structured_output
         if config.speculative.method is not None:
             self.scheduler.num_spec_tokens = config.speculative.num_speculative_tokens
-            if config.scheduler.async_scheduling and alternate_drafts():
+            if alternate_drafts(config):
                 self.scheduler.spec_alternate = True
                 self.scheduler.draft_backoff.min_accepted = 2  # a step sat out must pay
         # Plugin seam: None unless a plugin implements on_step_end.

@@ -1,16 +1,25 @@
 """Speculation that keeps the host ahead of the device: drafts for a request whose previous step
 is still running, and a back-off for requests whose drafts keep failing.
 
-With async scheduling the scheduler plans step N+1 while the device runs step N, before it knows
-how many of step N's drafts were accepted. It plans optimistically (as vLLM's async scheduler
-does): a decoding request with a step in flight is scheduled as if every draft of that step were
-accepted, with up to ``k`` *draft slots* (``-1`` placeholders in ``scheduled_spec_decode_tokens``)
-whose KV cache slots it reserves. The model runner, once step N's tokens are on the host, knows
-each request's true length, asks the proposer for drafts from the fresh history and fills the
-slots (:func:`fill_draft_slots`); slots it cannot fill stay empty, and a step where none is
-filled is an ordinary decode step. Its output says how many drafts each request verified
-(``ModelRunnerOutput.draft_counts``); the scheduler rolls ``num_computed_tokens`` back by the
-reserved slots that did not become accepted tokens, as for rejected drafts.
+``speculative.async_drafts: alternate`` (the default): a request whose step with drafts is in
+flight sits out the next step (its length is not known yet) and drafts again, from the tokens
+that step produced, in the one after; a request whose plain step is in flight and whose last
+proposal had drafts sits out once for the same reason. Requests whose drafts do not pay for the
+step they sit out (fewer than 2 accepted) back off and run every step without drafts. No launch
+ever waits for the step in flight: requests of different phases share each step, and plain
+rows take their last token from the device.
+
+``speculative.async_drafts: slots``: with async scheduling the scheduler plans step N+1 while the
+device runs step N, before it knows how many of step N's drafts were accepted. It plans
+optimistically (as vLLM's async scheduler does): a decoding request with a step in flight is
+scheduled as if every draft of that step were accepted, with up to ``k`` *draft slots* (``-1``
+placeholders in ``scheduled_spec_decode_tokens``) whose KV cache slots it reserves. The model
+runner, once step N's tokens are on the host, knows each request's true length, asks the proposer
+for drafts from the fresh history and fills the slots (:func:`fill_draft_slots`); slots it cannot
+fill stay empty, and a step where none is filled is an ordinary decode step. Its output says how
+many drafts each request verified (``ModelRunnerOutput.draft_counts``); the scheduler rolls
+``num_computed_tokens`` back by the reserved slots that did not become accepted tokens, as for
+rejected drafts.
 
 The host then waits for the device once per step only inside the runner, just before it builds
 the next step, while scheduling and output processing overlap the device as without
@@ -21,7 +30,6 @@ need no wait at all.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +37,7 @@ import numpy as np
 from pagoda.spec_decode.verify import propose
 
 if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
     from pagoda.scheduler.output import SchedulerOutput
     from pagoda.worker.model_runner import ModelRunner
     from pagoda.worker.step_output import StepOutput
@@ -42,12 +51,12 @@ _MAX_LEVEL = 4
 _MIN_BATCH = 8
 
 
-def alternate_drafts() -> bool:
-    """Whether async speculation alternates instead of filling draft slots
-    (``PAGODA_SPEC_ASYNC_DRAFTS=alternate``): a request whose step with drafts is in flight sits
-    out the next step, and drafts again (fresh) in the one after, so that the runner never waits
-    for a step in flight; a request drafting nothing runs every step."""
-    return os.environ.get("PAGODA_SPEC_ASYNC_DRAFTS", "slots") == "alternate"
+def alternate_drafts(config: EngineConfig) -> bool:
+    """Whether speculation alternates (``speculative.async_drafts: alternate`` with async
+    scheduling) instead of filling draft slots: a request whose step with drafts is in flight
+    sits out the next step, and drafts again (fresh) in the one after, so that the runner never
+    waits for a step in flight; a request drafting nothing runs every step."""
+    return config.scheduler.async_scheduling and config.speculative.async_drafts == "alternate"
 
 
 class DraftBackoff:

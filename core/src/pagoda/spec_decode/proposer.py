@@ -16,17 +16,17 @@ Life cycle, in the process that runs the model (every worker with several):
    :class:`TargetModel`.
 3. ``propose(batch)``: once per engine step that sampled tokens, after that step's tokens are on
    the host, for the requests that sampled (a request still prefilling its prompt is not in it).
-   Returns :class:`Drafts` for the *next* step. With async scheduling a proposer without
-   ``needs_hidden_states`` is called only for the requests whose next step has draft slots
-   (``max_num_drafts`` is their count), when that step is about to launch.
+   Returns :class:`Drafts` for the *next* step. With async scheduling and draft slots
+   (``speculative.async_drafts: slots``) a proposer without ``needs_hidden_states`` is called
+   only for the requests whose next step has draft slots (``max_num_drafts`` is their count),
+   when that step is about to launch.
 4. ``remove(req_ids)``: when requests finish, are aborted or preempted (their state may go).
 
 Drafts are a suggestion: the core may schedule fewer (token budget, ``max_tokens``, the context
 limit, KV cache pressure) or none (a request whose drafts keep being rejected backs off:
-``pagoda.spec_decode.inflight``). With async scheduling ``propose`` runs when the next step is
-already planned, with draft slots that its drafts fill. A proposer must not assume its drafts
-were scheduled; the accepted tokens reach it as ordinary history in ``batch.token_ids`` at its
-next call.
+``pagoda.spec_decode.inflight``), or a request that alternates sits a step out before its drafts are
+verified. A proposer must not assume its drafts were scheduled; the accepted tokens reach it as
+ordinary history in ``batch.token_ids`` at its next call.
 """
 
 from __future__ import annotations

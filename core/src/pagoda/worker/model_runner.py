@@ -37,7 +37,6 @@ from pagoda.spec_decode.inflight import (
     must_read_last,
     propose_for_slots,
 )
-from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import GrammarRows
@@ -101,7 +100,6 @@ class ModelRunner:
             )
         )
         self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
-        self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # req_id -> the drafts proposed after the last step read (fill draft slots). With async
         # scheduling a proposer that reads only history proposes in ``launch``, for the
         # requests with draft slots, from the last step launched; others after each step.
@@ -111,7 +109,7 @@ class ModelRunner:
             self.proposer is not None
             and config.scheduler.async_scheduling
             and not self.proposer.needs_hidden_states
-            and not alternate_drafts()
+            and not alternate_drafts(config)
         )
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
