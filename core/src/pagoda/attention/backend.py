@@ -99,11 +99,11 @@ class AttentionBackend(ABC):
     @classmethod
     def is_compiled(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
         """Called at engine start, after ``supports``, with the same ``device``, ``dtype`` and
-        ``head_size``. Returns whether the kernels this backend would run there are ready now (built ahead of time, or in a
-        compile cache), so that the first step does not wait for a just-in-time compile.
-        ``auto`` passes over a backend that is not, for the best one that is, and starts
-        ``compile_command`` in the background so that a later start finds it ready. Default:
-        true (kernels that compile in seconds need not say)."""
+        ``head_size``. Returns whether the kernels this backend would run there are ready now
+        (built ahead of time, or in a compile cache), so that the first step does not wait for
+        a just-in-time compile. ``auto`` passes over a backend that is not, for the best one
+        that is, and starts ``compile_command`` in the background so that a later start finds
+        it ready. Default: true (kernels that compile in seconds need not say)."""
         return True
 
     @classmethod
