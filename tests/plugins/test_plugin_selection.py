@@ -86,8 +86,8 @@ def test_auto_with_no_supporting_backend_explains_each_one(selection_plugin) -> 
 def test_unknown_executor_proposer_and_grammar_names_list_the_known_ones(selection_plugin) -> None:
     with pytest.raises(UnknownNameError, match="unknown executor 'mp'; available: .*uniproc"):
         select("executors", "mp")
-    with pytest.raises(UnknownNameError, match="unknown spec proposer 'eagle'; .*fake_ngram"):
-        select("spec_proposers", "eagle")
+    with pytest.raises(UnknownNameError, match="unknown spec proposer 'medusa'; .*fake_ngram"):
+        select("spec_proposers", "medusa")
     assert select("spec_proposers", "fake_ngram").__name__ == "AttentionCase"
 
 
