@@ -1,12 +1,32 @@
-"""Shared by the GPU tests: near-tie checks on bf16 logits."""
+"""Shared by the GPU tests: a random-weight Qwen3 folder, and near-tie checks on bf16 logits."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
 from pagoda import LLM, SamplingParams
+
+CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
+
+
+def save_random_qwen3(folder: Path) -> Path:
+    """Qwen3-0.6B's shape (``benchmarks/configs``) on random bf16 weights (seed 0), with a
+    synthetic tokenizer, saved in ``folder`` for transformers and Pagoda alike."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagoda.loader.synthetic import synthetic_tokenizer
+
+    cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
+    return folder
+
 
 #: Two logits within this many bf16 steps (8 bits of mantissa) of the top one's magnitude are a
 #: tie that summation order decides.

@@ -14,27 +14,15 @@ import torch
 
 from pagoda import LLM, SamplingParams
 
-from .gpu_helpers import check_same_or_near_tie
+from .gpu_helpers import CONFIGS, check_same_or_near_tie, save_random_qwen3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 eagle = pytest.importorskip("pagoda_spec_eagle.checkpoint")
 
-CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
-
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pagoda.loader.synthetic import synthetic_tokenizer
-
-    folder = tmp_path_factory.mktemp("qwen3-random-eagle")
-    cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
-    return folder
+    return save_random_qwen3(tmp_path_factory.mktemp("qwen3-random-eagle"))
 
 
 COMMON = dict(dtype="bfloat16", max_model_len=1024, kv_cache_memory_bytes=2 << 30, max_num_seqs=8)

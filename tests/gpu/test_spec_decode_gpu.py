@@ -5,7 +5,6 @@ replayed from their own graphs."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,28 +13,17 @@ import torch
 
 from pagoda import LLM, SamplingParams
 
-from .gpu_helpers import check_same_or_near_tie
+from .gpu_helpers import check_same_or_near_tie, save_random_qwen3
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pagoda.loader.synthetic import synthetic_tokenizer
-
-    folder = tmp_path_factory.mktemp("qwen3-random-spec")
-    cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
-    return folder
+    return save_random_qwen3(tmp_path_factory.mktemp("qwen3-random-spec"))
 
 
 def _prompts() -> list[list[int]]:
