@@ -8,7 +8,17 @@ Conversations take turns round-robin, ``--concurrency`` requests at a time, so b
 conversation comes back the device has evicted its context: without offload it is computed
 again, with offload it is loaded from the CPU pool. Random weights (``--random-weights``) are
 enough: the work does not depend on them. Both engines run in this process, one after the
-other, on the same prompts; after each, the pools' figures once idle are recorded.
+other, on the same prompts and the same attention backend; after each, the pools' figures
+once idle are recorded, then again after ``reset_prefix_cache``. With offload on, the report
+also gives the bus's figures: the blocks copied each way and the device time their copies took,
+and one plain host-to-device copy of a context's bytes out of the pinned pool (the floor of a
+load).
+
+Idle means: no request holds a device block (every usable block free, though cached ones keep
+their contents for later prefix hits), no CPU slot pinned by a load or being stored, no copy
+job in flight, no request waiting for a load. The CPU pool's cached blocks stay: they are the
+contents the pool exists to keep (``cpu_blocks_cached``), evicted by its policy when new blocks
+need room, and dropped by ``reset_prefix_cache`` (``after_reset``: zero).
 
     python benchmarks/kv_offload.py /tmp/out --random-weights benchmarks/configs/qwen3-0.6b
 """
@@ -96,6 +106,7 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
 
 
 def pool_figures(llm: LLM) -> dict[str, Any]:
+    """The device and CPU pools' figures (call it once no request runs)."""
     core = llm.engine.engine_core
     kv = core.kv_cache_manager
     out: dict[str, Any] = {
@@ -109,12 +120,61 @@ def pool_figures(llm: LLM) -> dict[str, Any]:
         stats = off.stats_total
         out.update(
             cpu_blocks=off.num_cpu_blocks,
-            cpu_blocks_used=off.num_used,
+            cpu_blocks_cached=off.num_used,
             stored_blocks=stats.stored_blocks,
             loaded_blocks=stats.loaded_blocks,
             cpu_hit_tokens=stats.cpu_hit_tokens,
             **off.idle_figures(),
+            copies_in_flight=_medium(llm).num_in_flight,
         )
+    return out
+
+
+def _runner(llm: LLM) -> Any:
+    return llm.engine.engine_core.executor.worker.model_runner
+
+
+def _medium(llm: LLM) -> Any:
+    return _runner(llm).kv_offload
+
+
+def bus_figures(llm: LLM, context_tokens: int) -> dict[str, Any]:
+    """What the copies of the run moved and how fast, and one plain host-to-device copy of a
+    context's blocks out of the pinned pool: the fastest a load of that context can be."""
+    medium = _medium(llm)
+    c = medium.copied
+    gb = medium.block_bytes / 1e9
+    out: dict[str, Any] = {
+        "block_bytes": medium.block_bytes,
+        "layers_in_one_view": medium.stacked is not None,
+        "loaded_blocks": c["load_blocks"],
+        "load_device_s": round(c["load_s"], 4),
+        "load_GBps": round(c["load_blocks"] * gb / c["load_s"], 1) if c["load_s"] else None,
+        "stored_blocks": c["store_blocks"],
+        "store_device_s": round(c["store_s"], 4),
+        "store_GBps": round(c["store_blocks"] * gb / c["store_s"], 1) if c["store_s"] else None,
+    }
+    if not medium.cuda:
+        return out
+    block_size = llm.engine.engine_core.kv_cache_manager.block_size
+    n = min(medium.num_blocks, -(-context_tokens // block_size))
+    src = medium.cpu[:n]
+    dst = torch.empty(src.shape, dtype=src.dtype, device=medium.device)
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    best = min(times)
+    out.update(
+        plain_copy_blocks=n,
+        plain_copy_ms=round(1000 * best, 2),
+        plain_copy_GBps=round(n * gb / best, 1),
+    )
+    del dst
     return out
 
 
@@ -172,6 +232,7 @@ def main() -> None:
         "prefixes_over_kv_cache": round(args.conversations * args.prefix_len / cache_tokens, 2),
     }
     vocab = arch.vocab_size
+    t_start = time.perf_counter()
     for name, extra in (
         ("off", {}),
         (
@@ -187,6 +248,9 @@ def main() -> None:
         llm = LLM(**common, **extra)
         load_s = time.perf_counter() - t0
         device = llm.engine.info.device
+        # NOTE: both engines on one backend, even if a background compile makes another ready.
+        common["attention_backend"] = _runner(llm).attn_backend.name
+        report["attention_backend"] = common["attention_backend"]
         warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         warm_ids = [10 + i % (vocab - 20) for i in range(min(1000, max_len - 8))]
         llm.generate([{"prompt_token_ids": warm_ids}], warm, use_tqdm=False)
@@ -194,12 +258,22 @@ def main() -> None:
         figures = run(llm, args, vocab)
         figures["load_s"] = round(load_s, 2)
         figures["idle_pools"] = pool_figures(llm)
+        if name == "on":
+            figures["bus"] = bus_figures(llm, args.prefix_len)
+        llm.engine.engine_core.kv_cache_manager.reset_prefix_cache()
+        figures["idle_pools"]["after_reset"] = {
+            k: v
+            for k, v in pool_figures(llm).items()
+            if k in ("gpu_free_blocks", "gpu_blocks_held", "cpu_blocks_cached")
+        }
         report[name] = figures
         report["hardware"] = hardware(device)
         print(
             f"offload {name}: TTFT p50 {figures['ttft_p50_ms']} ms (later turns "
             f"{figures['ttft_p50_later_turns_ms']} ms), {figures['total_tokens_per_s']} tokens/s,"
-            f" {figures['elapsed_s']} s; idle pools {json.dumps(figures['idle_pools'])}",
+            f" {figures['elapsed_s']} s; idle pools {json.dumps(figures['idle_pools'])}"
+            f"{'; bus ' + json.dumps(figures['bus']) if 'bus' in figures else ''}"
+            f" (+{time.perf_counter() - t_start:.0f} s)",
             flush=True,
         )
         llm.engine.shutdown()

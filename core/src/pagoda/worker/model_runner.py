@@ -254,14 +254,16 @@ class ModelRunner:
         # NOTE: zeroed, because backends read never-written slots under a mask (the tail of a
         # request's last block, block 0 in padded rows) and 0 * NaN would poison the output. On
         # a CPU the zeros are the OS's fresh pages: no fill pass, memory committed as written.
-        self.kv_caches = []
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                if self.device.type == "cpu":
-                    module.kv_cache = lazily_zeroed(shape, self.dtype)
-                else:
-                    module.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                self.kv_caches.append(module.kv_cache)
+        # On a GPU every layer's cache is a slice of one tensor, so that KV offload moves a
+        # block of every layer with one kernel (pagoda.kv_offload.cpu.stack_layers).
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.device.type == "cpu":
+            self.kv_caches = [lazily_zeroed(shape, self.dtype) for _ in layers]
+        else:
+            stacked = torch.zeros((len(layers), *shape), dtype=self.dtype, device=self.device)
+            self.kv_caches = list(stacked.unbind(0))
+        for module, cache in zip(layers, self.kv_caches):
+            module.kv_cache = cache
         self.kv_offload = build_offload_medium(self)
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         if self.proposer is not None:  # a draft model loads here, before graphs are captured
