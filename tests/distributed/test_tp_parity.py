@@ -1,9 +1,11 @@
 """Tensor parallelism over gloo on CPU processes gives the greedy tokens of one process: tiny
 random Llama (one KV head, replicated) and Qwen3 (KV heads split, tied LM head) at two ranks,
-SmolLM2-135M-Instruct at three (9 heads, 3 KV heads), and through Ray on a local cluster."""
+SmolLM2-135M-Instruct at three (9 heads, 3 KV heads), with structured output too, and through
+Ray on a local cluster."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +91,40 @@ def test_ray_executor_on_a_local_cluster_gives_one_ranks_greedy_tokens(tiny_mode
     model, prompts = str(tiny_models["qwen3"]), _prompts(1001, 2)
     ref = _run(model, 1, "uniproc", prompts)
     _same(ref, _run(model, 2, "ray", prompts))
+
+
+def test_structured_output_at_three_ranks_gives_one_ranks_tokens(smollm2_gguf: Path) -> None:
+    """Every rank keeps its own grammar matchers and fills the same bitmask from the same
+    sampled tokens; sampling waits for the mask while the forward pass runs."""
+    from pagoda.sampling_params import StructuredOutputsParams
+
+    pytest.importorskip("xgrammar")
+    prompts = ["My phone number is", "Pick a colour:", "The capital of France is"]
+    constraints = [
+        StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}"),
+        StructuredOutputsParams(choice=["red", "green", "blue"]),
+        None,
+    ]
+
+    def run(tp: int) -> list[str]:
+        llm = LLM(
+            model=str(smollm2_gguf),
+            tensor_parallel_size=tp,
+            executor="multiproc" if tp > 1 else "uniproc",
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory_bytes=16 << 20,
+        )
+        try:
+            params = [
+                SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=c)
+                for c in constraints
+            ]
+            return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.engine.shutdown()
+
+    one = run(1)
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", one[0]), one[0]
+    assert one[1] in ("red", "green", "blue")
+    assert run(3) == one

@@ -144,6 +144,7 @@ class WorkerProc:
             if pending is not None:
                 # Send it once the device is done, unless the next step comes first: then that
                 # one is prepared and launched before (the device stays busy).
+                pending[1].finish_launch()  # its sampling, if that waited for a bitmask
                 while not self.inbox.poll(0):
                     event = pending[1].event
                     if event is None or event.query():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -336,6 +337,8 @@ class ModelRunner:
         they reach this step's input ids there, without a host round trip.
         """
         spec = so.scheduled_spec_decode_tokens
+        if self._unread and self._unread[-1].pending is not None:
+            self._unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         if self._unread and must_read_last(self._unread[-1], so):
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
@@ -428,19 +431,26 @@ class ModelRunner:
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None and not self._propose_in_launch:
-            out.on_output = self._propose
+            # NOTE: with drafting off (the governor), a proposer that reads only token history
+            # is not asked: its drafts would not be scheduled.
+            if so.propose_drafts or self.proposer.needs_hidden_states:
+                out.on_output = self._propose
         self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
+        if out.pending is None:
+            self._end_launch(out, bool(drafts))
+        self._unread.append(out)
+        return out
+
+    def _end_launch(self, out: StepOutput, drafted: bool) -> None:
+        """The end of a step's launch, once its sampling is launched: the event its output
+        waits for, and (structured output) the next bitmask, filled while the host moves on."""
         if self.device.type == "cuda":
             out.event = torch.cuda.Event()
             out.event.record()
-        self._unread.append(out)
-        if self.grammar.entries and out.sampled is not None:
-            if not drafts:
-                # Structured output: the next bitmask is filled while the host moves on.
-                sampled_ids = [req_ids[i] for i in out.sample_idx]
-                self.grammar.prefetch(sampled_ids, out.sampled, out.event, self.device)
-        return out
+        if self.grammar.entries and out.sampled is not None and not drafted:
+            sampled_ids = [out.req_ids[i] for i in out.sample_idx]
+            self.grammar.prefetch(sampled_ids, out.sampled, out.event, self.device)
 
     def _settle(self) -> None:
         """Keep at most one launched step unread, the last: the next step may take its sampled
@@ -485,23 +495,50 @@ class ModelRunner:
         md = ib.sampling_metadata(sample_rows)
         if self.sampler.logits_processors:
             md.req_ids = [out.req_ids[i] for i in sample_idx]
-        if self.grammar.entries:  # structured output; the forward pass runs meanwhile
+        out.sample_idx = sample_idx
+        out.sample_rows = sample_rows
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            out.proposer_hidden = hidden[self.logits_indices[:n]]
+        constrained = self.grammar.entries and any(
+            out.req_ids[i] in self.grammar.entries for i in sample_idx.tolist()
+        )
+        if not constrained:
+            out.sample_pos = ib.append_placeholders(sample_rows)
+            self._sample_logits(logits, md, out)
+            return
+        # Structured output: the bitmask needs the previous step's tokens, which the grammar
+        # thread is advancing the matchers over. Sampling waits for it, not the host: it is
+        # launched at the start of the next launch (or by ``get``), while the forward pass runs;
+        # meanwhile the engine reads the last output and schedules (vLLM's split of a step into
+        # execute and sample).
+        num_tokens = ib.num_tokens.copy()  # before this step's placeholders
+        out.sample_pos = ib.append_placeholders(sample_rows)
+
+        def sample() -> None:
             md.grammar = self.grammar.mask(
                 [out.req_ids[i] for i in sample_idx],
                 sample_rows,
                 ib.token_ids,
-                ib.num_tokens,
+                num_tokens,
                 ib.num_prompt,
-                self._read_unread,
+                lambda: [s.get() for s in self._unread if s is not out],
                 self.device,
             )
+            self._sample_logits(logits, md, out)
+
+        if self.proposer is not None:  # NOTE: a proposer reads this step's sample at once
+            sample()
+        else:
+            out.pending = lambda: (sample(), self._end_launch(out, drafted=False))
+
+    def _sample_logits(self, logits: torch.Tensor, md: Any, out: StepOutput) -> None:
+        """Sample the processed logits of ``out``'s sampling rows; the sampled ids become the
+        next step's input on the device and are copied to the host behind the step."""
+        ib = self.input_batch
+        sample_rows = out.sample_rows
+        n = len(sample_rows)
         result = self.sampler(logits, md)
         ib.sampling.record_sampled(sample_rows, result.sampled)
-        out.sample_idx = sample_idx
-        out.sample_rows = sample_rows
-        out.sample_pos = ib.append_placeholders(sample_rows)
-        if self.proposer is not None and self.proposer.needs_hidden_states:
-            out.proposer_hidden = hidden[self.logits_indices[:n]]
         self._prev_sampled = result.sampled
         self._prev_index[:] = -1
         self._prev_index[sample_rows] = np.arange(n)

@@ -62,6 +62,9 @@ class StepOutput:
     # tokens, run only for them, waits for them all).
     kv_offload: OffloadMedium | None = None
     draft_counts: dict[str, int] = field(default_factory=dict)  # draft slots filled, by request
+    # The rest of the launch when the step's sampling waits for something the host is still
+    # computing (a structured-output bitmask): the runner calls it before its next launch.
+    pending: Callable[[], None] | None = None
     _output: ModelRunnerOutput | None = None
 
     @property
@@ -71,12 +74,19 @@ class StepOutput:
     def get(self) -> ModelRunnerOutput:
         """Wait for the step's copies, then its output (computed once)."""
         if self._output is None:
+            self.finish_launch()
             if self.event is not None:
                 self.event.synchronize()
             self._output = self._build()
             if self.on_output is not None:
                 self.on_output(self, self._output)
         return self._output
+
+    def finish_launch(self) -> None:
+        """Launch what the step left pending (once)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending()
 
     def _build(self) -> ModelRunnerOutput:
         out = ModelRunnerOutput(self.req_ids, [[] for _ in self.req_ids])
