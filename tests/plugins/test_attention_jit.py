@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,12 @@ CPU = torch.device("cpu")
 # The compile: wait a little (a compiler at work), then leave the "built" file it was given.
 BUILD = (
     "import pathlib, sys, time; time.sleep(float(sys.argv[2])); "
-    "pathlib.Path(sys.argv[1]).write_text('ok')"
+    "pathlib.Path(sys.argv[1]).write_text('ok'); print('slowjit: built attn_kernel in 0.2 s')"
+)
+# A compile that starts a compiler of its own (as ninja starts nvcc), notes its pid, and waits.
+SPAWNS = (
+    "import pathlib, subprocess, sys, time; p = subprocess.Popen(['sleep', '120']); "
+    "pathlib.Path(sys.argv[1] + '.child').write_text(str(p.pid)); time.sleep(120)"
 )
 FAIL = "import sys; print('nvcc: error'); sys.exit(int(sys.argv[3]))"
 
@@ -32,6 +38,7 @@ class SlowJitBackend(TorchNativeBackend):
     built: Path = Path("/nonexistent")
     seconds = 0.2
     exit_code = 0
+    code = ""
 
     @classmethod
     def is_compiled(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
@@ -39,7 +46,7 @@ class SlowJitBackend(TorchNativeBackend):
 
     @classmethod
     def compile_command(cls, device, dtype, head_size) -> list[str]:
-        code = BUILD if cls.exit_code == 0 else FAIL
+        code = cls.code or (BUILD if cls.exit_code == 0 else FAIL)
         return [sys.executable, "-c", code, str(cls.built), str(cls.seconds), str(cls.exit_code)]
 
 
@@ -86,6 +93,7 @@ def test_a_named_backend_compiles_before_the_first_step_and_says_how_long(slowji
     what = "slowjit's kernels for float32, head size 64, on cpu"
     assert f"compiling {what} before the first step" in caplog.text
     assert f"{what} compiled in" in caplog.text
+    assert "attention: slowjit: built attn_kernel in 0.2 s" in caplog.text  # what it built
     assert not jit._started
 
 
@@ -108,3 +116,30 @@ def test_no_background_compile_outlives_the_engine_process(slowjit, monkeypatch)
     (watcher,) = jit._started.values()
     watcher.join(timeout=10)
     assert not jit._running and not slowjit.built.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_stopped_background_compile_stops_the_compilers_it_started(slowjit, monkeypatch) -> None:
+    """A compiler left running after its compile was stopped finishes writing into the cache
+    after the next compile recorded it: the next load finds that out of date and rebuilds."""
+    monkeypatch.setattr(SlowJitBackend, "code", SPAWNS)
+    select_attention_backend("auto", CPU, torch.float32, 64)
+    pid_file = Path(str(slowjit.built) + ".child")
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert _alive(child)
+    jit.stop_background_compiles()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)

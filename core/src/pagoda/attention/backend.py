@@ -103,7 +103,9 @@ class AttentionBackend(ABC):
         (built ahead of time, or in a compile cache), so that the first step does not wait for
         a just-in-time compile. ``auto`` passes over a backend that is not, for the best one
         that is, and starts ``compile_command`` in the background so that a later start finds
-        it ready. Default: true (kernels that compile in seconds need not say)."""
+        it ready. It should answer for every kernel any kind of step loads
+        (:mod:`pagoda.attention.warmup` runs each kind): one left out compiles inside the
+        engine's start. Default: true (kernels that compile in seconds need not say)."""
         return True
 
     @classmethod
@@ -115,7 +117,9 @@ class AttentionBackend(ABC):
         those kernels into the backend's compile cache and exits 0 (after it,
         ``is_compiled`` is true), or None when there is nothing to run. The engine runs it in a
         child process at low priority: in the background when ``auto`` chose another backend,
-        before the first step when this backend was named. Default: None."""
+        before the first step when this backend was named; the last lines it prints are
+        logged when it succeeds, so it should say there what it built and how long each took.
+        Default: None."""
         return None
 
     @classmethod

@@ -5,7 +5,10 @@ so through ``is_compiled`` and gives the command that compiles them (``compile_c
 ``attention.backend: auto`` the engine starts on a backend that is ready and runs that command in
 the background, so the first request does not wait and the next start finds the kernels built;
 a backend named explicitly compiles before the first step. Either way the log says what is
-compiling and how long it took. Background compiles end with the process that started them.
+compiling and how long it took, with the lines the command printed last (what it built). A
+compile runs in its own process group, and a stopped one is stopped whole: a compiler left
+running would finish writing into the cache after the next compile had recorded it, which the
+build tool then finds out of date and rebuilds on a later start.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -37,11 +41,35 @@ def _spawn(argv: list[str]) -> subprocess.Popen:
         stderr=subprocess.STDOUT,
         text=True,
         preexec_fn=_niced,
+        start_new_session=True,  # its own process group: the compilers it starts stop with it
     )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop ``proc`` and its process group: SIGTERM, then SIGKILL to what is left after 5 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            proc.poll()  # reaps the leader once it is gone
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
 
 
 def _tail(text: str | None, lines: int = 20) -> str:
     return "\n".join((text or "").strip().splitlines()[-lines:])
+
+
+def _log_said(out: str | None) -> None:
+    for line in _tail(out, 12).splitlines():
+        if line.strip():
+            logger.info("attention: %s", line.strip())
 
 
 def compile_now(backend: Any, what: str, argv: list[str]) -> bool:
@@ -52,9 +80,14 @@ def compile_now(backend: Any, what: str, argv: list[str]) -> bool:
     )
     start = time.perf_counter()
     proc = _spawn(argv)
-    out, _ = proc.communicate()
+    try:
+        out, _ = proc.communicate()
+    except BaseException:  # NOTE: Ctrl-C does not reach the child's own process group.
+        _stop(proc)
+        raise
     took = time.perf_counter() - start
     if proc.returncode == 0:
+        _log_said(out)
         logger.info("attention: %s's kernels for %s compiled in %.1f s", backend.name, what, took)
         return True
     logger.warning(
@@ -87,6 +120,7 @@ def compile_in_background(backend: Any, what: str, argv: list[str]) -> threading
             if proc in _running:
                 _running.remove(proc)
         if proc.returncode == 0:
+            _log_said(out)
             logger.info(
                 "attention: %s's kernels for %s compiled in the background in %.1f s; the next "
                 "engine start uses %s",
@@ -117,14 +151,9 @@ def compile_in_background(backend: Any, what: str, argv: list[str]) -> threading
 
 @atexit.register
 def stop_background_compiles() -> None:
-    """Stop the background compiles still running (at exit: no child outlives the engine)."""
+    """Stop the background compiles still running, each with the compilers it started (at exit:
+    no child outlives the engine)."""
     with _lock:
         procs = list(_running)
     for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)

@@ -40,11 +40,21 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return _workspaces[key]
 
 
+def _flashinfer() -> Any:
+    """FlashInfer, with its module loads logged: a kernel compiled at first use (the engine
+    waiting for it) shows in the log with its time."""
+    import flashinfer
+
+    from pagoda_attention_flashinfer.modules import log_engine_builds
+
+    log_engine_builds()
+    return flashinfer
+
+
 def _wrappers_for(device: torch.device) -> dict[str, Any]:
     key = (device.type, device.index)
     if key not in _wrappers:
-        import flashinfer
-
+        flashinfer = _flashinfer()
         workspace = _workspace(device)
         _wrappers[key] = {
             "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
@@ -138,8 +148,7 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def build_graph_metadata(cls, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        import flashinfer
-
+        flashinfer = _flashinfer()
         b, width = common.num_reqs, common.block_table.shape[1]
         device = common.block_table.device
         md = cls.build_metadata(common)

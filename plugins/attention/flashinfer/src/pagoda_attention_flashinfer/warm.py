@@ -1,22 +1,42 @@
 """Compile FlashInfer's kernels for one (device, dtype, head size) ahead of the first step.
 
 ``python -m pagoda_attention_flashinfer.warm --device cuda:0 --dtype bfloat16 --head-size 128``
-builds the modules Pagoda's FlashInfer backend runs (the paged prefill wrapper, and the decode
-wrapper with tensor cores, which CUDA graphs replay too) by planning and running each once on a
-tiny cache, then records that they are built (:func:`marker_path`), which is what
-``FlashInferBackend.is_compiled`` reads. The engine runs this in a child process.
+builds exactly the modules the engine's steps load, by running every kind of step the model
+runner sends the backend (:mod:`pagoda.attention.warmup`: prefill, decode, decode graphs,
+speculative verification graphs) through the backend's own code on a tiny cache:
+
+1. each kind runs until FlashInfer asks for a module, which is noted, not built;
+2. the modules noted are built at once, each by its own ninja in its own folder, as a load does;
+3. every kind runs for real, recording each module it loads (one that step 1 missed is built
+   here) and checking that nothing is left to build.
+
+It prints one line per module with its time, then records the modules, the build environment and
+a fingerprint of this backend's code (:func:`marker_path`). ``FlashInferBackend.is_compiled``
+reads that record: true only while every module in it would load without building. The engine
+runs this in a child process and logs what it prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import importlib.metadata
 import json
+import logging
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+
+logger = logging.getLogger("pagoda.attention.flashinfer")
+
+#: Environment variables that change the commands FlashInfer builds with, or where it caches.
+_ENV_KEYS = ("CUDA_HOME", "CUDA_PATH", "CC", "CXX", "HOME")
 
 
 def marker_path(device: torch.device, dtype: torch.dtype, head_size: int) -> Path:
@@ -29,63 +49,115 @@ def marker_path(device: torch.device, dtype: torch.dtype, head_size: int) -> Pat
     return cache_dir() / "flashinfer-compiled" / name
 
 
+def fingerprint() -> str:
+    """A digest of the code that decides which modules the engine loads: this backend's and the
+    step kinds'. A record from other code is not trusted: its modules may not be the set."""
+    from pagoda.attention import warmup
+
+    here = Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in (here / "backend.py", here / "warm.py", here / "modules.py", Path(warmup.__file__)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_env() -> dict[str, str]:
+    """The environment FlashInfer's build commands and cache folder depend on."""
+    keys = [k for k in os.environ if k.startswith("FLASHINFER_")] + list(_ENV_KEYS)
+    return {k: os.environ[k] for k in sorted(set(keys)) if k in os.environ}
+
+
+def why_not_compiled(record: dict[str, Any]) -> str | None:
+    """None when the record's modules are the engine's and each loads without building."""
+    from pagoda_attention_flashinfer.modules import Module, why_stale
+
+    if record.get("fingerprint") != fingerprint():
+        return "it was made by other code of Pagoda's FlashInfer backend"
+    env, then = build_env(), record.get("env", {})
+    changed = sorted(k for k in set(env) | set(then) if env.get(k) != then.get(k))
+    if changed:
+        return f"the build environment changed since ({', '.join(changed)})"
+    modules = [Module(**m) for m in record.get("modules", [])]
+    if not modules:
+        return "it names no module"
+    for module in modules:
+        reason = why_stale(module)
+        if reason:
+            return reason
+    return None
+
+
 def is_compiled(device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
-    """Whether a compile was recorded and FlashInfer's compile cache it filled is still there."""
-    path = marker_path(device, dtype, head_size)
+    """Whether a compile was recorded for this configuration and every module it recorded would
+    load without building (so the engine's first steps compile nothing)."""
     try:
-        jit_dir = Path(json.loads(path.read_text())["jit_dir"])
-        return any(jit_dir.rglob("*.so"))
-    except (OSError, ValueError, KeyError):
+        record = json.loads(marker_path(device, dtype, head_size).read_text())
+    except (OSError, ValueError):
         return False
+    try:
+        reason = why_not_compiled(record)
+    except (TypeError, KeyError, AttributeError) as e:
+        reason = f"it cannot be read ({e!r})"
+    if reason:
+        logger.info("attention: flashinfer's recorded compile is not usable: %s", reason)
+        return False
+    return True
 
 
-def compile_kernels(device: torch.device, dtype: torch.dtype, head_size: int) -> float:
-    """Build (or load from FlashInfer's cache) every module the backend uses; returns seconds."""
-    import flashinfer
-    from flashinfer.jit import env
+def compile_kernels(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_size: int,
+    say: Callable[[str], None] = print,
+) -> float:
+    """Build (or find built) every module the backend's steps load; record them; returns seconds.
+    ``say`` gets one line per module and a summary."""
+    import flashinfer  # noqa: F401  (missing: fail here, before anything is recorded)
 
-    from pagoda_attention_flashinfer.backend import _WORKSPACE_BYTES
+    from pagoda.attention.warmup import run_step, step_kinds
+    from pagoda_attention_flashinfer import modules
+    from pagoda_attention_flashinfer.backend import FlashInferBackend
 
     start = time.perf_counter()
-    page, heads, kv_heads, pages = 16, 4, 2, 2
-    workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-    cache = torch.randn(pages, 2, page, kv_heads, head_size, device=device).to(dtype)
-    i32 = dict(dtype=torch.int32)
-    kv_indptr = torch.tensor([0, pages], **i32)
-    kv_indices = torch.arange(pages, device=device, dtype=torch.int32)
-    last = torch.tensor([page], **i32)
-    common = dict(
-        num_qo_heads=heads,
-        num_kv_heads=kv_heads,
-        page_size=page,
-        q_data_type=dtype,
-        kv_data_type=dtype,
-        sm_scale=head_size**-0.5,
-    )
-    kv = (cache[:, 0], cache[:, 1])
-    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-    q_len = 3
-    prefill.plan(
-        torch.tensor([0, q_len], **i32),
-        kv_indptr,
-        kv_indices,
-        last,
-        head_dim_qk=head_size,
-        causal=True,
-        **common,
-    )
-    prefill.run(torch.randn(q_len, heads, head_size, device=device).to(dtype), kv)
-    decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-    decode.plan(kv_indptr, kv_indices, last, head_dim=head_size, **common)
-    decode.run(torch.randn(1, heads, head_size, device=device).to(dtype), kv)
-    torch.cuda.synchronize(device)
+    kinds = step_kinds(FlashInferBackend)
+
+    def run(kind: str) -> None:
+        run_step(FlashInferBackend, kind, device, dtype, head_size)
+
+    with modules.discovering() as asked:
+        for kind in kinds:
+            try:
+                run(kind)
+            except modules.Discovered:
+                pass
+    modules.build_all(asked, say)
+    with modules.recording() as loaded:
+        for kind in kinds:
+            run(kind)
+        torch.cuda.synchronize(device)
+    for module in loaded:
+        if module.built:  # NOTE: one that discovery did not reach; built on its load.
+            say(f"flashinfer: compiled {module.name} in {module.seconds:.1f} s")
+    stale = [r for r in map(modules.why_stale, loaded) if r]
+    if stale:
+        raise RuntimeError("modules still to build after the warm: " + "; ".join(stale))
     took = time.perf_counter() - start
     path = marker_path(device, dtype, head_size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"jit_dir": str(env.FLASHINFER_JIT_DIR), "seconds": round(took, 1)}
+    record = {
+        "fingerprint": fingerprint(),
+        "env": build_env(),
+        "steps": list(kinds),
+        "modules": [dataclasses.asdict(m) for m in {m.name: m for m in loaded}.values()],
+        "seconds": round(took, 1),
+    }
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record) + "\n")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
     tmp.replace(path)
+    say(
+        f"flashinfer: {len(record['modules'])} modules for {str(dtype).removeprefix('torch.')}, "
+        f"head size {head_size} ready in {took:.1f} s (steps: {', '.join(kinds)})"
+    )
     return took
 
 
@@ -95,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--head-size", type=int, default=128)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    took = compile_kernels(device, getattr(torch, args.dtype), args.head_size)
-    print(f"flashinfer: kernels for {args.dtype}, head size {args.head_size} ready in {took:.1f} s")
+    compile_kernels(
+        torch.device(args.device),
+        getattr(torch, args.dtype),
+        args.head_size,
+        say=lambda line: print(line, flush=True),
+    )
     return 0
 
 
