@@ -228,3 +228,66 @@ def test_the_engine_log_says_when_a_module_compiled_at_first_use(
     assert "flashinfer compiled decode_fa2 in" in warnings[0].getMessage()
     assert "at first use" in warnings[0].getMessage()
     assert "loaded decode_fa2" in caplog.text
+
+
+class FakeWrapper:
+    """FlashInfer's wrappers as the backend uses them: plan() loads the modules its kind needs
+    (FA3 prefill on Hopper, FA2 for decode with tensor cores), run() attends (here: zeros)."""
+
+    root: Path
+    needs = {"prefill": ["prefill_fa3"], "decode": ["prefill_fa2", "decode_extra"]}
+    loaded: dict[str, str] = {}
+
+    def __init__(self, workspace, layout, **kwargs) -> None:
+        self.kind = "decode" if "use_tensor_cores" in kwargs else "prefill"
+
+    def plan(self, *args, **kwargs) -> None:
+        for name in self.needs[self.kind]:
+            if name not in self.loaded:  # FlashInfer caches a loaded module per process
+                self.loaded[name] = FakeSpec(self.root, name).build_and_load()
+
+    def run(self, q: torch.Tensor, kv) -> torch.Tensor:
+        return torch.zeros_like(q)
+
+
+@pytest.fixture
+def fake_wrappers(fake_flashinfer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from pagoda_attention_flashinfer import backend
+
+    fi = sys.modules["flashinfer"]
+    fi.BatchPrefillWithPagedKVCacheWrapper = FakeWrapper
+    fi.BatchDecodeWithPagedKVCacheWrapper = FakeWrapper
+    monkeypatch.setattr(FakeWrapper, "root", tmp_path / "cached_ops", raising=False)
+    monkeypatch.setattr(FakeWrapper, "loaded", {})
+    monkeypatch.setattr(backend, "_wrappers", {})
+    monkeypatch.setattr(backend, "_workspaces", {})
+    monkeypatch.setattr(backend, "_WORKSPACE_BYTES", 1024)
+    marker = tmp_path / "record.json"
+    monkeypatch.setattr(warm, "marker_path", lambda *a: marker)
+    return marker
+
+
+def test_the_warm_builds_and_records_exactly_the_modules_the_steps_load(fake_wrappers) -> None:
+    lines: list[str] = []
+    warm.compile_kernels(torch.device("cpu"), torch.float32, 64, say=lines.append)
+    record = json.loads(fake_wrappers.read_text())
+    assert [m["name"] for m in record["modules"]] == ["prefill_fa3", "prefill_fa2", "decode_extra"]
+    assert record["steps"] == ["prefill", "decode", "decode graph", "verification graph"]
+    # The first module each kind asks for is built up front, together; one that a kind asks for
+    # only after another (decode_extra) is built when the steps run; each line says its time.
+    assert any(ln.startswith("flashinfer: compiled prefill_fa3 in ") for ln in lines)
+    assert any(ln.startswith("flashinfer: compiled prefill_fa2 in ") for ln in lines)
+    assert any(ln.startswith("flashinfer: compiled decode_extra in ") for ln in lines)
+    assert lines[-1].startswith(
+        "flashinfer: 3 modules (3 compiled) for float32, head size 64 ready in "
+    )
+    assert all(m["built"] for m in record["modules"])
+    # Run again (another process) on a built cache: nothing compiles, and the record says so.
+    lines.clear()
+    FakeWrapper.loaded.clear()
+    warm.compile_kernels(torch.device("cpu"), torch.float32, 64, say=lines.append)
+    assert not any("compiled prefill" in ln or "compiled decode" in ln for ln in lines)
+    assert "(0 compiled)" in lines[-1]
+    assert warm.is_compiled(torch.device("cpu"), torch.float32, 64)
+    Path(record["modules"][2]["library"]).unlink()  # a partial cache
+    assert not warm.is_compiled(torch.device("cpu"), torch.float32, 64)
