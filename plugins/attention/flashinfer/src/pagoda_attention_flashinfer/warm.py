@@ -77,6 +77,8 @@ def why_not_compiled(record: dict[str, Any]) -> str | None:
     changed = sorted(k for k in set(env) | set(then) if env.get(k) != then.get(k))
     if changed:
         return f"the build environment changed since ({', '.join(changed)})"
+    if record.get("unrecorded"):  # a FlashInfer whose module loads cannot be watched
+        return None
     modules = [Module(**m) for m in record.get("modules", [])]
     if not modules:
         return "it names no module"
@@ -156,6 +158,7 @@ def compile_kernels(
         "env": build_env(),
         "steps": list(kinds),
         "modules": [dataclasses.asdict(m) for m in used.values()],
+        "unrecorded": not modules.install(),
         "seconds": round(took, 1),
     }
     tmp = path.with_suffix(".tmp")
