@@ -193,7 +193,21 @@ def main() -> None:
         help="speculative.async_drafts: alternate, or fill draft slots after reading the step "
         "in flight; default: the engine's",
     )
+    p.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="speculative.adaptive: false (draft every step; no governor measuring whether "
+        "drafting pays)",
+    )
+    p.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="speculative.disable_by_batch_size"
+    )
     args = p.parse_args()
+    if args.device != "cpu" and torch.cuda.is_available() and not args.kv_cache_memory_bytes:
+        # NOTE: both engines live in one process, and the second one's memory profile would
+        # count the first one's KV cache as used (gpu_memory_utilization is of the whole GPU):
+        # each gets an explicit quarter of the memory free now.
+        args.kv_cache_memory_bytes = int(torch.cuda.mem_get_info()[0] * 0.25)
     if args.random_weights:
         from pagoda.bench.random_weights import ensure_random_weights
 
@@ -209,6 +223,10 @@ def main() -> None:
     }
     if args.async_drafts:
         spec["async_drafts"] = args.async_drafts
+    if args.no_adaptive:
+        spec["adaptive"] = False
+    if args.disable_by_batch_size:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     engines = {"off": _build(args, None), "ngram": _build(args, spec)}
     prompts, kinds = _prompts(args, engines["off"])
     params = SamplingParams(

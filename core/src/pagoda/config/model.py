@@ -184,6 +184,16 @@ class SpeculativeConfig(_Section):
         " flight sits out the next step, so no step waits for another) or slots (every step,"
         " with draft slots filled once the step in flight is read)",
     )
+    adaptive: bool = Field(
+        True,
+        description="measure tokens/s with drafting on and off for each batch size and draft"
+        " only while it pays (a speculation governor); false: draft every step",
+    )
+    disable_by_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM's knob: no drafts while at least this many requests run; None: off",
+    )
 
 
 class StructuredOutputConfig(_Section):

@@ -14,6 +14,7 @@ from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.output import EngineCoreOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.spec_decode.governor import build_governor
 from pagoda.spec_decode.inflight import alternate_drafts
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
@@ -53,6 +54,7 @@ class EngineCore:
             if alternate_drafts(config):
                 self.scheduler.spec_alternate = True
                 self.scheduler.draft_backoff.min_accepted = 2  # a step sat out must pay
+            self.scheduler.spec_governor = build_governor(config.speculative)
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
         self.async_scheduling = config.scheduler.async_scheduling

@@ -50,6 +50,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # KV offload: this step's copies between the device and the CPU pool (and waits), if any.
     kv_transfers: KVTransfers | None = None
+    # Speculative decoding: whether the runner proposes drafts after this step (false while
+    # the governor has drafting off: ``pagoda.spec_decode.governor``).
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

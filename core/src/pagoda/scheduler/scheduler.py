@@ -44,6 +44,7 @@ from pagoda.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagoda.spec_decode.governor import SpeculationGovernor, is_decode_step
 from pagoda.spec_decode.inflight import DraftBackoff
 from pagoda.spec_decode.metrics import SpecDecodingStats
 
@@ -204,6 +205,10 @@ class Scheduler:
         # core; the requests whose last proposal had drafts.
         self.spec_alternate = False
         self._proposing: set[str] = set()
+        # Whether this step drafts: the governor (set by the engine core; None: always) turns
+        # drafting off for the batch while it does not pay (``pagoda.spec_decode.governor``).
+        self.spec_governor: SpeculationGovernor | None = None
+        self._drafting = True
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -250,6 +255,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         step = _Step(budget=self.max_num_batched_tokens)
         self.draft_backoff.tick()
+        gov = self.spec_governor
+        self._drafting = gov is None or gov.drafting(len(self.running))
 
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -309,6 +316,8 @@ class Scheduler:
             for r in step.cached_reqs
         ]
         finished, self.finished_req_ids = self.finished_req_ids | step.preempted, set()
+        if gov is not None and not step.num_scheduled:
+            gov.idle()
         for r in self.running:
             r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
@@ -324,6 +333,7 @@ class Scheduler:
             finished_req_ids=finished,
             scheduled_spec_decode_tokens=step.spec,
             kv_transfers=None if self.offload is None else self.offload.build_step(),
+            propose_drafts=self._drafting,
         )
 
     def _sits_out(self, req: Request) -> bool:
@@ -335,7 +345,12 @@ class Scheduler:
         if req.num_output_placeholders > 1:
             return True
         rid = req.request_id
-        return rid in self._proposing and self.draft_backoff.allows(rid, len(self.running))
+        # NOTE: it sits out only if it may verify drafts in the step after this one.
+        return (
+            self._drafting
+            and rid in self._proposing
+            and self.draft_backoff.allows(rid, len(self.running), ahead=1)
+        )
 
     def _drafts_to_schedule(self, req: Request, known: int, budget: int) -> list[int]:
         """The part of ``req``'s drafts this step can verify: only for a request whose one
@@ -345,7 +360,7 @@ class Scheduler:
         A request with a step in flight (async scheduling) gets draft slots (``-1``) instead,
         which the runner fills once that step's tokens are known; ``known`` then counts every
         draft in flight as accepted, so the limits here are conservative."""
-        if known - req.num_computed_tokens != 1 or not self.num_spec_tokens:
+        if known - req.num_computed_tokens != 1 or not self.num_spec_tokens or not self._drafting:
             return []
         if not self.draft_backoff.allows(req.request_id, len(self.running)):
             return []
@@ -556,6 +571,14 @@ class Scheduler:
                 )
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        if self.spec_governor is not None:
+            clean = is_decode_step(
+                scheduler_output.num_scheduled_tokens,
+                scheduled_drafts,
+                len(scheduler_output.scheduled_new_reqs),
+            )
+            emitted = sum(len(o.new_token_ids) for o in outputs)
+            self.spec_governor.observe(emitted, len(self.running), clean)
         return outputs
 
     def _apply_drafts(

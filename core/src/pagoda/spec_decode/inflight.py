@@ -76,14 +76,14 @@ class DraftBackoff:
         """A new schedule."""
         self.step += 1
 
-    def allows(self, req_id: str, num_running: int) -> bool:
-        """Whether ``req_id`` may have drafts scheduled this step, with ``num_running``
-        requests running."""
+    def allows(self, req_id: str, num_running: int, ahead: int = 0) -> bool:
+        """Whether ``req_id`` may have drafts scheduled this step (``ahead``: that many steps
+        later), with ``num_running`` requests running."""
         misses = self._misses.get(req_id, 0)
         if misses < _MISSES_BEFORE_BACKOFF or num_running < _MIN_BATCH:
             return True
         level = min(misses - _MISSES_BEFORE_BACKOFF + 1, _MAX_LEVEL)
-        return self.step % (1 << level) == 0
+        return (self.step + ahead) % (1 << level) == 0
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """A step that reserved draft slots for ``req_id``: ``num_drafts`` were filled and

@@ -1,0 +1,186 @@
+"""When drafting pays: a measured, per-batch-size switch for speculation.
+
+A verification step costs more than a decode step (more tokens, the rejection sampler, the
+proposer's host work) and, with alternating async drafts, a request whose drafts are in flight
+sits a step out. Whether that buys tokens depends on the hardware, the model, the batch size and
+the workload: at batch 1 a good proposer multiplies tokens per second, while at a large batch
+whose step cost is mostly fixed (host-bound) the extra steps lose. No threshold fits every case,
+so :class:`SpeculationGovernor` measures.
+
+It runs the engine in *epochs* of a few steps, each with drafting on or off for the whole batch,
+and measures what each yields: tokens emitted per second of wall time between step ends, per
+running request (so that epochs of one batch-size bucket compare fairly as requests come and
+go), kept as an exponential moving average per mode and per bucket of running requests (powers of
+two). After a mode switch the first ``settle_steps`` are not measured (with alternating drafts the
+pipeline needs a few steps to fill). The mode with the higher rate is exploited; the other is
+probed for one epoch now and then, at intervals that double while a probe confirms the choice
+(up to ``max_explore`` epochs) and shrink back when a probe overturns it, so a workload that
+changes is followed and a settled one pays little for probing.
+
+Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured. Turning drafting
+off never changes what is sampled: the output is the same either way (lossless), only sooner or
+later. ``speculative.disable_by_batch_size`` (vLLM's knob) turns drafting off outright from that
+many running requests on, unmeasured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda.config import SpeculativeConfig
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """What is known about one batch-size bucket."""
+
+    rate: dict[bool, float] = field(default_factory=dict)  # mode -> tokens/s a request (EMA)
+    best: bool = True  # drafting on until measured otherwise: the user asked for it
+    explore_every: int = 0  # exploit epochs between probes of the other mode
+    since_probe: int = 0
+
+
+@dataclass(slots=True)
+class _Epoch:
+    bucket: int
+    on: bool
+    steps: int = 0  # step ends seen since the epoch began (settling ones included)
+    measured: int = 0
+    tokens: int = 0
+    request_seconds: float = 0.0
+
+
+class SpeculationGovernor:
+    """Decides each step whether the batch drafts (:meth:`drafting`, at schedule time) from
+    what it measured at step ends (:meth:`observe`). ``clock`` returns seconds (injectable for
+    tests)."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        epoch_steps: int = 8,
+        settle_steps: int = 4,
+        min_explore: int = 3,
+        max_explore: int = 32,
+        margin: float = 0.02,
+        alpha: float = 0.5,
+        disable_by_batch_size: int | None = None,
+        fixed: bool = False,
+    ) -> None:
+        if epoch_steps < 1 or settle_steps < 0 or not 1 <= min_explore <= max_explore:
+            raise ValueError("governor: epoch_steps >= 1, settle_steps >= 0, 1 <= min <= max")
+        self.clock = clock
+        self.epoch_steps = epoch_steps
+        self.settle_steps = settle_steps
+        self.min_explore = min_explore
+        self.max_explore = max_explore
+        self.margin = margin
+        self.alpha = alpha
+        self.disable_by_batch_size = disable_by_batch_size
+        # Fixed: only ``disable_by_batch_size`` decides; nothing is measured.
+        self.fixed = fixed
+        self.buckets: dict[int, _Bucket] = {}
+        self.epoch: _Epoch | None = None
+        self._last_end: float | None = None
+        # Epochs run in each mode (for reports and tests).
+        self.epochs = {True: 0, False: 0}
+
+    @staticmethod
+    def bucket_of(num_running: int) -> int:
+        """Buckets of running requests: 1, 2-3, 4-7, 8-15, ..."""
+        return max(num_running, 1).bit_length()
+
+    def drafting(self, num_running: int) -> bool:
+        """Whether the step being scheduled, with ``num_running`` requests running, drafts."""
+        if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
+            return False
+        if self.fixed:
+            return True
+        b = self.bucket_of(num_running)
+        if self.epoch is None or self.epoch.bucket != b:
+            self._begin(b, self._bucket(b).best)
+        return self.epoch.on
+
+    def observe(self, num_tokens: int, num_running: int, clean: bool = True) -> None:
+        """A step ended, having emitted ``num_tokens`` with ``num_running`` requests running;
+        ``clean``: it was pure decoding (no prompt tokens), so its time is comparable."""
+        now = self.clock()
+        last, self._last_end = self._last_end, now
+        epoch = self.epoch
+        if epoch is None:
+            return
+        epoch.steps += 1
+        if last is None or not clean or epoch.steps <= self.settle_steps or num_running < 1:
+            return
+        epoch.measured += 1
+        epoch.tokens += num_tokens
+        epoch.request_seconds += (now - last) * num_running
+        if epoch.measured >= self.epoch_steps:
+            self._end(epoch)
+
+    def idle(self) -> None:
+        """Nothing ran: the next step's end is not measured from the last one's."""
+        self._last_end = None
+
+    def _bucket(self, b: int) -> _Bucket:
+        got = self.buckets.get(b)
+        if got is None:
+            got = self.buckets[b] = _Bucket(explore_every=self.min_explore)
+        return got
+
+    def _begin(self, b: int, on: bool) -> None:
+        self.epoch = _Epoch(b, on)
+        self.epochs[on] += 1
+
+    def _end(self, epoch: _Epoch) -> None:
+        bucket = self._bucket(epoch.bucket)
+        rate = epoch.tokens / epoch.request_seconds if epoch.request_seconds > 0 else 0.0
+        old = bucket.rate.get(epoch.on)
+        bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
+        probed = epoch.on != bucket.best
+        winner = self._winner(bucket)
+        if probed:
+            if winner == bucket.best:  # the choice holds: probe less often
+                bucket.explore_every = min(2 * bucket.explore_every, self.max_explore)
+            else:
+                bucket.explore_every = self.min_explore
+            bucket.since_probe = 0
+        else:
+            bucket.since_probe += 1
+            if winner != bucket.best:  # the exploited mode fell below the other's last rate
+                bucket.explore_every = self.min_explore
+                bucket.since_probe = 0
+        bucket.best = winner
+        other = not bucket.best
+        probe = other not in bucket.rate or bucket.since_probe >= bucket.explore_every
+        self._begin(epoch.bucket, other if probe else bucket.best)
+
+    def _winner(self, bucket: _Bucket) -> bool:
+        """The mode with the higher rate; the current choice keeps ties within ``margin``."""
+        best, other = bucket.best, not bucket.best
+        if other not in bucket.rate or best not in bucket.rate:
+            return best
+        return other if bucket.rate[other] > bucket.rate[best] * (1 + self.margin) else best
+
+
+def is_decode_step(num_scheduled: dict[str, int], drafts: dict[str, list[int]], new: int) -> bool:
+    """Whether a step computed only each request's next token and its drafts (no prompt chunk,
+    no new request), so that its time measures decoding."""
+    return not new and sum(num_scheduled.values()) == len(num_scheduled) + sum(
+        len(d) for d in drafts.values()
+    )
+
+
+def build_governor(config: SpeculativeConfig) -> SpeculationGovernor | None:
+    """The governor ``speculative`` asks for: measured (``adaptive``), with vLLM's
+    ``disable_by_batch_size`` on top; None when drafting runs every step."""
+    if not config.adaptive and config.disable_by_batch_size is None:
+        return None
+    if not config.adaptive:  # the threshold alone: never measured, never probed
+        return SpeculationGovernor(disable_by_batch_size=config.disable_by_batch_size, fixed=True)
+    return SpeculationGovernor(disable_by_batch_size=config.disable_by_batch_size)

@@ -1,0 +1,170 @@
+"""The speculation governor turns drafting off for a batch size where it does not pay and keeps it
+on where it does, from tokens per second it measures (a fake clock here, so every run is the
+same); it follows a workload that changes, ignores prompt steps and idle gaps, and honours vLLM's
+``disable_by_batch_size``. In an engine, drafting turned off changes no token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.config import SpeculativeConfig
+from pagoda.spec_decode.governor import SpeculationGovernor, build_governor, is_decode_step
+
+TINY = Path(__file__).parents[2] / "benchmarks" / "configs" / "tiny-llama"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# A step's cost (seconds) and tokens emitted per request, by whether it drafted.
+Cost = Callable[[bool], tuple[float, float]]
+
+
+def _run(gov: SpeculationGovernor, clock: FakeClock, steps: int, batch: int, cost: Cost) -> list:
+    """``steps`` decode steps of ``batch`` requests; the mode of each."""
+    modes = []
+    for _ in range(steps):
+        on = gov.drafting(batch)
+        seconds, per_request = cost(on)
+        clock.now += seconds
+        gov.observe(round(per_request * batch), batch)
+        modes.append(on)
+    return modes
+
+
+def _host_bound(on: bool) -> tuple[float, float]:
+    """Batch 64 on a host-bound device: a step with drafts takes longer and, with half the
+    batch sitting out, yields fewer tokens per second than a plain one."""
+    return (1.2e-3, 1.1) if on else (1.0e-3, 1.0)
+
+
+def _drafts_pay(on: bool) -> tuple[float, float]:
+    """Batch 1 with a good proposer: a verification step costs a little more and emits 3."""
+    return (12e-3, 3.0) if on else (10e-3, 1.0)
+
+
+def test_drafting_turns_off_where_it_does_not_pay_and_probes_ever_less() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    modes = _run(gov, clock, 2000, 64, _host_bound)
+    # It starts drafting (the user asked for it), measures both modes within a few epochs ...
+    assert modes[0] and not all(modes[:40])
+    # ... and from then on drafts only in probes, whose interval doubles while they confirm.
+    late = modes[500:]
+    assert sum(late) / len(late) < 0.05, sum(late)
+    assert gov.buckets[gov.bucket_of(64)].explore_every == gov.max_explore
+
+
+def test_drafting_stays_on_where_it_pays() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    modes = _run(gov, clock, 2000, 1, _drafts_pay)
+    assert sum(modes) / len(modes) > 0.9
+    assert sum(modes[500:]) / len(modes[500:]) > 0.95
+    assert not all(modes)  # the plain mode is probed, so a change would be seen
+
+
+def test_each_batch_size_bucket_decides_for_itself() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    for _ in range(20):  # batch sizes alternate in spells longer than an epoch
+        _run(gov, clock, 50, 64, _host_bound)
+        _run(gov, clock, 50, 1, _drafts_pay)
+    assert not gov.drafting(64)
+    assert gov.drafting(1)
+    assert gov.bucket_of(64) == gov.bucket_of(127) != gov.bucket_of(63)
+
+
+def test_a_workload_that_starts_to_pay_turns_drafting_back_on() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    before = _run(gov, clock, 1000, 8, _host_bound)
+    assert sum(before[500:]) < 0.05 * 500
+    modes = _run(gov, clock, 1000, 8, _drafts_pay)
+    # Plain steps measure slower at once, below drafting's last rate: within a few epochs it
+    # drafts again, and from then on mostly drafts.
+    assert sum(modes[:120]) > 0.6 * 120
+    assert sum(modes[500:]) / len(modes[500:]) > 0.95
+
+
+def test_prompt_steps_and_idle_gaps_are_not_measured() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock, settle_steps=0, epoch_steps=2)
+    assert gov.drafting(1)
+    clock.now += 5.0  # a long prompt step: not clean
+    gov.observe(1, 1, clean=False)
+    gov.idle()
+    clock.now += 100.0  # idle, then the first step's end: no previous end to measure from
+    gov.observe(1, 1)
+    assert gov.epoch.measured == 0
+    clock.now += 0.01
+    gov.observe(3, 1)
+    clock.now += 0.01
+    gov.observe(3, 1)
+    assert gov.buckets[1].rate[True] == pytest.approx(300.0)
+
+
+def test_disable_by_batch_size_alone_is_a_fixed_threshold() -> None:
+    gov = build_governor(SpeculativeConfig(adaptive=False, disable_by_batch_size=16))
+    assert gov.drafting(15) and not gov.drafting(16) and not gov.drafting(100)
+    clock = FakeClock()
+    gov.clock = clock
+    assert all(_run(gov, clock, 500, 4, _host_bound))  # never measured, never turned off
+    assert build_governor(SpeculativeConfig(adaptive=False)) is None
+    measured = build_governor(SpeculativeConfig(disable_by_batch_size=16))
+    assert not measured.fixed and not measured.drafting(16)
+
+
+def test_a_decode_step_is_one_token_a_request_plus_its_drafts() -> None:
+    assert is_decode_step({"a": 1, "b": 4}, {"b": [7, 8, 9]}, 0)
+    assert not is_decode_step({"a": 1, "b": 4}, {}, 0)  # a prompt chunk
+    assert not is_decode_step({"a": 1}, {}, 1)  # a new request
+
+
+@pytest.mark.parametrize("mode", ["alternate", "slots"])
+def test_governor_switching_keeps_greedy_output_token_identical(mode) -> None:
+    """The governor flips drafting every few steps (short epochs, a clock that makes each mode
+    look better in turn): output stays what plain decoding gives, nothing leaks."""
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    engine = dict(
+        model=str(folder),
+        device="cpu",
+        max_model_len=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=16 << 20,
+    )
+    rng = np.random.default_rng(11)
+    # Prompts that repeat themselves, so that n-gram drafts are found and accepted.
+    prompts = [(rng.integers(10, 500, 8).tolist() * 4)[: int(n)] for n in (20, 31, 26, 12)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    want = [o.outputs[0].token_ids for o in LLM(**engine).generate(inputs, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec |= {"prompt_lookup_min": 1, "async_drafts": mode}
+    llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
+    core = llm.engine.engine_core
+    flips = {"n": 0}
+
+    def clock() -> float:  # each mode's epochs alternate between looking fast and slow
+        flips["n"] += 1
+        return flips["n"] * (1.0 if flips["n"] % 7 else 9.0)
+
+    gov = SpeculationGovernor(clock=clock, epoch_steps=4, settle_steps=2, min_explore=1)
+    core.scheduler.spec_governor = gov
+    got = [o.outputs[0].token_ids for o in llm.generate(inputs, params, use_tqdm=False)]
+    assert got == want
+    assert gov.epochs[True] >= 2 and gov.epochs[False] >= 2, gov.epochs
+    assert core.scheduler.spec_stats_total.num_drafts > 0
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
