@@ -65,6 +65,16 @@ def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float
     return time.perf_counter() - start, outs
 
 
+def _ms(samples: list[float]) -> dict[str, float | int | None]:
+    if not samples:
+        return {"mean": None, "p90": None, "steps": 0}
+    return {
+        "mean": round(1e3 * float(np.mean(samples)), 3),
+        "p90": round(1e3 * float(np.percentile(samples, 90)), 3),
+        "steps": len(samples),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
@@ -116,6 +126,29 @@ def main() -> None:
 
         runner.grammar.mask = timed_mask
 
+        # Where the bitmask's time goes: the grammar thread's wait for the step's sampled ids
+        # (the device) and its own work (advance the matchers, fill the rows), and how long the
+        # runner then waits for that thread.
+        inner_rows, inner_join = runner.grammar._prefetch_rows, runner.grammar._join
+
+        def timed_rows(items, sampled, event, *rest):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            if event is not None:
+                event.synchronize()
+            t1 = time.perf_counter()
+            inner_rows(items, sampled, None, *rest)
+            thread_s.append((t1 - t0, time.perf_counter() - t1))
+
+        def timed_join() -> None:
+            t = time.perf_counter()
+            inner_join()
+            join_s.append(time.perf_counter() - t)
+
+        runner.grammar._prefetch_rows = timed_rows
+        runner.grammar._join = timed_join
+    thread_s: list[tuple[float, float]] = []
+    join_s: list[float] = []
+
     rng = np.random.default_rng(0)
     vocab = 100_000
     prompts = [
@@ -141,6 +174,8 @@ def main() -> None:
     tokens: dict[str, int] = {}
     check = None
     mask_s.clear()
+    thread_s.clear()
+    join_s.clear()
     for _ in range(args.repeats):
         for name, params in (("unconstrained", free), ("json_schema", constrained)):
             seconds, outs = _timed(llm, prompts, params)
@@ -190,6 +225,11 @@ def main() -> None:
         "grammar_compile_s": [round(s, 4) for s in compile_times],
         "first_constrained_request_s": round(first_request_s, 3),
         "grammar_cache": {"queries": queries, "hits": hits},
+        "grammar_thread_ms_per_step": {
+            "wait_for_sampled_ids": _ms([w for w, _ in thread_s]),
+            "advance_and_fill": _ms([f for _, f in thread_s]),
+            "runner_waits_for_it": _ms(join_s),
+        },
         "bitmask_host_ms_per_step": {
             "mean": round(1e3 * float(np.mean(mask_s)), 3) if steps else None,
             "p90": round(1e3 * float(np.percentile(mask_s, 90)), 3) if steps else None,
@@ -205,7 +245,8 @@ def main() -> None:
         print(f"{k:<16}{v:>12.1f}")
     print(
         f"ratio {ratio:.3f}; compile {compile_times}; cache {hits}/{queries} hits; "
-        f"mask {report['bitmask_host_ms_per_step']}; all allowed {accepted_all}"
+        f"mask {report['bitmask_host_ms_per_step']}; all allowed {accepted_all}; "
+        f"grammar thread {report['grammar_thread_ms_per_step']}"
     )
 
 
