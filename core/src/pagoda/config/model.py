@@ -105,6 +105,12 @@ class CacheConfig(_Section):
         description="where offloaded blocks live, by name (`pagoda plugins`); cpu: host memory;"
         " plugins add others (cpu_offload_gb then sizes that pool)",
     )
+    offload_overlap: bool = Field(
+        False,
+        description="meet a long CPU-pool hit from both ends: the device computes its first"
+        " blocks, a chunk a step, while the rest loads from the end down, so that the bus and"
+        " the device work at once (Cake); false: load every hit block, the device waits",
+    )
 
 
 class SchedulerConfig(_Section):

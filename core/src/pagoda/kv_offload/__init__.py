@@ -5,8 +5,8 @@ The scheduler's side (:class:`OffloadManager`, no torch) decides what to store, 
 (the policy, :class:`OffloadPolicy`, registered by name); the workers' side, an
 :class:`OffloadMedium` (registered by name; the core's is ``cpu``), holds the pool's memory and
 copies. Configuration: ``cache.cpu_offload_gb``, ``cache.offload_policy``,
-``cache.offload_store``, ``cache.offload_medium``; the plugin guide (docs/plugins.md) has the
-contract.
+``cache.offload_store``, ``cache.offload_medium``, ``cache.offload_overlap``; the plugin guide
+(docs/plugins.md) has the contract.
 """
 
 from __future__ import annotations
@@ -49,4 +49,10 @@ def build_offload_manager(config, info) -> OffloadManager | None:  # noqa: ANN00
     except PluginError as e:
         raise ValueError(f"cache.offload_medium={cache.offload_medium!r}: {e}") from e
     policy = build_policy(cache.offload_policy, n)
-    return OffloadManager(n, cache.block_size, policy, store_full=cache.offload_store == "full")
+    return OffloadManager(
+        n,
+        cache.block_size,
+        policy,
+        store_full=cache.offload_store == "full",
+        overlap=cache.offload_overlap,
+    )

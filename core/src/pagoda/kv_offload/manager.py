@@ -17,6 +17,18 @@ Only a ready slot that no load pins may be evicted; only a ready slot serves a l
 A request whose prompt hits the CPU pool past its device hit holds device blocks for its whole
 prompt at once and waits (``loading``) until its load job is done; then the loaded tokens count
 as computed and it is ``ready`` to be scheduled, ahead of the waiting queue, needing no block.
+
+With ``overlap`` (``cache.offload_overlap``) a long hit is met from both ends instead, as in
+Cake ("Compute or Load KV Cache? Why Not Both?", Jin et al., 2024): the request runs at once and
+the device computes the hit's first blocks, a chunk a step, while loads bring its last blocks
+back, a few chunks in flight, from the end down; neither touches the other's blocks. Where
+they meet, once every load is done, the loaded blocks count as computed::
+
+    device hit | computed, chunk by chunk ->   | <- loaded, chunk by chunk | suffix
+    0        start                        ^low (lowest block queued)      end
+
+The bus and the device work at once, so the hit costs about what the faster of the two would
+take for its share, rather than the whole load.
 """
 
 from __future__ import annotations
@@ -45,6 +57,20 @@ class OffloadStats:
 
 
 @dataclass
+class _Overlap:
+    """A request whose pool hit, blocks ``[start, end)``, is met from both ends: computed from
+    ``start`` up, loaded from ``end`` down to ``low``. Every slot of the hit is pinned until it
+    is loaded or the device has computed its block."""
+
+    req: Request
+    start: int
+    end: int
+    low: int
+    slots: list[int]  # the pool slot of each block of the hit
+    in_flight: dict[int, int] = field(default_factory=dict)  # load job id -> its blocks
+
+
+@dataclass
 class _Job:
     loads: list[int] = field(default_factory=list)  # CPU slots pinned by its loads
     load_gpu: list[int] = field(default_factory=list)  # device blocks they fill
@@ -60,6 +86,7 @@ class OffloadManager:
         block_size: int,
         policy: OffloadPolicy,
         store_full: bool = False,
+        overlap: bool = False,
     ) -> None:
         if num_cpu_blocks < 1:
             raise ValueError(f"num_cpu_blocks={num_cpu_blocks}: the CPU pool needs a block")
@@ -85,6 +112,13 @@ class OffloadManager:
         self.ready: list[Request] = []
         self.stats = OffloadStats()
         self.stats_total = OffloadStats()
+        # Overlap mode: blocks computed a step, blocks a load chunk, load chunks in flight at
+        # most (about a step's worth of the bus on a GPU), for each request met from both ends.
+        self.overlap = overlap
+        self.overlap_chunk = 64
+        self.overlap_load = 48
+        self.overlap_ahead = 4
+        self.overlaps: dict[str, _Overlap] = {}
 
     # ---- figures ---------------------------------------------------------------------------------
 
@@ -115,7 +149,7 @@ class OffloadManager:
             "pinned_slots": sum(1 for n in self._pins.values() if n),
             "storing_slots": len(self._storing),
             "jobs_in_flight": len(self._jobs),
-            "requests_loading": len(self.loading) + len(self.ready),
+            "requests_loading": len(self.loading) + len(self.ready) + len(self.overlaps),
         }
 
     def make_stats(self) -> OffloadStats:
@@ -173,6 +207,89 @@ class OffloadManager:
             s.loaded_blocks += n
             s.cpu_hit_tokens += loaded
         return True
+
+    # ---- overlap: computed from the start, loaded from the end --------------------------------
+
+    def try_overlap(
+        self,
+        req: Request,
+        kv: KVCacheManager,
+        hit_blocks: Sequence[KVCacheBlock],
+        num_hit: int,
+    ) -> bool:
+        """Overlap mode: if the prompt hits the pool past its device hit (``hit_blocks``) by
+        more than two compute chunks, give it device blocks for its whole prompt, pin the hit's
+        slots and say True: the caller runs it at once, computing no further than
+        ``compute_limit``. Otherwise False, nothing changed."""
+        if not self.overlap or req.sampling_params.prompt_logprobs is not None:
+            return False
+        hashes = req.block_hashes
+        first = len(hit_blocks)
+        n = self.num_hits(hashes, first, (req.num_tokens - 1) // self.block_size)
+        if n <= 2 * self.overlap_chunk:
+            return False
+        if kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_hit) is None:
+            return False
+        slots = []
+        for h in hashes[first : first + n]:
+            slot = self.hash_to_slot[h]
+            self._pins[slot] = self._pins.get(slot, 0) + 1
+            self.policy.touch(h)
+            slots.append(slot)
+        self.overlaps[req.request_id] = _Overlap(req, first, first + n, first + n, slots)
+        return True
+
+    def compute_limit(self, req: Request, known: int) -> int:
+        """How many of ``req``'s ``known`` tokens may be computed by the end of this step: for
+        a request met from both ends, one chunk more, and never into blocks queued for loading.
+        Where the two meet and every load is done, the loaded blocks count as computed (here)
+        and the request goes on as any other."""
+        ov = self.overlaps.get(req.request_id)
+        if ov is None:
+            return known
+        bs = self.block_size
+        if req.num_computed_tokens < ov.low * bs:
+            return min(known, ov.low * bs, req.num_computed_tokens + self.overlap_chunk * bs)
+        if ov.in_flight:
+            return req.num_computed_tokens  # met: the last loads are still on their way
+        self._end_overlap(ov)
+        loaded = (ov.end - ov.low) * bs
+        req.num_computed_tokens += loaded
+        req.num_cached_tokens = max(req.num_cached_tokens, 0) + loaded
+        return known
+
+    def top_up(self, kv: KVCacheManager) -> None:
+        """At the end of ``schedule()``: queue the next load chunks of each request met from
+        both ends, from the top of its gap down, up to ``overlap_ahead`` chunks in flight, and
+        leaving a compute chunk's worth of the gap to the device."""
+        bs = self.block_size
+        for ov in self.overlaps.values():
+            computed = ov.req.num_computed_tokens // bs  # this step's chunk included
+            in_flight = sum(ov.in_flight.values())
+            held = kv.req_to_blocks[ov.req.request_id]
+            job = self._queued
+            while in_flight < self.overlap_ahead * self.overlap_load:
+                n = min(self.overlap_load, ov.low - computed - self.overlap_chunk)
+                if n <= 0:
+                    break
+                for b in range(ov.low - n, ov.low):
+                    job.loads.append(ov.slots[b - ov.start])
+                    job.load_gpu.append(held[b].block_id)
+                ov.low -= n
+                in_flight += n
+                ov.in_flight[self._next_job] = ov.in_flight.get(self._next_job, 0) + n
+                for s in (self.stats, self.stats_total):
+                    s.loaded_blocks += n
+                    s.cpu_hit_tokens += n * bs
+
+    def _end_overlap(self, ov: _Overlap) -> None:
+        """Forget the overlap and unpin the slots whose blocks the device computed (the loaded
+        ones are unpinned by their jobs)."""
+        del self.overlaps[ov.req.request_id]
+        for slot in ov.slots[: ov.low - ov.start]:
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                del self._pins[slot]
 
     # ---- stores ----------------------------------------------------------------------------------
 
@@ -270,6 +387,8 @@ class OffloadManager:
             for block_id in job.store_gpu:
                 if self._gpu_storing.get(block_id) == job_id:
                     del self._gpu_storing[block_id]
+            for ov in self.overlaps.values():
+                ov.in_flight.pop(job_id, None)
             for req_id in job.req_ids:
                 entry = self.loading.get(req_id)
                 if entry is None or entry[1] != job_id:
@@ -281,9 +400,14 @@ class OffloadManager:
         return now_ready
 
     def drop(self, req: Request) -> bool:
-        """Forget a request that ends (or is preempted) while loading or loaded; say whether it
-        was one. Its device blocks are freed by the caller: a load still in flight into them
-        makes the step that reuses them wait for it."""
+        """Forget a request that ends (or is preempted) while loading, loaded or met from both
+        ends; say whether it was one. Its device blocks are freed by the caller: a load still
+        in flight into them makes the step that reuses them wait for it."""
+        ov = self.overlaps.get(req.request_id)
+        if ov is not None:  # its blocks go back while loads may still fill some of them
+            self._wait_jobs.update(ov.in_flight)
+            self._end_overlap(ov)
+            return True
         entry = self.loading.pop(req.request_id, None)
         if entry is not None:
             # NOTE: loads are launched with the schedule() that queued them, and requests end

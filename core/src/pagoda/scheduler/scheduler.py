@@ -262,6 +262,8 @@ class Scheduler:
         while i < len(self.running) and step.budget > 0:
             req = self.running[i]
             known = req.num_tokens + req.num_output_placeholders
+            if self.offload is not None and self.offload.overlaps:  # KV offload, overlap mode
+                known = self.offload.compute_limit(req, known)
             num_new = min(
                 known - req.num_computed_tokens,
                 step.budget,
@@ -325,6 +327,8 @@ class Scheduler:
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
                 # This step samples the next token, and may emit every draft before it.
                 r.num_output_placeholders += 1 + len(step.spec.get(r.request_id, ()))
+        if self.offload is not None and self.offload.overlaps:
+            self.offload.top_up(kv)  # loads meeting this step's computed chunks
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached_data,
@@ -430,6 +434,11 @@ class Scheduler:
             num_hit = 0
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
+                if self.offload is not None and self.offload.try_overlap(
+                    req, kv, hit_blocks, num_hit
+                ):
+                    self._start_overlap(req, num_hit, step)
+                    continue
                 if self.offload is not None and self.offload.try_load(
                     req, kv, hit_blocks, num_hit
                 ):
@@ -451,6 +460,19 @@ class Scheduler:
             req.num_computed_tokens += num_hit
             self.running.append(req)
             step.add(req, num_new, blocks, is_new=True)
+
+    def _start_overlap(self, req: Request, num_hit: int, step: _Step) -> None:
+        """Run a request whose CPU-pool hit is met from both ends (KV offload's overlap mode):
+        it holds blocks for its whole prompt; this step computes the hit's first chunk."""
+        self.waiting.pop()
+        req.status = RequestStatus.RUNNING
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        req.num_computed_tokens += num_hit
+        self.running.append(req)
+        limit = self.offload.compute_limit(req, req.num_tokens)
+        blocks = self.kv_cache_manager.req_to_blocks[req.request_id]
+        step.add(req, min(limit - req.num_computed_tokens, step.budget), blocks, is_new=True)
 
     def _schedule_loaded(self, step: _Step) -> None:
         """Schedule the requests whose CPU-pool load is done, first: they hold blocks for their
@@ -498,6 +520,8 @@ class Scheduler:
     def _preempt(self, req: Request, step: _Step) -> None:
         self.running.remove(req)
         step.drop(req)
+        if self.offload is not None:
+            self.offload.drop(req)  # met from both ends: its loads in flight
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -649,6 +673,8 @@ class Scheduler:
         self._unpark(req)
         self.draft_backoff.forget(req.request_id)
         self._proposing.discard(req.request_id)
+        if self.offload is not None:
+            self.offload.drop(req)  # met from both ends: its loads in flight
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
