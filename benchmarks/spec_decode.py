@@ -295,6 +295,19 @@ def main() -> None:
             for name, llm in engines.items()
         },
     }
+    gov = engines["ngram"].engine.engine_core.scheduler.spec_governor
+    if gov is not None and not gov.fixed:  # what the speculation governor measured and chose
+        report["governor"] = {
+            "epochs": {"drafting": gov.epochs[True], "plain": gov.epochs[False]},
+            "buckets": {
+                f"{1 << (b - 1)}-{(1 << b) - 1}": {
+                    "drafting_tok_s_per_request": round(st.rate.get(True, 0.0), 1),
+                    "plain_tok_s_per_request": round(st.rate.get(False, 0.0), 1),
+                    "drafts": st.best,
+                }
+                for b, st in sorted(gov.buckets.items())
+            },
+        }
     where = "cpu"
     if runner.device.type == "cuda":
         where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")

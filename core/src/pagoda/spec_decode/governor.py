@@ -11,11 +11,12 @@ It runs the engine in *epochs* of a few steps, each with drafting on or off for 
 and measures what each yields: tokens emitted per second of wall time between step ends, per
 running request (so that epochs of one batch-size bucket compare fairly as requests come and
 go), kept as an exponential moving average per mode and per bucket of running requests (powers of
-two). After a mode switch the first ``settle_steps`` are not measured (with alternating drafts the
-pipeline needs a few steps to fill). The mode with the higher rate is exploited; the other is
-probed for one epoch now and then, at intervals that double while a probe confirms the choice
-(up to ``max_explore`` epochs) and shrink back when a probe overturns it, so a workload that
-changes is followed and a settled one pays little for probing.
+two). After a switch to drafting the first ``settle_steps`` are not measured (with alternating
+drafts the pipeline needs a few steps to fill), after a switch to plain steps the first two.
+The mode with the higher rate is exploited; the other is probed for one epoch now and then, at
+intervals that double while a probe confirms the choice (up to ``max_explore`` epochs) and shrink
+back when a probe overturns it, so a workload that changes is followed and a settled one pays
+little for probing.
 
 Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured. Turning drafting
 off never changes what is sampled: the output is the same either way (lossless), only sooner or
@@ -115,7 +116,10 @@ class SpeculationGovernor:
         if epoch is None:
             return
         epoch.steps += 1
-        if last is None or not clean or epoch.steps <= self.settle_steps or num_running < 1:
+        # NOTE: a switch to plain steps settles once the step in flight ended (2 steps); drafts
+        # may need ``settle_steps`` to be proposed, scheduled and verified.
+        settle = self.settle_steps if epoch.on else min(self.settle_steps, 2)
+        if last is None or not clean or epoch.steps <= settle or num_running < 1:
             return
         epoch.measured += 1
         epoch.tokens += num_tokens
