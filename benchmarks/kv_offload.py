@@ -227,6 +227,11 @@ def main() -> None:
         "--no-overlap", dest="overlap", action="store_false",
         help="skip the pass with cache.offload_overlap (the offloading engine, run again)",
     )  # fmt: skip
+    ap.add_argument(
+        "--saved-weights", action="store_true",
+        help="random weights built once and saved (pagoda.bench.random_weights) rather than drawn"
+        " at each engine's load (load_format=dummy draws on the CPU: slow for an 8B model)",
+    )  # fmt: skip
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="auto")
@@ -251,11 +256,19 @@ def main() -> None:
         kv_cache_memory_bytes=cache_tokens * token_bytes,
         max_num_seqs=max(8, args.concurrency),
     )
+    weights: dict[str, Any] = {"load_format": "dummy"}
+    if args.saved_weights:  # drawn once on the device and saved: dummy draws take long at 8B
+        from pagoda.bench.random_weights import ensure_random_weights
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        folder, weights = ensure_random_weights(Path(args.random_weights), 0, device)
+        common.update(model=str(folder), load_format="auto")
     report: dict[str, Any] = {
         "benchmark": "kv_offload",
         "commit": commit(),
         "workload": {k: getattr(args, k) for k in _WORKLOAD_KEYS},
         "model": Path(args.random_weights).name + " (random weights)",
+        "weights": weights,
         "gpu_kv_cache_tokens": cache_tokens,
         "prefixes_over_kv_cache": round(args.conversations * args.prefix_len / cache_tokens, 2),
     }
