@@ -187,16 +187,14 @@ class OffloadManager:
         n = self.num_hits(hashes, first, max_hit)
         if n == 0:
             return False
+        slots = self._pin_hit(hashes[first : first + n])
         if kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_hit) is None:
+            self._unpin(slots)
             return False
         held = kv.req_to_blocks[req.request_id]
         job = self._queued
-        for h, block in zip(hashes[first : first + n], held[first : first + n]):
-            slot = self.hash_to_slot[h]
-            self._pins[slot] = self._pins.get(slot, 0) + 1
-            self.policy.touch(h)
-            job.loads.append(slot)
-            job.load_gpu.append(block.block_id)
+        job.loads.extend(slots)
+        job.load_gpu.extend(b.block_id for b in held[first : first + n])
         job.req_ids.append(req.request_id)
         loaded = n * self.block_size
         req.num_computed_tokens = num_hit
@@ -228,14 +226,10 @@ class OffloadManager:
         n = self.num_hits(hashes, first, (req.num_tokens - 1) // self.block_size)
         if n <= 2 * self.overlap_chunk:
             return False
+        slots = self._pin_hit(hashes[first : first + n])
         if kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_hit) is None:
+            self._unpin(slots)
             return False
-        slots = []
-        for h in hashes[first : first + n]:
-            slot = self.hash_to_slot[h]
-            self._pins[slot] = self._pins.get(slot, 0) + 1
-            self.policy.touch(h)
-            slots.append(slot)
         self.overlaps[req.request_id] = _Overlap(req, first, first + n, first + n, slots)
         return True
 
@@ -286,7 +280,22 @@ class OffloadManager:
         """Forget the overlap and unpin the slots whose blocks the device computed (the loaded
         ones are unpinned by their jobs)."""
         del self.overlaps[ov.req.request_id]
-        for slot in ov.slots[: ov.low - ov.start]:
+        self._unpin(ov.slots[: ov.low - ov.start])
+
+    def _pin_hit(self, hashes: Sequence[bytes]) -> list[int]:
+        """Pin the slots of a hit and tell the policy, before the device allocates for it.
+        NOTE: the allocation may evict device blocks whose stores need slots; pinned, the hit's
+        own slots are never the ones given up for them."""
+        slots = []
+        for h in hashes:
+            slot = self.hash_to_slot[h]
+            self._pins[slot] = self._pins.get(slot, 0) + 1
+            self.policy.touch(h)
+            slots.append(slot)
+        return slots
+
+    def _unpin(self, slots: Sequence[int]) -> None:
+        for slot in slots:
             self._pins[slot] -= 1
             if not self._pins[slot]:
                 del self._pins[slot]
@@ -379,10 +388,7 @@ class OffloadManager:
                 continue
             if job.loads:
                 self._loads_done.add(job_id)
-            for slot in job.loads:
-                self._pins[slot] -= 1
-                if not self._pins[slot]:
-                    del self._pins[slot]
+            self._unpin(job.loads)
             self._storing.difference_update(job.stores)
             for block_id in job.store_gpu:
                 if self._gpu_storing.get(block_id) == job_id:
