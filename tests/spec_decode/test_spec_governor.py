@@ -5,6 +5,7 @@ same); it follows a workload that changes, ignores prompt steps and idle gaps, a
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
@@ -168,3 +169,47 @@ def test_governor_switching_keeps_greedy_output_token_identical(mode) -> None:
     assert gov.epochs[True] >= 2 and gov.epochs[False] >= 2, gov.epochs
     assert core.scheduler.spec_stats_total.num_drafts > 0
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
+
+
+def test_drafting_is_measured_again_once_the_batch_has_turned_over() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    _run(gov, clock, 3000, 1, _host_bound)  # one workload where drafting loses: off, rarely probed
+    bucket = gov.buckets[gov.bucket_of(1)]
+    assert bucket.explore_every == gov.max_explore and not bucket.best
+    quiet = copy.deepcopy(gov)
+    gov.admit(1)  # a new request: drafting is probed within two epochs
+    assert any(_run(gov, clock, 22, 1, _host_bound))
+    # Without the turnover, no probe in those steps (the next one is up to 32 epochs away).
+    assert not any(_run(quiet, quiet.clock, 22, 1, _host_bound))  # (its own copy of the clock)
+
+
+def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1() -> None:
+    """Alternating drafts at batch 1: after a step with drafts the schedule is empty (its one
+    request sits out); that is not idleness, so the verification step's tokens are measured."""
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    llm = LLM(
+        model=str(folder),
+        device="cpu",
+        max_model_len=256,
+        max_num_seqs=1,
+        kv_cache_memory_bytes=16 << 20,
+        async_scheduling=True,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+            "async_drafts": "alternate",
+        },
+    )
+    gov = llm.engine.engine_core.scheduler.spec_governor
+    ended = []
+    end = gov._end
+    gov._end = lambda epoch: (ended.append((epoch.on, epoch.tokens, epoch.measured)), end(epoch))
+    prompt = list(range(20, 30)) * 6
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
+    drafting = [(tokens, measured) for on, tokens, measured in ended if on]
+    assert drafting and any(tokens > measured for tokens, measured in drafting), ended

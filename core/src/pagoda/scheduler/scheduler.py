@@ -318,8 +318,10 @@ class Scheduler:
             for r in step.cached_reqs
         ]
         finished, self.finished_req_ids = self.finished_req_ids | step.preempted, set()
-        if gov is not None and not step.num_scheduled:
-            gov.idle()
+        if gov is not None and not self.running:
+            gov.idle()  # NOTE: not when every running request sits this step out
+        elif gov is not None and step.new_reqs:
+            gov.admit(len(step.new_reqs))
         for r in self.running:
             r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
         for r in itertools.chain(step.new_reqs, step.cached_reqs):

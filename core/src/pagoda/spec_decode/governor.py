@@ -16,7 +16,8 @@ drafts the pipeline needs a few steps to fill), after a switch to plain steps th
 The mode with the higher rate is exploited; the other is probed for one epoch now and then, at
 intervals that double while a probe confirms the choice (up to ``max_explore`` epochs) and shrink
 back when a probe overturns it, so a workload that changes is followed and a settled one pays
-little for probing.
+little for probing. While drafting is off, it is probed again as soon as the batch has turned
+over (as many requests admitted as are running): a new workload may draft well.
 
 Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured. Turning drafting
 off never changes what is sampled: the output is the same either way (lossless), only sooner or
@@ -43,6 +44,7 @@ class _Bucket:
     best: bool = True  # drafting on until measured otherwise: the user asked for it
     explore_every: int = 0  # exploit epochs between probes of the other mode
     since_probe: int = 0
+    admitted_at_probe: int = 0  # the governor's ``admitted`` when drafting was last measured
 
 
 @dataclass(slots=True)
@@ -88,6 +90,9 @@ class SpeculationGovernor:
         self.buckets: dict[int, _Bucket] = {}
         self.epoch: _Epoch | None = None
         self._last_end: float | None = None
+        # Requests admitted so far, and the running count at the last step end.
+        self.admitted = 0
+        self._running = 0
         # Epochs run in each mode (for reports and tests).
         self.epochs = {True: 0, False: 0}
 
@@ -122,10 +127,15 @@ class SpeculationGovernor:
         if last is None or not clean or epoch.steps <= settle or num_running < 1:
             return
         epoch.measured += 1
+        self._running = num_running
         epoch.tokens += num_tokens
         epoch.request_seconds += (now - last) * num_running
         if epoch.measured >= self.epoch_steps:
             self._end(epoch)
+
+    def admit(self, num_requests: int) -> None:
+        """``num_requests`` requests joined the batch (new, or resumed after preemption)."""
+        self.admitted += num_requests
 
     def idle(self) -> None:
         """Nothing ran: the next step's end is not measured from the last one's."""
@@ -140,6 +150,8 @@ class SpeculationGovernor:
     def _begin(self, b: int, on: bool) -> None:
         self.epoch = _Epoch(b, on)
         self.epochs[on] += 1
+        if on:
+            self._bucket(b).admitted_at_probe = self.admitted
 
     def _end(self, epoch: _Epoch) -> None:
         bucket = self._bucket(epoch.bucket)
@@ -162,6 +174,10 @@ class SpeculationGovernor:
         bucket.best = winner
         other = not bucket.best
         probe = other not in bucket.rate or bucket.since_probe >= bucket.explore_every
+        # NOTE: drafting pays by workload (how often drafts are right): once the batch has
+        # turned over since drafting was last measured, it is measured again.
+        turned_over = self.admitted - bucket.admitted_at_probe >= max(self._running, 1)
+        probe |= other and turned_over and bucket.since_probe >= 1
         self._begin(epoch.bucket, other if probe else bucket.best)
 
     def _winner(self, bucket: _Bucket) -> bool:
