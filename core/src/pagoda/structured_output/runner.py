@@ -86,7 +86,10 @@ class GrammarRows:
 
     def _buffer(self, device: torch.device) -> torch.Tensor:
         """The next of two host buffers. NOTE: a buffer is refilled two steps after it was
-        copied to the device, by when that step (and its copy) has ended."""
+        copied to the device, by when that step (and its copy) has ended. The host writes them
+        through numpy views: a torch op on a tensor this size runs on torch's OpenMP threads
+        (a second team of them when called from the grammar thread), which spin after it on
+        the cores the grammar backend's own threads fill the rows on."""
         if not self._buffers:
             shape = (self.max_num_reqs, bitmask_width(self.vocab_size))
             pin = device.type == "cuda"
@@ -145,7 +148,7 @@ class GrammarRows:
         for e, accepted, t in zip(entries, ok, got):
             self._accepted(e, 1, accepted, [t])
         live = [(j, e) for j, e in items if e.live]
-        buf[:n].fill_(-1)
+        buf.numpy()[:n] = -1  # NOTE: numpy, not torch: see _buffer
         if live:
             backend.fill_bitmasks([e.matcher for _, e in live], buf, [j for j, _ in live])
         for j, e in live:
@@ -214,13 +217,13 @@ class GrammarRows:
         source = self._buffers[self._next_buffer ^ 1] if self._buffers else None
         out = self._buffer(device)
         if source is not None:  # NOTE: rows are copied out before anything overwrites source
-            saved = source[: len(self._prefetch_order)].clone()
-        out[:n].fill_(-1)
+            saved = source.numpy()[: len(self._prefetch_order)].copy()
+        out.numpy()[:n] = -1
         todo = []
         for j, i in zip(live, constrained):
             p = entries[j].prefetched
             if p is not None and p[0] == gen and source is not None:
-                out[i] = saved[p[1]]
+                out.numpy()[i] = saved[p[1]]
             else:
                 todo.append((j, i))
         if todo:

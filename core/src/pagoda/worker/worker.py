@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.engine.model_info import ModelInfo
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -30,6 +35,8 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        if self.info.device.type == "cuda":
+            limit_cpu_threads()
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -39,3 +46,19 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+
+def limit_cpu_threads() -> None:
+    """A GPU engine's host work is scheduling, small copies and the grammar backend's threads;
+    torch's CPU thread pool, sized to every core, spins on those cores after each CPU op (as
+    vLLM, cap it; OMP_NUM_THREADS chooses instead)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    threads = max(1, min(torch.get_num_threads(), cpus // 4))
+    if threads < torch.get_num_threads():
+        logger.info("torch CPU threads: %d of %d (GPU engine)", threads, torch.get_num_threads())
+        torch.set_num_threads(threads)
