@@ -436,8 +436,10 @@ class Scheduler:
             num_hit = 0
             if req.num_computed_tokens == 0:
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
-                if self.offload is not None and self.offload.try_overlap(
-                    req, kv, hit_blocks, num_hit
+                if (
+                    self.offload is not None
+                    and self.enable_chunked_prefill  # overlap computes the hit in chunks
+                    and self.offload.try_overlap(req, kv, hit_blocks, num_hit)
                 ):
                     self._start_overlap(req, num_hit, step)
                     continue
