@@ -130,6 +130,8 @@ def pool_figures(llm: LLM) -> dict[str, Any]:
             **off.idle_figures(),
             copies_in_flight=_medium(llm).num_in_flight,
         )
+        if off.overlap:  # the share of a hit computed rather than loaded, as learned
+            out["overlap_share"] = round(off.overlap_share, 3)
     return out
 
 

@@ -140,8 +140,8 @@ def test_offload_on_cuda_gives_the_same_greedy_output_with_cpu_hits(
         offload_overlap=overlap,
     )
     offload = llm.engine.engine_core.scheduler.offload
-    if overlap:  # at this scale: 24-block hits met from both ends, 4 blocks a step each way
-        offload.overlap_chunk, offload.overlap_load, offload.overlap_ahead = 4, 4, 2
+    if overlap:  # at this scale: 24-block hits met from both ends, computed 4 blocks a step
+        offload.overlap_chunk = 4
     medium = llm.engine.engine_core.executor.worker.model_runner.kv_offload
     assert medium.cpu.is_pinned() and medium.stacked is not None  # one copy kernel a chunk
     got: list[list[int]] = []

@@ -28,7 +28,7 @@ def test_a_hit_keeps_its_slots_when_its_allocation_evicts_a_block_the_full_pool_
     # that block: evicted mode stores it, and the pool's least recently used blocks are the
     # hit's own. They must stay: the store is dropped instead.
     offload = OffloadManager(2, BS, LRUPolicy(2), overlap=mode == "overlap")
-    offload.overlap_chunk = 0  # any hit is met from both ends
+    offload.overlap_chunk, offload.overlap_share = 0, 0.0  # any hit: every block loaded
     kv = KVCacheManager(4, BS, True, 64, offload)
     context = list(range(10, 18))
     turn = _req("turn", context + [99])
@@ -49,7 +49,34 @@ def test_a_hit_keeps_its_slots_when_its_allocation_evicts_a_block_the_full_pool_
     assert start(turn, kv, hit, n)
     assert [offload.hash_to_slot[h] for h in hashes] == [0, 1]
     assert offload.stats_total.dropped_stores == 1
-    if mode == "overlap":
-        offload.top_up(kv)
     step = offload.build_step()
     assert sorted(step.load_cpu) == [0, 1] and not step.store_gpu
+
+
+def test_overlap_computes_more_of_the_next_hit_after_the_device_waited_for_a_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = iter(range(100))
+    monkeypatch.setattr("pagoda.kv_offload.manager.time.perf_counter", lambda: next(clock))
+    offload = OffloadManager(16, BS, LRUPolicy(16), overlap=True)
+    offload.overlap_chunk = 1
+    kv = KVCacheManager(16, BS, True, 64, offload)
+    turn = _req("turn", list(range(10, 50)) + [99])  # 10 full blocks, all in the pool
+    hashes = update_block_hashes(turn, BS)[:10]
+    offload.on_blocks_evicted(list(range(1, 11)), hashes)
+    offload.finish_jobs([offload.build_step().job_id])
+    assert offload.try_overlap(turn, kv, [], 0)  # share 0.3: blocks 0-2 computed, 3-9 loaded
+    job = offload.build_step().job_id
+    for _ in range(3):  # steps at t = 0, 1, 2 compute a block each
+        turn.num_computed_tokens = offload.compute_limit(turn, turn.num_tokens)
+    assert turn.num_computed_tokens == 3 * BS
+    # t = 3: nothing left to compute, the load still in flight; reported done at t = 8.
+    assert offload.compute_limit(turn, turn.num_tokens) == 3 * BS
+    for _ in range(4):
+        next(clock)
+    offload.finish_jobs([job])
+    assert offload.compute_limit(turn, turn.num_tokens) == turn.num_tokens  # t = 9: merged
+    assert turn.num_computed_tokens == 10 * BS
+    # Steps of 1 s; the device waited 9 - 3 - 1 (its last chunk) = 5 steps: half of 5 blocks
+    # of the 10-block hit move to the device.
+    assert offload.overlap_share == pytest.approx(0.3 + 0.5 * 5 / 10)

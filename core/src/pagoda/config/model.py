@@ -108,8 +108,9 @@ class CacheConfig(_Section):
     offload_overlap: bool = Field(
         False,
         description="meet a long CPU-pool hit from both ends: the device computes its first"
-        " blocks, a chunk a step, while the rest loads from the end down, so that the bus and"
-        " the device work at once (Cake); false: load every hit block, the device waits",
+        " blocks, a chunk a step, while the rest loads, so that the bus and the device work at"
+        " once (Cake; the computed share is learned); false: load every hit block, the device"
+        " waits",
     )
 
 

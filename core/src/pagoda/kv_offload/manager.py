@@ -19,20 +19,23 @@ prompt at once and waits (``loading``) until its load job is done; then the load
 as computed and it is ``ready`` to be scheduled, ahead of the waiting queue, needing no block.
 
 With ``overlap`` (``cache.offload_overlap``) a long hit is met from both ends instead, as in
-Cake ("Compute or Load KV Cache? Why Not Both?", Jin et al., 2024): the request runs at once and
-the device computes the hit's first blocks, a chunk a step, while loads bring its last blocks
-back, a few chunks in flight, from the end down; neither touches the other's blocks. Where
-they meet, once every load is done, the loaded blocks count as computed::
+Cake ("Compute or Load KV Cache? Why Not Both?", Jin et al., 2024): the request runs at once,
+its hit's last blocks load in one job from the start, and meanwhile the device computes its
+first blocks, a chunk a step; neither touches the other's blocks. Where they meet, once the
+load is done, the loaded blocks count as computed::
 
-    device hit | computed, chunk by chunk ->   | <- loaded, chunk by chunk | suffix
-    0        start                        ^low (lowest block queued)      end
+    device hit | computed, chunk by chunk -> | loaded, one job, from step one | suffix
+    0        start                         low                             end
 
-The bus and the device work at once, so the hit costs about what the faster of the two would
-take for its share, rather than the whole load.
+The bus and the device work at once, so a hit costs about what the slower of the two takes for
+its share rather than the whole load. The computed share (``overlap_share``) is learned: each
+hit ends with one side waiting for the other (the device for the load, or the load done while
+the device still computes), and the share moves to balance the next hit.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -59,8 +62,8 @@ class OffloadStats:
 @dataclass
 class _Overlap:
     """A request whose pool hit, blocks ``[start, end)``, is met from both ends: computed from
-    ``start`` up, loaded from ``end`` down to ``low``. Every slot of the hit is pinned until it
-    is loaded or the device has computed its block."""
+    ``start`` up to ``low``, loaded from ``low`` to ``end``. Every slot of the hit is pinned
+    until it is loaded or the device has computed its block."""
 
     req: Request
     start: int
@@ -68,6 +71,13 @@ class _Overlap:
     low: int
     slots: list[int]  # the pool slot of each block of the hit
     in_flight: dict[int, int] = field(default_factory=dict)  # load job id -> its blocks
+    # Times (perf_counter) of each chunk granted, of the first step after the last, of the
+    # load's end as reported, and of the first step with nothing left to compute while the
+    # load was in flight.
+    chunks: list[float] = field(default_factory=list)
+    after: float | None = None
+    loaded_at: float | None = None
+    waited_at: float | None = None
 
 
 @dataclass
@@ -112,12 +122,12 @@ class OffloadManager:
         self.ready: list[Request] = []
         self.stats = OffloadStats()
         self.stats_total = OffloadStats()
-        # Overlap mode: blocks computed a step, blocks a load chunk, load chunks in flight at
-        # most (about a step's worth of the bus on a GPU), for each request met from both ends.
+        # Overlap mode: blocks computed a step, and the share of a hit computed rather than
+        # loaded (learned from each hit's end), for each request met from both ends.
         self.overlap = overlap
         self.overlap_chunk = 64
-        self.overlap_load = 48
-        self.overlap_ahead = 4
+        self.overlap_share = 0.3
+        self._step_s: float | None = None  # a computing step's seconds, as last measured
         self.overlaps: dict[str, _Overlap] = {}
 
     # ---- figures ---------------------------------------------------------------------------------
@@ -230,7 +240,17 @@ class OffloadManager:
         if kv.allocate_slots(req, req.num_tokens - num_hit, hit_blocks, num_hit) is None:
             self._unpin(slots)
             return False
-        self.overlaps[req.request_id] = _Overlap(req, first, first + n, first + n, slots)
+        low = first + max(self.overlap_chunk, round(self.overlap_share * n))
+        ov = _Overlap(req, first, first + n, low, slots)
+        self.overlaps[req.request_id] = ov
+        if low < ov.end:
+            held = kv.req_to_blocks[req.request_id]
+            self._queued.loads.extend(slots[low - first :])
+            self._queued.load_gpu.extend(b.block_id for b in held[low : ov.end])
+            ov.in_flight[self._next_job] = ov.end - low
+            for s in (self.stats, self.stats_total):
+                s.loaded_blocks += ov.end - low
+                s.cpu_hit_tokens += (ov.end - low) * self.block_size
         return True
 
     def compute_limit(self, req: Request, known: int) -> int:
@@ -242,39 +262,41 @@ class OffloadManager:
         if ov is None:
             return known
         bs = self.block_size
+        now = time.perf_counter()
         if req.num_computed_tokens < ov.low * bs:
+            ov.chunks.append(now)
             return min(known, ov.low * bs, req.num_computed_tokens + self.overlap_chunk * bs)
+        if ov.after is None:
+            ov.after = now
         if ov.in_flight:
-            return req.num_computed_tokens  # met: the last loads are still on their way
+            if ov.waited_at is None:
+                ov.waited_at = now
+            return req.num_computed_tokens  # met: the load is still on its way
+        self._learn(ov, now)
         self._end_overlap(ov)
         loaded = (ov.end - ov.low) * bs
         req.num_computed_tokens += loaded
         req.num_cached_tokens = max(req.num_cached_tokens, 0) + loaded
         return known
 
-    def top_up(self, kv: KVCacheManager) -> None:
-        """At the end of ``schedule()``: queue the next load chunks of each request met from
-        both ends, from the top of its gap down, up to ``overlap_ahead`` chunks in flight, and
-        leaving a compute chunk's worth of the gap to the device."""
-        bs = self.block_size
-        for ov in self.overlaps.values():
-            computed = ov.req.num_computed_tokens // bs  # this step's chunk included
-            in_flight = sum(ov.in_flight.values())
-            held = kv.req_to_blocks[ov.req.request_id]
-            job = self._queued
-            while in_flight < self.overlap_ahead * self.overlap_load:
-                n = min(self.overlap_load, ov.low - computed - self.overlap_chunk)
-                if n <= 0:
-                    break
-                for b in range(ov.low - n, ov.low):
-                    job.loads.append(ov.slots[b - ov.start])
-                    job.load_gpu.append(held[b].block_id)
-                ov.low -= n
-                in_flight += n
-                ov.in_flight[self._next_job] = ov.in_flight.get(self._next_job, 0) + n
-                for s in (self.stats, self.stats_total):
-                    s.loaded_blocks += n
-                    s.cpu_hit_tokens += n * bs
+    def _learn(self, ov: _Overlap, now: float) -> None:
+        """Move the computed share toward balance: by half the blocks the side that finished
+        first could have taken over meanwhile, in computing steps (a chunk each)."""
+        if len(ov.chunks) >= 2:
+            self._step_s = (ov.chunks[-1] - ov.chunks[0]) / (len(ov.chunks) - 1)
+        elif self._step_s is None and ov.chunks and ov.after is not None:
+            self._step_s = ov.after - ov.chunks[0]  # one step: less sure, but a start
+        if not self._step_s:
+            return
+        if ov.waited_at is not None:  # the device waited for the load
+            # NOTE: from the step after the last chunk's was scheduled, which ran that chunk.
+            steps = max((now - ov.waited_at) / self._step_s - 1, 0.0)
+        elif ov.loaded_at is not None:  # the load was done while the device computed
+            steps = -(now - ov.loaded_at) / self._step_s
+        else:
+            return
+        share = self.overlap_share + 0.5 * steps * self.overlap_chunk / (ov.end - ov.start)
+        self.overlap_share = min(max(share, 0.0), 0.9)
 
     def _end_overlap(self, ov: _Overlap) -> None:
         """Forget the overlap and unpin the slots whose blocks the device computed (the loaded
@@ -394,7 +416,8 @@ class OffloadManager:
                 if self._gpu_storing.get(block_id) == job_id:
                     del self._gpu_storing[block_id]
             for ov in self.overlaps.values():
-                ov.in_flight.pop(job_id, None)
+                if ov.in_flight.pop(job_id, None) is not None and not ov.in_flight:
+                    ov.loaded_at = time.perf_counter()
             for req_id in job.req_ids:
                 entry = self.loading.get(req_id)
                 if entry is None or entry[1] != job_id:

@@ -329,8 +329,6 @@ class Scheduler:
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
                 # This step samples the next token, and may emit every draft before it.
                 r.num_output_placeholders += 1 + len(step.spec.get(r.request_id, ()))
-        if self.offload is not None and self.offload.overlaps:
-            self.offload.top_up(kv)  # loads meeting this step's computed chunks
         return SchedulerOutput(
             scheduled_new_reqs=new_data,
             scheduled_cached_reqs=cached_data,
