@@ -1,8 +1,9 @@
 """The reference attention backend: plain torch over the paged cache, on any device.
 
-Decoding requests (one query token) are attended in one batched call over their gathered,
-padded contexts; requests with several query tokens (prefill chunks) one call each. All
-per-step planning happens in ``build_metadata``, once per step, not in the layers.
+Decoding requests (one query token) are grouped by context length, and each group is attended in
+one batched call over its gathered contexts, padded to the group's longest; requests with several
+query tokens (prefill chunks) one call each. All per-step planning happens in ``build_metadata``,
+once per step, not in the layers.
 """
 
 from __future__ import annotations
@@ -31,21 +32,43 @@ class _Prefill:
 
 
 @dataclass
+class _Decodes:
+    """The step's decodes, grouped by context length; each group is one attention call over its
+    rows' blocks, every row padded to the group's longest."""
+
+    tokens: torch.Tensor  # flat-batch indices of the decode tokens, group after group
+    blocks: torch.Tensor  # block ids of every group's rows, row-major, group after group
+    shapes: list[tuple[int, int]]  # (rows, max_blocks) of each group
+    masks: list[torch.Tensor]  # [rows, 1, 1, max_blocks * block_size] bool, True on row's keys
+    # The masks as additive float masks, made by the first layer that needs them.
+    biases: list[torch.Tensor] | None = None
+
+    def biases_for(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        if self.biases is None or self.biases[0].dtype != dtype:
+            self.biases = [
+                torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+                for m in self.masks
+            ]
+        return self.biases
+
+
+@dataclass
 class TorchNativeMetadata:
     common: CommonAttentionMetadata
-    all_decode: bool
-    decode_tokens: torch.Tensor | None  # flat-batch indices of decode tokens
-    decode_blocks: torch.Tensor | None  # [num_decodes * max_blocks] block ids, row-major
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decodes: _Decodes | None
     prefills: list[_Prefill]
-    # The decode mask as an additive float mask, made by the first layer that needs it.
-    decode_bias: torch.Tensor | None = None
 
-    def decode_bias_for(self, dtype: torch.dtype) -> torch.Tensor:
-        if self.decode_bias is None or self.decode_bias.dtype != dtype:
-            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
-            self.decode_bias = bias.masked_fill_(~self.decode_mask, float("-inf"))
-        return self.decode_bias
+
+def _length_classes() -> np.ndarray:
+    """Upper bounds, in blocks, of the decode groups' lengths: 4, 8, .., 32, then 1/8 more each
+    (a group costs a few calls a layer; narrower classes would pad less but call more)."""
+    bounds = [4]
+    while bounds[-1] < 1 << 24:
+        bounds.append(max(bounds[-1] + 4, -(-bounds[-1] * 9 // 8)))
+    return np.array(bounds)
+
+
+_LENGTH_CLASSES = _length_classes()
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -68,19 +91,30 @@ class TorchNativeBackend(AttentionBackend):
         q_lens = np.diff(qsl)
         bs = common.block_size
         device = common.block_table.device
+        # NOTE: a decode reads its whole context, so padding every row to the batch's longest
+        # reads 1.6 times the keys when lengths spread evenly over x..4x; rows of one length class
+        # (_LENGTH_CLASSES: 4 blocks wide, an eighth of the bound past 32) share one call,
+        # padded to their own longest.
         decode_rows = np.nonzero(q_lens == 1)[0]
-        all_decode = len(decode_rows) == n
-        decode_tokens = decode_blocks = decode_mask = None
+        decodes = None
         if len(decode_rows):
-            lens = seq_lens[decode_rows]
-            max_blocks = int(-(-int(lens.max()) // bs))
-            rows_t = torch.from_numpy(decode_rows).to(device)
-            decode_blocks = common.block_table[rows_t, :max_blocks].flatten().long()
-            if not all_decode:
-                decode_tokens = torch.from_numpy(qsl[decode_rows]).to(device)
-            arange = torch.arange(max_blocks * bs, device=device)
-            lens_t = torch.from_numpy(lens.astype(np.int64)).to(device)
-            decode_mask = (arange[None, :] < lens_t[:, None])[:, None, None, :]
+            num_blocks = -(-seq_lens[decode_rows] // bs)
+            classes = np.searchsorted(_LENGTH_CLASSES, num_blocks)
+            order = np.argsort(classes, kind="stable")
+            rows, num_blocks, classes = decode_rows[order], num_blocks[order], classes[order]
+            starts = np.flatnonzero(np.diff(classes, prepend=-1))
+            ends = np.append(starts[1:], len(rows))
+            keys = torch.arange(int(num_blocks.max()) * bs, device=device)
+            lens = torch.from_numpy(seq_lens[rows].astype(np.int64)).to(device)
+            blocks, shapes, masks = [], [], []
+            for lo, hi in zip(starts.tolist(), ends.tolist()):
+                max_blocks = int(num_blocks[lo:hi].max())
+                rows_t = torch.from_numpy(rows[lo:hi]).to(device)
+                blocks.append(common.block_table[rows_t, :max_blocks].flatten())
+                shapes.append((hi - lo, max_blocks))
+                masks.append((keys[None, : max_blocks * bs] < lens[lo:hi, None])[:, None, None])
+            tokens = torch.from_numpy(qsl[rows].astype(np.int64)).to(device)
+            decodes = _Decodes(tokens, torch.cat(blocks).long(), shapes, masks)
         prefills = []
         for i in np.nonzero(q_lens > 1)[0]:
             start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
@@ -92,9 +126,7 @@ class TorchNativeBackend(AttentionBackend):
                 q_pos = torch.arange(q_len, device=device)[:, None] + ctx
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos
             prefills.append(_Prefill(start, end, seq_len, blocks, mask))
-        return TorchNativeMetadata(
-            common, all_decode, decode_tokens, decode_blocks, decode_mask, prefills
-        )
+        return TorchNativeMetadata(common, decodes, prefills)
 
 
 class TorchNativeImpl(AttentionImpl):
@@ -112,12 +144,10 @@ class TorchNativeImpl(AttentionImpl):
             key, value, kv_cache, md.common.slot_mapping, num_tokens
         )
 
-        if md.all_decode:
-            return self._decode(query[:num_tokens], key_cache, value_cache, md)
         out = torch.empty_like(query)
-        if md.decode_blocks is not None:
-            q = query.index_select(0, md.decode_tokens)
-            out.index_copy_(0, md.decode_tokens, self._decode(q, key_cache, value_cache, md))
+        if md.decodes is not None:
+            q = query.index_select(0, md.decodes.tokens)
+            out.index_copy_(0, md.decodes.tokens, self._decode(q, key_cache, value_cache, md))
         h_kv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // h_kv
         for p in md.prefills:
@@ -143,22 +173,28 @@ class TorchNativeImpl(AttentionImpl):
 
     def _decode(
         self,
-        q: torch.Tensor,  # [num_decodes, num_heads, head_size]
+        q: torch.Tensor,  # [num_decodes, num_heads, head_size], group after group
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         md: TorchNativeMetadata,
     ) -> torch.Tensor:
-        b, h_kv, d = q.shape[0], self.num_kv_heads, self.head_size
-        num_blocks = key_cache.shape[0]
-        # One row gather per block (index_select beats advanced indexing on CPU), viewed as
-        # [B, H_kv, L, D] without a copy.
-        k = key_cache.view(num_blocks, -1).index_select(0, md.decode_blocks)
-        v = value_cache.view(num_blocks, -1).index_select(0, md.decode_blocks)
-        k = k.view(b, -1, h_kv, d).transpose(1, 2)
-        v = v.view(b, -1, h_kv, d).transpose(1, 2)
-        # NOTE: the query heads that share a KV head ride as that head's "query positions", so
-        # grouped-query attention needs no copy of K and V per query head.
-        o = F.scaled_dot_product_attention(
-            q.view(b, h_kv, -1, d), k, v, attn_mask=md.decode_bias_for(q.dtype), scale=self.scale
-        )
-        return o.reshape(b, self.num_heads, d)
+        h_kv, d = self.num_kv_heads, self.head_size
+        dec = md.decodes
+        key_rows = key_cache.view(key_cache.shape[0], -1)
+        value_rows = value_cache.view(value_cache.shape[0], -1)
+        outs, row, block = [], 0, 0
+        for (b, max_blocks), bias in zip(dec.shapes, dec.biases_for(q.dtype)):
+            # One row gather per block (index_select beats advanced indexing on CPU), a group at
+            # a time so that its keys are still in cache when attended, viewed as [B, H_kv, L,
+            # D] without a copy.
+            blocks = dec.blocks[block : block + b * max_blocks]
+            k = key_rows.index_select(0, blocks).view(b, -1, h_kv, d).transpose(1, 2)
+            v = value_rows.index_select(0, blocks).view(b, -1, h_kv, d).transpose(1, 2)
+            # NOTE: the query heads that share a KV head ride as that head's "query
+            # positions", so grouped-query attention needs no copy of K and V per query head.
+            o = F.scaled_dot_product_attention(
+                q[row : row + b].view(b, h_kv, -1, d), k, v, attn_mask=bias, scale=self.scale
+            )
+            outs.append(o.reshape(b, self.num_heads, d))
+            row, block = row + b, block + b * max_blocks
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
