@@ -29,4 +29,6 @@ class UniProcExecutor(Executor):
         return self.worker.model_runner.launch(scheduler_output)
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.model_runner.grammar.close()  # its matcher process, if any
         self.worker = None  # type: ignore[assignment]

@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_width
+
+if TYPE_CHECKING:
+    from pagoda.structured_output.remote import RemoteGrammarRows
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,16 @@ class GrammarRows:
 
     def remove(self, req_id: str) -> None:
         self.entries.pop(req_id, None)
+
+    def after_launch(self, out: Any, device: torch.device) -> None:
+        """A step whose sampling is launched (``out``, a ``StepOutput``): prefetch the next
+        bitmask rows of its constrained requests."""
+        sampled_ids = [out.req_ids[i] for i in out.sample_idx]
+        self.prefetch(sampled_ids, out.sampled, out.event, device)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     # ---- buffers -------------------------------------------------------------------------------
 
@@ -265,3 +278,18 @@ class GrammarRows:
             # than stall; its output is what it is.
             entry.broken = True
             logger.warning("a constrained request's token was refused by its grammar: %s", tokens)
+
+
+def grammar_rows(
+    config: EngineConfig, vocab_size: int, max_num_reqs: int, device: torch.device
+) -> GrammarRows | RemoteGrammarRows:
+    """The runner's matchers: in a process of their own (``structured_output.matcher_process``;
+    by default on a GPU, where the engine loop bounds a small model's step), else in a thread
+    of this one."""
+    from pagoda.structured_output.remote import RemoteGrammarRows
+
+    remote = config.structured_output.matcher_process
+    if remote is None:
+        remote = device.type == "cuda"
+    cls = RemoteGrammarRows if remote else GrammarRows
+    return cls(config, vocab_size, max_num_reqs)

@@ -40,7 +40,7 @@ from pagoda.spec_decode.inflight import (
 )
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
-from pagoda.structured_output.runner import GrammarRows
+from pagoda.structured_output.runner import grammar_rows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
@@ -119,7 +119,7 @@ class ModelRunner:
             self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
         )
         # Structured output: the constrained requests' matchers and each step's bitmask.
-        self.grammar = GrammarRows(config, arch.vocab_size, self.max_num_reqs)
+        self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs, device)
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -449,8 +449,7 @@ class ModelRunner:
             out.event = torch.cuda.Event()
             out.event.record()
         if self.grammar.entries and out.sampled is not None and not drafted:
-            sampled_ids = [out.req_ids[i] for i in out.sample_idx]
-            self.grammar.prefetch(sampled_ids, out.sampled, out.event, self.device)
+            self.grammar.after_launch(out, self.device)
 
     def _settle(self) -> None:
         """Keep at most one launched step unread, the last: the next step may take its sampled
@@ -514,6 +513,7 @@ class ModelRunner:
         num_tokens = ib.num_tokens.copy()  # before this step's placeholders
         out.sample_pos = ib.append_placeholders(sample_rows)
 
+        @torch.inference_mode()  # NOTE: it may run from ``get``, outside ``launch``
         def sample() -> None:
             md.grammar = self.grammar.mask(
                 [out.req_ids[i] for i in sample_idx],

@@ -1,0 +1,324 @@
+"""Grammar matchers in a process of their own (``structured_output.matcher_process``).
+
+Advancing a batch's matchers and filling their bitmask rows is about a millisecond of work at
+batch 64, much of it inside the grammar backend with Python's GIL held. In the engine's process
+that work competes with the engine loop itself, which on a GPU is what bounds a small model's
+step: every millisecond the loop loses is a millisecond the device waits. Here a child process
+owns the matchers; the runner sends it each step's sampled ids as soon as it reads them, the
+child advances the matchers and fills the next step's rows into a shared buffer, and the
+runner's next sampling finds them there (``RemoteGrammarRows``, the same interface as
+``GrammarRows``).
+
+Messages, in order on one pipe: ``("add", req_id, params)``, ``("remove", req_id)``,
+``("step", seq, advance, fill, buffer, n)`` (answered with ``(seq, status)``) and ``("stop",)``.
+``advance``: ``[(req_id, tokens)]`` to accept; ``fill``: ``[(req_id, row)]`` to fill in
+``buffer`` (rows up to ``n`` not filled are all ones); ``status``: ``{req_id: (broken,
+terminated)}`` for every request named.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.structured_output.backend import GrammarBackend, bitmask_width
+
+logger = logging.getLogger(__name__)
+
+_PREFETCH_BUFFERS = 2  # alternate between steps; one more for fills on the runner's path
+
+
+class MatcherProcessError(RuntimeError):
+    """The grammar matcher process failed or ended."""
+
+
+@dataclass
+class _Entry:
+    sent: int = 0  # output tokens sent to the child
+    broken: bool = False  # a token was refused: the row is no longer constrained
+    terminated: bool = False
+    prefetched: tuple[int, int] | None = None  # (step message, row in its buffer)
+
+    @property
+    def live(self) -> bool:
+        return not self.broken and not self.terminated
+
+
+class RemoteGrammarRows:
+    """``GrammarRows``, with the matchers in a child process (see the module's note)."""
+
+    def __init__(self, config: Any, vocab_size: int, max_num_reqs: int) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_num_reqs = max_num_reqs
+        self.entries: dict[str, _Entry] = {}
+        self._backend: type[GrammarBackend] | None = None
+        self._conn: Any = None
+        self._proc: Any = None
+        self._buffers: list[torch.Tensor] = []
+        self._registered: list[torch.Tensor] = []
+        self._next = 0
+        self._seq = 0
+        self._outstanding: list[int] = []  # step messages not answered yet
+        self._status: dict[int, dict[str, tuple[bool, bool]]] = {}
+        self._prefetch: tuple[int, list[str], int] | None = None  # (seq, order, buffer)
+
+    # ---- the child -----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from pagoda.structured_output.manager import select_grammar_backend
+
+        self._backend = select_grammar_backend(self.config.structured_output.backend)
+        shape = (self.max_num_reqs, bitmask_width(self.vocab_size))
+        self._buffers = [
+            torch.full(shape, -1, dtype=torch.int32).share_memory_()
+            for _ in range(_PREFETCH_BUFFERS + 1)
+        ]
+        if torch.cuda.is_available():  # pinned, so copies to the device do not wait
+            cudart = torch.cuda.cudart()
+            for b in self._buffers:
+                if cudart.cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0) == 0:
+                    self._registered.append(b)
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(child, self.config, self._buffers),
+            name="pagoda-grammar-matchers",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        weakref.finalize(self, _stop, self._conn, self._proc, list(self._registered))
+
+    def _send(self, msg: tuple) -> None:
+        if self._proc is None:
+            self._start()
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, OSError) as e:
+            raise MatcherProcessError(f"the grammar matcher process ended: {e}") from None
+
+    def _step(self, advance: list, fill: list, buffer: int, n: int) -> int:
+        self._seq += 1
+        self._send(("step", self._seq, advance, fill, buffer, n))
+        self._outstanding.append(self._seq)
+        return self._seq
+
+    def _drain(self) -> None:
+        """Take every answer still due (waits for the last)."""
+        while self._outstanding:
+            try:
+                reply = self._conn.recv()
+            except (EOFError, OSError) as e:
+                raise MatcherProcessError(f"the grammar matcher process ended: {e!r}") from None
+            if reply[0] == "error":
+                raise MatcherProcessError(f"the grammar matcher process failed: {reply[1]}")
+            seq, status = reply
+            self._outstanding.remove(seq)
+            for req_id, (broken, terminated) in status.items():
+                e = self.entries.get(req_id)
+                if e is not None:
+                    e.broken, e.terminated = broken, terminated
+            self._status[seq] = status
+
+    def close(self) -> None:
+        if self._proc is not None:
+            _stop(self._conn, self._proc, self._registered)
+            self._proc = None
+
+    # ---- GrammarRows' interface ----------------------------------------------------------------
+
+    def add(self, req_id: str, params: StructuredOutputsParams | None) -> None:
+        if req_id in self.entries:
+            self.remove(req_id)
+        if params is None:
+            return
+        self.entries[req_id] = _Entry()
+        self._send(("add", req_id, params))
+
+    def remove(self, req_id: str) -> None:
+        if self.entries.pop(req_id, None) is not None:
+            self._send(("remove", req_id))
+
+    def after_launch(self, out: Any, device: torch.device) -> None:
+        """Once ``out``'s sampled ids are on the host (its ``get``), send them to the child,
+        which advances the matchers and fills the next step's rows in the same order."""
+        order = [out.req_ids[i] for i in out.sample_idx]
+        if not any(r in self.entries for r in order):
+            return
+        chained = out.on_output
+
+        def sampled(step: Any, output: Any) -> None:
+            if chained is not None:
+                chained(step, output)
+            self._send_sampled(order, step.sampled.numpy())
+
+        out.on_output = sampled
+
+    def _send_sampled(self, order: list[str], tokens: np.ndarray) -> None:
+        advance, fill = [], []
+        for j, req_id in enumerate(order):
+            e = self.entries.get(req_id)
+            if e is None:
+                continue
+            e.sent += 1
+            if e.live:
+                advance.append((req_id, [int(tokens[j])]))
+                fill.append((req_id, j))
+        if not advance:
+            return
+        buffer = self._next
+        self._next = (self._next + 1) % _PREFETCH_BUFFERS
+        seq = self._step(advance, fill, buffer, len(order))
+        self._prefetch = (seq, order, buffer)
+        for req_id, j in fill:
+            self.entries[req_id].prefetched = (seq, j)
+
+    def mask(
+        self,
+        req_ids: list[str],
+        rows: np.ndarray,
+        token_ids: np.ndarray,
+        num_tokens: np.ndarray,
+        num_prompt: np.ndarray,
+        wait_for_sampled: Any,
+        device: torch.device,
+    ) -> Any:
+        """As ``GrammarRows.mask``."""
+        from pagoda.structured_output.runner import GrammarMask
+
+        idx = [i for i, r in enumerate(req_ids) if r in self.entries]
+        if not idx:
+            return None
+        entries = [self.entries[req_ids[i]] for i in idx]
+        sel = rows[idx]
+        ends = num_tokens[sel]
+
+        def starts() -> np.ndarray:
+            return num_prompt[sel] + np.fromiter((e.sent for e in entries), np.int64, len(idx))
+
+        live = np.fromiter((e.live for e in entries), bool, len(idx))
+        behind = (ends > starts()) & live
+        if behind.any() and (token_ids[sel, np.maximum(ends - 1, 0)][behind] < 0).any():
+            wait_for_sampled()  # its output's hook sends those tokens
+        s = starts()
+        advance = []
+        for j in np.flatnonzero(ends > s).tolist():
+            e = entries[j]
+            if e.live:
+                tokens = token_ids[sel[j], s[j] : ends[j]].tolist()
+                advance.append((req_ids[idx[j]], tokens))
+            e.sent += int(ends[j] - s[j])
+            e.prefetched = None
+        seq = self._prefetch[0] if self._prefetch is not None else None
+        order = self._prefetch[1] if self._prefetch is not None else None
+        usable = (
+            not advance
+            and order == req_ids
+            and all(e.prefetched == (seq, i) for e, i in zip(entries, idx) if e.live)
+        )
+        if usable:
+            self._drain()
+            buffer = self._prefetch[2]
+        else:
+            fill = [(req_ids[i], i) for e, i in zip(entries, idx) if not e.broken]
+            buffer = _PREFETCH_BUFFERS
+            self._step(advance, fill, buffer, len(req_ids))
+            self._drain()
+        for e in entries:
+            e.prefetched = None
+        self._prefetch = None
+        constrained = [i for e, i in zip(entries, idx) if e.live]
+        if not constrained:
+            return None
+        bitmask = self._buffers[buffer][: len(req_ids)]
+        return GrammarMask(self._backend, bitmask.to(device, non_blocking=True), constrained)
+
+
+def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
+    try:
+        conn.send(("stop",))
+    except (BrokenPipeError, OSError):
+        pass
+    proc.join(timeout=5)
+    if proc.is_alive():
+        proc.kill()
+    for b in registered:
+        torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+    registered.clear()
+
+
+def _serve(conn: Any, config: Any, buffers: list[torch.Tensor]) -> None:
+    """The child: matchers by request, advanced and filled as the messages say."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops us
+    torch.set_num_threads(1)
+    from pagoda.engine.model_info import ModelInfo
+    from pagoda.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(config, ModelInfo.from_config(config))
+    matchers: dict[str, list] = {}  # req_id -> [matcher, backend, broken]
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        op = msg[0]
+        try:
+            if op == "stop":
+                return
+            if op == "add":
+                compiled = manager.compiled(msg[2])
+                matchers[msg[1]] = [compiled.new_matcher(), compiled.backend, False]
+            elif op == "remove":
+                matchers.pop(msg[1], None)
+            elif op == "step":
+                _, seq, advance, fill, buffer, n = msg
+                conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
+        except Exception as e:  # noqa: BLE001 - the runner raises it
+            if op == "step":
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+            else:
+                logger.exception("grammar matcher process: %s failed", op)
+
+
+def _advance_and_fill(
+    matchers: dict[str, list], advance: list, fill: list, buffer: torch.Tensor, n: int
+) -> dict[str, tuple[bool, bool]]:
+    status: dict[str, tuple[bool, bool]] = {}
+    one = [(r, t[0]) for r, t in advance if len(t) == 1 and r in matchers and not matchers[r][2]]
+    if one:
+        backend = matchers[one[0][0]][1]
+        ok = backend.accept_batch([matchers[r][0] for r, _ in one], [t for _, t in one])
+        for (r, _), accepted in zip(one, ok):
+            if not accepted and not matchers[r][0].is_terminated():
+                matchers[r][2] = True
+    for r, tokens in advance:
+        if len(tokens) > 1 and r in matchers and not matchers[r][2]:
+            m = matchers[r][0]
+            if not m.accept_tokens(tokens) and not m.is_terminated():
+                matchers[r][2] = True
+    buffer.numpy()[:n] = -1
+    live = []
+    for r, row in fill:
+        entry = matchers.get(r)
+        if entry is not None and not entry[2] and not entry[0].is_terminated():
+            live.append((entry, row))
+    if live:
+        backend = live[0][0][1]
+        backend.fill_bitmasks([e[0] for e, _ in live], buffer, [row for _, row in live])
+    for r, _ in list(advance) + list(fill):
+        entry = matchers.get(r)
+        if entry is not None:
+            status[r] = (entry[2], entry[0].is_terminated())
+    return status

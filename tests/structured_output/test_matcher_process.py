@@ -1,0 +1,72 @@
+"""Grammar matchers in a process of their own (``structured_output.matcher_process``, the
+default on a GPU) give every request the tokens the in-process matchers give, in a mixed batch
+of JSON-schema, regex, choice, sampled and unconstrained requests; the process ends with the
+engine."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from schemas import SCHEMAS
+
+from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+
+PROMPTS = [
+    "Give me a person as JSON.",
+    "My phone number is",
+    "Pick a colour:",
+    "Write a JSON object.",
+    "Hello",
+    "Another person, as JSON:",
+]
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def _params() -> list[SamplingParams]:
+    def c(**kw: object) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**kw)
+
+    return [
+        SamplingParams(
+            max_tokens=40, temperature=0.0, structured_outputs=c(json=SCHEMAS["person"])
+        ),
+        SamplingParams(max_tokens=16, temperature=0.0, structured_outputs=c(regex=PHONE)),
+        SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=c(choice=["red", "blue"])),
+        SamplingParams(
+            max_tokens=24, temperature=1.0, seed=3, structured_outputs=c(json_object=True)
+        ),
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(
+            max_tokens=40, temperature=0.8, seed=5, structured_outputs=c(json=SCHEMAS["person"])
+        ),
+    ]
+
+
+def _run(matcher_process: bool) -> tuple[list[list[int]], LLM]:
+    llm = LLM(
+        max_model_len=256,
+        kv_cache_memory_bytes=32 << 20,
+        max_num_seqs=8,
+        structured_output={"matcher_process": matcher_process},
+    )
+    outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+def test_matchers_in_their_own_process_give_the_same_tokens() -> None:
+    local, llm = _run(False)
+    llm.engine.shutdown()
+    remote, llm = _run(True)
+    rows = llm.engine.engine_core.executor.worker.model_runner.grammar
+    proc = rows._proc
+    assert proc is not None and proc.is_alive()  # the constrained requests went through it
+    text = llm.get_tokenizer().decode(remote[1], skip_special_tokens=True)
+    llm.engine.shutdown()
+    assert remote == local
+    assert re.fullmatch(PHONE, text), text
+    proc.join(timeout=10)
+    assert not proc.is_alive()  # it ends with the engine
