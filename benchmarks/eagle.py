@@ -23,6 +23,7 @@ from pagoda_spec_eagle.record import corpus, encode_prompts
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.report import commit, hardware, save_report
+from pagoda.config import SpeculativeConfig
 
 
 def _random_head(trained: str, out: Path) -> str:
@@ -34,6 +35,25 @@ def _random_head(trained: str, out: Path) -> str:
     )  # fmt: skip
     write_head(out, rnd, random_head_weights(rnd, seed=1))
     return str(out)
+
+
+def _profile(engines: dict, prompt: list[int], params: SamplingParams, out_dir: Path) -> None:
+    """The host's time per function for one prompt on each engine (the steps' shape: engine
+    steps, proposer calls, launches)."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, llm in engines.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+        stats.print_stats(40)
+        stats.sort_stats("cumulative").print_stats("pagoda", 60)
+        (out_dir / f"eagle3-b1-profile-{name}.txt").write_text(text.getvalue())
 
 
 def main() -> None:
@@ -50,6 +70,16 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--training-json", default=None, help="the training command's figures")
+    p.add_argument(
+        "--slots",
+        action="store_true",
+        help="also the trained head with speculative.async_drafts: slots",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write a host profile (cProfile) of one prompt per engine to OUT_DIR",
+    )
     args = p.parse_args()
     out_dir = Path(args.out_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -62,14 +92,18 @@ def main() -> None:
     }
     k = args.num_speculative_tokens
     random_dir = _random_head(args.head, Path(tempfile.mkdtemp(prefix="eagle3-random-head-")))
+    spec = {"method": "eagle3", "num_speculative_tokens": k}
+    if "adaptive" in SpeculativeConfig.model_fields:  # measure the drafts, not a governor
+        spec["adaptive"] = False
     engines = {
         "none": LLM(**base),
-        "eagle3": LLM(**base, speculative_config={"method": "eagle3", "model": args.head,
-                                                  "num_speculative_tokens": k}),
-        "eagle3_random": LLM(**base, speculative_config={"method": "eagle3",
-                                                         "model": random_dir,
-                                                         "num_speculative_tokens": k}),
-    }  # fmt: skip
+        "eagle3": LLM(**base, speculative_config={**spec, "model": args.head}),
+        "eagle3_random": LLM(**base, speculative_config={**spec, "model": random_dir}),
+    }
+    if args.slots:
+        slots = {**spec, "model": args.head, "async_drafts": "slots"}
+        engines["eagle3_slots"] = LLM(**base, speculative_config=slots)
+    drafting = [name for name in engines if name != "none"]
     messages = corpus(args.num_prompts, args.seed, heldout=True, skip=args.heldout_skip)
     room = args.max_model_len - args.max_tokens - k - 8
     prompts = [p[-room:] for p in encode_prompts(engines["none"], messages)]
@@ -84,7 +118,7 @@ def main() -> None:
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
     names = list(engines)
     for i, prompt in enumerate(prompts):
-        for name in names[i % 3 :] + names[: i % 3]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             llm = engines[name]
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -105,11 +139,12 @@ def main() -> None:
         "tokens_per_s": tps,
         "speedup_trained": tps["eagle3"] / tps["none"],
         "speedup_random": tps["eagle3_random"] / tps["none"],
-        "greedy_identical": {
-            name: outputs[name] == outputs["none"] for name in ("eagle3", "eagle3_random")
-        },
+        "speculative_config": spec,
+        "greedy_identical": {name: outputs[name] == outputs["none"] for name in drafting},
     }
-    for name in ("eagle3", "eagle3_random"):
+    if args.slots:
+        report["speedup_trained_slots"] = tps["eagle3_slots"] / tps["none"]
+    for name in drafting:
         st = engines[name].engine.engine_core.scheduler.spec_stats_total
         report[name] = {
             "mean_acceptance_length": st.mean_acceptance_length,
@@ -119,6 +154,8 @@ def main() -> None:
             ],
             "num_drafts": st.num_drafts,
         }
+    if args.profile:  # after the figures: the profile's steps count in no statistic
+        _profile(engines, prompts[0], params, out_dir)
     if args.training_json and Path(args.training_json).exists():
         report["training"] = json.loads(Path(args.training_json).read_text())
     path = save_report(
@@ -126,8 +163,9 @@ def main() -> None:
         "",
         str(out_dir / f"eagle3-b1-{Path(args.model).stem.lower()}-{device.type}-{commit()}.json"),
     )
-    print(json.dumps({k: report[k] for k in ("tokens_per_s", "speedup_trained", "speedup_random",
-                                              "greedy_identical")}))  # fmt: skip
+    keys = ("tokens_per_s", "speedup_trained", "speedup_random", "speedup_trained_slots",
+            "greedy_identical")  # fmt: skip
+    print(json.dumps({key: report[key] for key in keys if key in report}))
     print("trained head:", json.dumps(report["eagle3"]))
     print("wrote", path)
     del engines

@@ -58,9 +58,11 @@ class HiddenFeed:
     def __init__(self, runner: ModelRunner, proposer: SpeculativeProposer) -> None:
         self.layers = tuple(proposer.hidden_state_layers)
         self.device = runner.device
+        self._as_device = runner._as_device
         h = runner.arch.hidden_size
         self.buf: torch.Tensor | None = None
-        self.pending: dict[str, tuple[int, torch.Tensor]] = {}  # req_id -> (first pos, rows)
+        # req_id -> (first position, row blocks, their row count): joined when taken
+        self.pending: dict[str, tuple[int, list[torch.Tensor], int]] = {}
         if not self.layers:
             return
         decoder, norm = _decoder_layers(runner.model)
@@ -108,21 +110,28 @@ class HiddenFeed:
             counts = np.diff(qsl)
             tok_req = np.repeat(np.arange(len(counts)), counts)
             index = tok_req * padded_q + (np.arange(total) - qsl[tok_req])
-            rows = self.buf[torch.from_numpy(index).to(self.device)]
+            rows = self.buf[self._as_device(index)]
         out.hidden_feed = (rows, qsl.copy(), starts.copy())
         sampled = np.zeros(len(req_ids), dtype=bool)
         sampled[sample_idx] = True
         for i in np.flatnonzero(~sampled).tolist():  # chunks of prompts still prefilling
             chunk = rows[qsl[i] : qsl[i + 1]]
-            self.pending[req_ids[i]] = self._join(req_ids[i], int(starts[i]), chunk)
+            self._keep(req_ids[i], int(starts[i]), chunk)
 
-    def _join(self, req_id: str, start: int, chunk: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _keep(self, req_id: str, start: int, chunk: torch.Tensor) -> None:
+        """Keep ``chunk`` (from position ``start``) after the request's pending rows, or
+        instead of them when they do not meet."""
+        first, kept, n = self.pending.get(req_id, (start, [], 0))
+        if first + n != start:
+            first, kept, n = start, [], 0
+        self.pending[req_id] = (first, [*kept, chunk], n + len(chunk))
+
+    def _join(self, req_id: str, start: int, chunk: torch.Tensor) -> torch.Tensor:
         """The request's pending rows followed by ``chunk`` (from position ``start``), or
-        ``chunk`` alone when they do not meet."""
-        first, kept = self.pending.pop(req_id, (start, chunk[:0]))
-        if first + len(kept) != start:
-            return start, chunk
-        return first, torch.cat([kept, chunk]) if len(kept) else chunk
+        ``chunk`` alone when they do not meet; none pend after."""
+        self._keep(req_id, start, chunk)
+        _, kept, _ = self.pending.pop(req_id)
+        return kept[0] if len(kept) == 1 else torch.cat(kept)
 
     def take(
         self, step: StepOutput, keep: np.ndarray, num_tokens: np.ndarray
@@ -139,14 +148,30 @@ class HiddenFeed:
         if not any(r in self.pending for r in ids):
             np.cumsum(m, out=loc[1:])
             flat = np.repeat(qsl[idx] - loc[:-1], m) + np.arange(int(loc[-1]))
-            return rows[torch.from_numpy(flat).to(rows.device)], loc
+            if not len(flat) or flat[-1] - flat[0] + 1 == len(flat):  # a run of rows (decode)
+                lo = int(flat[0]) if len(flat) else 0
+                return rows[lo : lo + len(flat)], loc
+            # NOTE: pinned and non-blocking: a blocking copy would wait for the step launched
+            # since (the host would lose its lead over the device every step).
+            return rows[self._as_device(flat)], loc
         parts = []
         for j, req_id in enumerate(ids):
             own = rows[qsl[idx[j]] : qsl[idx[j]] + m[j]]
-            _, joined = self._join(req_id, int(first[j]), own)
+            joined = self._join(req_id, int(first[j]), own)
             parts.append(joined)
             loc[j + 1] = loc[j] + len(joined)
         return torch.cat(parts), loc
+
+    def hold(self, step: StepOutput, keep: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Keep the rows of the sampling requests ``step.sample_idx[keep]`` (which now know
+        ``num_tokens`` tokens) for a later ``take``: their proposer was not asked this step."""
+        rows, qsl, starts = step.hidden_feed
+        idx = step.sample_idx[keep]
+        first = starts[idx]
+        m = np.clip(num_tokens - 1 - first, 0, np.diff(qsl)[idx])
+        for j, i in enumerate(idx.tolist()):
+            own = rows[qsl[i] : qsl[i] + m[j]]
+            self._keep(step.req_ids[i], int(first[j]), own)
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:

@@ -163,12 +163,18 @@ class SpeculativeProposer(ABC):
 
     needs_hidden_states: ClassVar[bool] = False
     hidden_state_layers: tuple[int, ...] = ()
+    # Requests that will propose nothing before they know this many tokens (a back-off): the
+    # runner does not ask for them until then, and keeps their hidden states for that call
+    # (``new_hidden_states`` then covers every position since the request was last asked).
+    # The proposer sets and clears entries; ``remove`` should drop them.
+    resume_at: dict[str, int]
 
     def __init__(self, ctx: ProposerContext) -> None:
         """Called once per model runner, when it is built: ``ctx`` (a :class:`ProposerContext`)
         holds the speculative section of the configuration, the model's sizes, the device and
         the dtype."""
         self.ctx = ctx
+        self.resume_at = {}
 
     def kv_cache_block_bytes(self, block_size: int) -> int:
         """Called when the target's KV cache is sized (before ``bind_target``), with

@@ -219,14 +219,27 @@ def propose(
         max_drafts = np.minimum(
             max_drafts, np.fromiter((slots.get(r, 0) for r in req_ids), np.int64, len(req_ids))
         )
-    keep = np.flatnonzero(owned & (max_drafts >= 1))
+    ok = owned & (max_drafts >= 1)
+    feed = runner.hidden_feed if step.hidden_feed is not None else None
+    resume = getattr(proposer, "resume_at", None)
+    if resume:  # requests that draft nothing yet are not asked; their hidden states wait
+        waiting = ok & np.fromiter(
+            (n < resume.get(r, 0) for r, n in zip(req_ids, num_tokens.tolist())),
+            dtype=bool,
+            count=len(req_ids),
+        )
+        if waiting.any():
+            ok &= ~waiting
+            if feed is not None:
+                feed.hold(step, np.flatnonzero(waiting), num_tokens[waiting])
+    keep = np.flatnonzero(ok)
     if not len(keep):
         return
     rows = step.sample_rows[keep]
     hidden = step.proposer_hidden
     new_hidden = loc = None
-    if runner.hidden_feed is not None and step.hidden_feed is not None:
-        new_hidden, loc = runner.hidden_feed.take(step, keep, num_tokens[keep])
+    if feed is not None:
+        new_hidden, loc = feed.take(step, keep, num_tokens[keep])
     batch = ProposalBatch(
         req_ids=[req_ids[i] for i in keep.tolist()],
         rows=rows,

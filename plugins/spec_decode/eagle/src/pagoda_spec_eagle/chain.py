@@ -46,11 +46,17 @@ class DenseChain:
         self.device = device
         self.max_batch = max(b for b in BUCKETS if b * width * block_size <= MAX_GATHERED or b == 1)
         b, q = self.max_batch, self.q
-        self.tokens = torch.zeros(b, q, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, q, dtype=torch.int64, device=device)
-        self.valid = torch.zeros(b, q, dtype=torch.bool, device=device)
-        self.last = torch.zeros(b, dtype=torch.int64, device=device)
-        self.table = torch.zeros(b, width, dtype=torch.int64, device=device)
+        # NOTE: the integer inputs are views of one buffer, filled by one copy a call from a
+        # pinned host twin (reused: each call waits for its drafts, so the copy is done).
+        sizes = [b * q, b * q, b * q, b, b * width]
+        self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+        self.host = torch.zeros(sum(sizes), dtype=torch.int64)
+        if device.type == "cuda":
+            self.host = self.host.pin_memory()
+        tokens, positions, valid, last, table = self.ints.split(sizes)
+        self.tokens, self.positions = tokens.view(b, q), positions.view(b, q)
+        self.valid, self.last, self.table = valid.view(b, q), last, table.view(b, width)
+        self.host_views = [v.numpy() for v in self.host.split(sizes)]
         self.hidden = torch.zeros(b, q, hidden_in, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -103,7 +109,7 @@ class DenseChain:
         """Drafts [b, k] for the first ``b`` rows of the input buffers."""
         head, q = self.head, self.q
         pos = self.positions[:b]
-        valid = self.valid[:b]
+        valid = self.valid[:b] != 0
         attend = self._attend(b, q, pos, self._slots(b, pos, valid))
         hidden = head.combine(self.hidden[:b].reshape(b * q, -1))
         h, lm_in = head(pos.reshape(-1), self.embed(self.tokens[:b].reshape(-1)), hidden, attend)
@@ -139,31 +145,29 @@ class DenseChain:
         idx = np.repeat(np.arange(n) * q, m) + (
             np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
         )
-        tok = np.zeros(b * q, dtype=np.int64)
+        tok, pos, valid, last, table = self.host_views
+        tok[:] = 0
         tok[idx] = tokens
-        pos = np.zeros((b, q), dtype=np.int64)
+        pos = pos.reshape(-1, q)
+        pos[:] = 0
         pos[:n] = first[:, None] + np.minimum(np.arange(q)[None, :], (m - 1)[:, None])
-        valid = np.zeros(b * q, dtype=bool)
-        valid[idx] = True
-        last = np.zeros(b, dtype=np.int64)
+        valid[:] = 0
+        valid[idx] = 1
+        last[:] = 0
         last[:n] = m - 1
-        table = np.zeros((b, self.width), dtype=np.int64)
-        table[:, :] = self.trash
+        table = table.reshape(-1, self.width)
+        table[:] = self.trash
         table[:n, : tables.shape[1]] = tables
-        pinned = self.device.type == "cuda"
-
-        def put(dst: torch.Tensor, a: np.ndarray) -> None:
-            t = torch.from_numpy(a)
-            dst.copy_((t.pin_memory() if pinned else t).view(dst.shape), non_blocking=True)
-
-        put(self.tokens[:b], tok)
-        put(self.positions[:b], pos)
-        put(self.valid[:b], valid)
-        put(self.last[:b], last)
-        put(self.table[:b], table)
+        self.ints.copy_(self.host, non_blocking=True)
         rows = self.hidden[:b].view(b * q, -1)
-        rows.zero_()
-        rows[torch.from_numpy(idx).to(self.device)] = hidden.to(rows.dtype)
+        if len(idx) == b * q:
+            rows.copy_(hidden)
+        else:
+            rows.zero_()
+            t = torch.from_numpy(idx)
+            if self.device.type == "cuda":
+                t = t.pin_memory()
+            rows[t.to(self.device, non_blocking=True)] = hidden.to(rows.dtype)
         return b
 
     def bucket(self, n: int) -> int:

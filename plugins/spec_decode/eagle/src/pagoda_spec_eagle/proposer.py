@@ -119,6 +119,13 @@ class EagleProposer(SpeculativeProposer):
             return head.draft_to_target[head.lm_head(out).argmax(dim=-1)]
         return self.target.model.compute_logits(out).argmax(dim=-1)
 
+    def _put(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the device, copied without making the host wait for the device."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.ctx.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.ctx.device, non_blocking=True)
+
     def _tables(self, rows: np.ndarray, max_pos: int) -> np.ndarray:
         """[n, cols] block tables of ``rows`` covering positions ``0..max_pos``: the target's
         blocks, then the row's scratch blocks."""
@@ -146,13 +153,13 @@ class EagleProposer(SpeculativeProposer):
         tokens: torch.Tensor,
         hidden: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dev, bs = self.ctx.device, self.block_size
+        bs = self.block_size
         n = len(seq_lens)
         req = np.repeat(np.arange(n), np.diff(qsl))
         slots = tables[req, positions // bs] * bs + positions % bs
 
         def put(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
+            return self._put(a).to(dtype)
 
         common = CommonAttentionMetadata(
             num_reqs=n,
@@ -185,15 +192,20 @@ class EagleProposer(SpeculativeProposer):
             rows = batch.new_hidden_states[batch.hidden_loc[i] : batch.hidden_loc[i + 1]]
             first = int(batch.num_tokens[i]) - 1 - int(m[i])
             st = self._state.setdefault(req_id, _Backoff())
-            first, rows = st.join(first, rows)
-            st.score(batch.token_ids[batch.rows[i]], int(batch.num_tokens[i]))
-            if len(rows) and st.should_draft():
+            st.add(first, rows)
+            num_tokens = int(batch.num_tokens[i])
+            st.score(batch.token_ids[batch.rows[i]], num_tokens)
+            if st.num_rows and st.should_draft(num_tokens):
+                first, rows = st.take()
+                if self.resume_at:
+                    self.resume_at.pop(req_id, None)
                 go[i] = True
                 pieces.append((first, rows))
                 plain &= len(rows) == m[i]
             else:
-                st.keep(first, rows)
                 plain = False
+                if st.resume > num_tokens:
+                    self.resume_at[req_id] = st.resume
         sel = np.flatnonzero(go)
         if not len(sel):
             return Drafts(out)
@@ -209,6 +221,7 @@ class EagleProposer(SpeculativeProposer):
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
             self._state.pop(req_id, None)
+            self.resume_at.pop(req_id, None)
 
     def _draft(
         self,
@@ -234,11 +247,10 @@ class EagleProposer(SpeculativeProposer):
         if chain is not None and steps == self.k and chain.fits(len(sel), m_sel, tables.shape[1]):
             b = chain.load(tables, first, m_sel, ids, target_hidden)
             return chain.run(b)[: len(sel)].cpu().numpy()
-        dev = self.ctx.device
         hidden = self.head.combine(target_hidden.to(self.ctx.dtype))
-        tokens = torch.from_numpy(ids).to(dev)
+        tokens = self._put(ids)
         h, lm_in = self._run(tables, positions, qsl, num_tokens - 1, tokens, hidden)
-        last = torch.from_numpy(qsl[1:] - 1).to(dev)
+        last = self._put(qsl[1:] - 1)
         h = h[last]
         draft = self._logits_to_ids(lm_in[last])
         drafts = [draft]
@@ -261,26 +273,31 @@ class _Backoff:
     and are caught up on at the next draft. A draft counts as a hit when the target's next
     token equals it, whether or not it was scheduled."""
 
-    __slots__ = ("first", "rows", "last", "at", "misses", "pause", "wait")
+    __slots__ = ("first", "parts", "num_rows", "last", "at", "misses", "pause", "resume")
 
     def __init__(self) -> None:
         self.first = 0
-        self.rows: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] = []  # rows of positions first.. not caught up on yet
+        self.num_rows = 0
         self.last: np.ndarray | None = None
         self.at = 0
         self.misses = 0
         self.pause = 1
-        self.wait = 0
+        self.resume = 0  # drafts again once the request knows this many tokens
 
-    def join(self, first: int, rows: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Waiting rows, then ``rows`` (from position ``first``), when they meet."""
-        kept, self.rows = self.rows, None
-        if kept is None or self.first + len(kept) != first:
-            return first, rows
-        return self.first, torch.cat([kept, rows])
+    def add(self, first: int, rows: torch.Tensor) -> None:
+        """Rows of positions ``first..`` to catch up on: after the waiting ones when they meet,
+        else instead of them."""
+        if self.parts and self.first + self.num_rows == first:
+            self.parts.append(rows)
+            self.num_rows += len(rows)
+        else:
+            self.first, self.parts, self.num_rows = first, [rows], len(rows)
 
-    def keep(self, first: int, rows: torch.Tensor) -> None:
-        self.first, self.rows = first, rows
+    def take(self) -> tuple[int, torch.Tensor]:
+        """The waiting rows (from position ``first``), joined; none wait after."""
+        parts, self.parts, self.num_rows = self.parts, [], 0
+        return self.first, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def score(self, history: np.ndarray, num_tokens: int) -> None:
         if self.last is None or num_tokens <= self.at:
@@ -292,12 +309,11 @@ class _Backoff:
         else:
             self.misses += 1
 
-    def should_draft(self) -> bool:
-        if self.wait > 0:
-            self.wait -= 1
+    def should_draft(self, num_tokens: int) -> bool:
+        if num_tokens < self.resume:
             return False
         if self.misses >= _PATIENCE:
-            self.wait, self.pause = self.pause - 1, min(2 * self.pause, _MAX_PAUSE)
+            self.resume, self.pause = num_tokens + self.pause, min(2 * self.pause, _MAX_PAUSE)
             self.misses = _PATIENCE - 1  # one more miss after the pause pauses again
             return False
         return True

@@ -29,21 +29,35 @@ class HiddenRecorder(SpeculativeProposer):
         # The three layers, then the stream after the last layer (before the final norm).
         self.hidden_state_layers = (*self.aux_layers, n)
         self.target = target
-        self.rows: dict[str, list[torch.Tensor]] = {}
-        self.first: dict[str, int] = {}
+        # NOTE: each call's rows are the step's own tensor (the runner keeps none of it), kept
+        # as they come; no per-request work while the engine runs.
+        self.steps: list[tuple[list[str], np.ndarray, np.ndarray, torch.Tensor]] = []
         _ACTIVE[:] = [self]
 
     def propose(self, batch: ProposalBatch) -> Drafts:
-        loc = batch.hidden_loc
-        for i, req_id in enumerate(batch.req_ids):
-            m = int(loc[i + 1] - loc[i])
-            if not m:
-                continue
-            first = int(batch.num_tokens[i]) - 1 - m
-            if first == 0 or req_id not in self.rows:  # a new or recomputed request
-                self.rows[req_id], self.first[req_id] = [], first
-            self.rows[req_id].append(batch.new_hidden_states[loc[i] : loc[i + 1]].clone())
+        self.steps.append(
+            (batch.req_ids, batch.num_tokens.copy(), batch.hidden_loc, batch.new_hidden_states)
+        )
         return Drafts.empty(len(batch))
+
+    def sequences(self) -> dict[str, torch.Tensor]:
+        """Each request's rows from position 0 on, joined (requests whose rows do not start
+        at 0 or have a gap are left out)."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        starts: dict[str, int] = {}
+        ends: dict[str, int] = {}
+        for req_ids, num_tokens, loc, rows in self.steps:
+            m = np.diff(loc)
+            firsts = (num_tokens - 1 - m).tolist()
+            for i, (req_id, first) in enumerate(zip(req_ids, firsts)):
+                if not m[i]:
+                    continue
+                if first == 0 or ends.get(req_id) != first:  # a new or recomputed request
+                    parts[req_id], starts[req_id] = [], first
+                parts[req_id].append(rows[loc[i] : loc[i + 1]])
+                ends[req_id] = first + int(m[i])
+        self.steps.clear()
+        return {r: torch.cat(p) for r, p in parts.items() if starts[r] == 0}
 
 
 class _RecorderPlugin:
@@ -187,13 +201,14 @@ def generate_and_record(
     rec = _ACTIVE.pop()
     model = rec.target.model
     h = model.config.hidden_size
+    recorded = rec.sequences()
     data = []
     for out in outs:
         req_id = out.request_id
         tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        if req_id not in rec.rows or rec.first[req_id] != 0:
+        if req_id not in recorded:
             continue
-        rows = torch.cat(rec.rows.pop(req_id))[: len(tokens) - 1]
+        rows = recorded.pop(req_id)[: len(tokens) - 1]
         with torch.inference_mode():
             final = model.model.norm(rows[:, 3 * h :].contiguous())
         data.append(

@@ -8,13 +8,15 @@
    layers and the final hidden state (the proposer contract's hidden-state feed: no second
    forward).
 2. A draft vocabulary of the most frequent output tokens (``d2t``/``t2d``); the head's LM head
-   starts from the target's rows for them.
+   is the target's rows for them (trained further only with ``--train-lm-head``: on a small
+   corpus a trained LM head fits the training texts and drafts worse on others).
 3. Training with EAGLE-3's training-time test: step 0 reads the fused target features, step s
    the head's own output of step s - 1, attending to the real context and to its own earlier
    steps at the same position, as the chain does at inference. Loss per step (weight 0.8^s):
    cross-entropy against the target's distribution over the draft vocabulary (token loss) plus
    a smooth-L1 pull of the head's normed output towards the target's final hidden state
-   (feature loss, EAGLE's).
+   (feature loss, EAGLE's). Output positions weigh 1, prompt positions ``--prompt-weight``
+   (the target's predictions inside a prompt are data too).
 4. The head is written (config.json, model.safetensors: ``fc``, ``midlayer.*``, ``norm``,
    ``lm_head``, ``d2t``, ``t2d``) and Pagoda serves held-out prompts with it: the mean
    acceptance length and the acceptance per draft position are printed (and written as JSON).
@@ -123,21 +125,22 @@ class TrainHead(nn.Module):
                 for k, v in w.items()}  # fmt: skip
 
 
-def ttt_loss(
+def ttt_forward(
     head: TrainHead,
-    batch: dict[str, torch.Tensor],
-    embed: nn.Module,
-    target_logits,
+    tokens: torch.Tensor,
+    aux: torch.Tensor,
+    valid: torch.Tensor,
+    embed,
     inv_freq: torch.Tensor,
     steps: int,
-    feature_weight: float,
-) -> tuple[torch.Tensor, list[float]]:
-    """The training-time test over a padded batch: ``tokens`` [B, T + 1], ``aux`` [B, T, 3H],
-    ``final`` [B, T, H], ``valid`` [B, T] (a feature exists), ``learn`` [B, T] (the target's
-    prediction at that position is an output token). Returns the loss and each step's
-    top-1 agreement with the target."""
-    tokens, aux, final = batch["tokens"], batch["aux"], batch["final"]
-    valid, learn = batch["valid"], batch["learn"]
+):
+    """EAGLE-3's training-time test over a padded batch, one step at a time: yields ``(s,
+    normed)`` where ``normed[b, p]`` [B, T, H] is what the LM head reads at step ``s`` for the
+    anchor position ``p``. Step 0 reads ``fc(aux[p])`` and token ``p + 1`` at position ``p``;
+    step ``s`` reads step ``s - 1``'s output and token ``p + 1 + s`` at position ``p + s``,
+    attending to step 0's keys at positions ``0..p`` and to its own earlier steps at the same
+    anchor, as the drafting chain does at inference. Its prediction is the target's token at
+    position ``p + s + 2``."""
     b, t = valid.shape
     dev = aux.device
     base = torch.arange(t, device=dev).expand(b, t)
@@ -146,11 +149,7 @@ def ttt_loss(
     hidden = head.fc(aux)
     scale = head.hd**-0.5
     ks, vs = [], []
-    total = torch.zeros((), device=dev)
-    agree = []
     for s in range(steps):
-        # Anchor p: token p + 1 + s at position p + s; predicts the target's token at p + s + 2,
-        # i.e. the target's distribution at position p + s + 1.
         tok = torch.nn.functional.pad(tokens[:, 1 + s :], (0, s))[:, :t]
         q, k, v = head.qkv(embed(tok), hidden, base + s, inv_freq)
         if s == 0:
@@ -166,20 +165,49 @@ def ttt_loss(
         for j, vj in enumerate(vs):
             attn = attn + w[..., t + j : t + j + 1] * vj
         hidden, normed = head.finish(attn, hidden)
+        yield s, normed
+
+
+def ttt_loss(
+    head: TrainHead,
+    batch: dict[str, torch.Tensor],
+    embed: nn.Module,
+    target_logits,
+    inv_freq: torch.Tensor,
+    steps: int,
+    feature_weight: float,
+) -> tuple[torch.Tensor, list[float]]:
+    """The training-time test's loss (``ttt_forward``) over a padded batch: ``tokens`` [B, T +
+    1], ``aux`` [B, T, 3H], ``final`` [B, T, H], ``valid`` [B, T] (a feature exists), ``learn``
+    [B, T] float (how much the target's prediction at that position weighs: 1 for output tokens,
+    less for prompt tokens, 0 for none). Returns the loss and each step's top-1 agreement with
+    the target on output tokens."""
+    final, valid, learn = batch["final"], batch["valid"], batch["learn"]
+    b, t = valid.shape
+    base = torch.arange(t, device=valid.device).expand(b, t)
+    total = torch.zeros((), device=valid.device)
+    agree = []
+    forward = ttt_forward(head, batch["tokens"], batch["aux"], valid, embed, inv_freq, steps)
+    for s, normed in forward:
         at = base + s + 1  # the target position whose prediction this step learns
-        ok = (at < t) & learn.gather(1, at.clamp(max=t - 1)) & valid.gather(1, at.clamp(max=t - 1))
+        weight = learn.gather(1, at.clamp(max=t - 1))
+        ok = (at < t) & (weight > 0) & valid.gather(1, at.clamp(max=t - 1))
         if not ok.any():
             break
         idx = at.clamp(max=t - 1)[ok]
         rows = ok.nonzero(as_tuple=True)[0]
+        w = weight[ok]
         want_final = final[rows, idx]
         with torch.no_grad():
             p = target_logits(want_final).float().softmax(dim=-1)
         logits = head.lm_head(normed[ok]).float()
-        token_loss = -(p * logits.log_softmax(dim=-1)).sum(-1).mean()
-        feat_loss = F.smooth_l1_loss(normed[ok].float(), want_final.float())
-        total = total + (0.8**s) * (token_loss + feature_weight * feat_loss)
-        agree.append((logits.argmax(-1) == p.argmax(-1)).float().mean().item())
+        token_loss = -(p * logits.log_softmax(dim=-1)).sum(-1)
+        diff = F.smooth_l1_loss(normed[ok].float(), want_final.float(), reduction="none")
+        per_row = token_loss + feature_weight * diff.mean(-1)
+        total = total + (0.8**s) * (w * per_row).sum() / w.sum()
+        output = w == 1
+        hits = logits.argmax(-1) == p.argmax(-1)
+        agree.append((hits[output].float().mean() if output.any() else hits.float().mean()).item())
     return total, agree
 
 
@@ -199,7 +227,13 @@ def _batches(data: list[Recorded], tokens_per_batch: int, gen: torch.Generator):
     return [groups[i] for i in perm]
 
 
-def _collate(data: list[Recorded], ids: list[int], device: torch.device, dtype: torch.dtype):
+def _collate(
+    data: list[Recorded],
+    ids: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    prompt_weight: float,
+):
     t = max(len(data[i].tokens) - 1 for i in ids)
     b = len(ids)
     h3 = data[ids[0]].aux.shape[1]
@@ -208,7 +242,7 @@ def _collate(data: list[Recorded], ids: list[int], device: torch.device, dtype: 
         "aux": torch.zeros(b, t, h3, dtype=dtype, device=device),
         "final": torch.zeros(b, t, h3 // 3, dtype=dtype, device=device),
         "valid": torch.zeros(b, t, dtype=torch.bool),
-        "learn": torch.zeros(b, t, dtype=torch.bool),
+        "learn": torch.zeros(b, t, dtype=torch.float32),
     }
     for j, i in enumerate(ids):
         r = data[i]
@@ -217,7 +251,8 @@ def _collate(data: list[Recorded], ids: list[int], device: torch.device, dtype: 
         out["aux"][j, :n] = r.aux.to(device, dtype)
         out["final"][j, :n] = r.final.to(device, dtype)
         out["valid"][j, :n] = True
-        out["learn"][j, max(r.num_prompt - 1, 0) : n] = True
+        out["learn"][j, :n] = prompt_weight
+        out["learn"][j, max(r.num_prompt - 1, 0) : n] = 1.0
     return {k: v.to(device, non_blocking=True) for k, v in out.items()}
 
 
@@ -246,6 +281,9 @@ def train_head(
     seed: int,
     progress: bool = True,
     max_seconds: float | None = None,
+    prompt_weight: float = 0.0,
+    train_lm_head: bool = True,
+    weight_decay: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float]]:
     """Fit a head on ``data``; returns its published weights, its config and training figures."""
     model = target.model
@@ -277,7 +315,9 @@ def train_head(
     inv_freq = torch.atan2(rope.sin[1], rope.cos[1]).to(device)  # the angles at position 1
     gen = torch.Generator().manual_seed(seed)
     batches = [b for _ in range(epochs) for b in _batches(data, tokens_per_batch, gen)]
-    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    head.lm_head.weight.requires_grad_(train_lm_head)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     warm = max(1, len(batches) // 20)
 
     def schedule(i: int) -> float:
@@ -294,14 +334,14 @@ def train_head(
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
             break  # out of time: the head so far
         done += 1
-        batch = _collate(data, ids_b, device, dtype)
+        batch = _collate(data, ids_b, device, dtype, prompt_weight)
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
             loss, agree = ttt_loss(
                 head, batch, embed, target_logits, inv_freq, steps, feature_weight
             )
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         sched.step()
         recent = (recent + [agree])[-20:]
@@ -376,6 +416,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-batch", type=int, default=8192)
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size")
     p.add_argument("--feature-weight", type=float, default=0.1, help="weight of the feature loss")
+    p.add_argument(
+        "--prompt-weight",
+        type=float,
+        default=0.5,
+        help="weight of the target's predictions inside prompts (output tokens weigh 1)",
+    )
+    p.add_argument(
+        "--train-lm-head",
+        action="store_true",
+        help="train the draft LM head too (default: kept at the target's rows, which "
+        "generalises better on small data)",
+    )
+    p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the evaluation")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=1024)
@@ -408,6 +461,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data, target, draft_vocab=args.draft_vocab, epochs=args.epochs, steps=args.ttt_steps,
         lr=args.lr, tokens_per_batch=args.tokens_per_batch, feature_weight=args.feature_weight,
         device=device, seed=args.seed, progress=progress, max_seconds=args.max_train_s,
+        prompt_weight=args.prompt_weight, train_lm_head=args.train_lm_head,
+        weight_decay=args.weight_decay,
     )  # fmt: skip
     del data, target
     gc.collect()
@@ -425,6 +480,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "generate_record_s": gen_s,
         **figures,
         "draft_vocab_size": config["draft_vocab_size"],
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "prompt_weight": args.prompt_weight,
+        "train_lm_head": args.train_lm_head,
+        "weight_decay": args.weight_decay,
     }
     if args.json:  # now, and again with the held-out figures
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
