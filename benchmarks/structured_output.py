@@ -84,6 +84,12 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
+        "--matcher-process",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="grammar matchers in a process of their own (auto: on a GPU) or in a thread",
+    )
+    p.add_argument(
         "--sync-mask",
         action="store_true",
         help="no background prefetch: fill each bitmask on the host's path (for comparison)",
@@ -98,6 +104,9 @@ def main() -> None:
         tokenizer=args.tokenizer,
         max_num_seqs=args.batch,
         max_model_len=args.input_len + args.output_len + 16,
+        structured_output={
+            "matcher_process": {"auto": None, "on": True, "off": False}[args.matcher_process]
+        },
     )
     core = llm.engine.engine_core
     runner = getattr(core.executor, "worker", None)
@@ -126,9 +135,10 @@ def main() -> None:
 
         runner.grammar.mask = timed_mask
 
-        # Where the bitmask's time goes: the grammar thread's wait for the step's sampled ids
-        # (the device) and its own work (advance the matchers, fill the rows), and how long the
-        # runner then waits for that thread.
+    # Where the bitmask's time goes: the grammar thread's wait for the step's sampled ids (the
+    # device) and its own work (advance the matchers, fill the rows), and how long the runner
+    # then waits for that thread (or, matchers in their own process, for its answer).
+    if runner is not None and hasattr(runner.grammar, "_prefetch_rows"):  # matchers in a thread
         inner_rows, inner_join = runner.grammar._prefetch_rows, runner.grammar._join
 
         def timed_rows(items, sampled, event, *rest):  # type: ignore[no-untyped-def]
@@ -146,6 +156,15 @@ def main() -> None:
 
         runner.grammar._prefetch_rows = timed_rows
         runner.grammar._join = timed_join
+    elif runner is not None:  # matchers in their own process: the runner's wait for its answer
+        inner_drain = runner.grammar._drain
+
+        def timed_drain() -> None:
+            t = time.perf_counter()
+            inner_drain()
+            join_s.append(time.perf_counter() - t)
+
+        runner.grammar._drain = timed_drain
     thread_s: list[tuple[float, float]] = []
     join_s: list[float] = []
 
@@ -210,6 +229,9 @@ def main() -> None:
         ),
         "model_config": Path(args.config).name,
         "bitmask": "filled on the host's path" if args.sync_mask else "prefetched in background",
+        "matchers": "in a process of their own"
+        if runner is not None and not hasattr(runner.grammar, "_prefetch_rows")
+        else "in the engine's process",
         "weights": weights,
         "batch": args.batch,
         "input_len": args.input_len,
