@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument(
         "--slots",
         action="store_true",
-        help="also the trained head with speculative.async_drafts: slots",
+        help="also both heads with speculative.async_drafts: slots",
     )
     p.add_argument(
         "--profile",
@@ -101,8 +101,11 @@ def main() -> None:
         "eagle3_random": LLM(**base, speculative_config={**spec, "model": random_dir}),
     }
     if args.slots:
-        slots = {**spec, "model": args.head, "async_drafts": "slots"}
-        engines["eagle3_slots"] = LLM(**base, speculative_config=slots)
+        slots = {**spec, "async_drafts": "slots"}
+        engines["eagle3_slots"] = LLM(**base, speculative_config={**slots, "model": args.head})
+        engines["eagle3_random_slots"] = LLM(
+            **base, speculative_config={**slots, "model": random_dir}
+        )
     drafting = [name for name in engines if name != "none"]
     messages = corpus(args.num_prompts, args.seed, heldout=True, skip=args.heldout_skip)
     room = args.max_model_len - args.max_tokens - k - 8
@@ -144,6 +147,7 @@ def main() -> None:
     }
     if args.slots:
         report["speedup_trained_slots"] = tps["eagle3_slots"] / tps["none"]
+        report["speedup_random_slots"] = tps["eagle3_random_slots"] / tps["none"]
     for name in drafting:
         st = engines[name].engine.engine_core.scheduler.spec_stats_total
         report[name] = {
@@ -164,7 +168,7 @@ def main() -> None:
         str(out_dir / f"eagle3-b1-{Path(args.model).stem.lower()}-{device.type}-{commit()}.json"),
     )
     keys = ("tokens_per_s", "speedup_trained", "speedup_random", "speedup_trained_slots",
-            "greedy_identical")  # fmt: skip
+            "speedup_random_slots", "greedy_identical")  # fmt: skip
     print(json.dumps({key: report[key] for key in keys if key in report}))
     print("trained head:", json.dumps(report["eagle3"]))
     print("wrote", path)

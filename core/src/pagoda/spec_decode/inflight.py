@@ -97,17 +97,39 @@ class DraftBackoff:
         self._misses.pop(req_id, None)
 
 
-def must_read_last(last: StepOutput, so: SchedulerOutput) -> bool:
+def must_read_last(
+    last: StepOutput, so: SchedulerOutput, runner: ModelRunner | None = None
+) -> bool:
     """Whether a launch must wait for ``last``, the step in flight: to fill draft slots from
-    its tokens, or because a request of this step verified drafts there (its length is known
-    only then). Plain decode rows take their last token from the device instead."""
+    its tokens (unless the proposer is sure to draft nothing for them: ``runner`` given), or
+    because a request of this step verified drafts there (its length is known only then).
+    Plain decode rows take their last token from the device instead."""
     spec = so.scheduled_spec_decode_tokens
-    if any(is_slots(ids) for ids in spec.values()):
+    slots = [r for r, ids in spec.items() if is_slots(ids)]
+    if slots and (runner is None or not all(_paused(runner, last, r) for r in slots)):
         return True
+    if slots:  # NOTE: paused requests' slots stay empty (none of their proposals is fresh)
+        for req_id in slots:
+            runner._proposals.pop(req_id, None)
     if last.drafted is None or not last.drafted.any():
         return False
     drafted = {last.req_ids[i] for i in last.sample_idx[last.drafted].tolist()}
     return any(r in drafted for r in so.num_scheduled_tokens)
+
+
+def _paused(runner: ModelRunner, last: StepOutput, req_id: str) -> bool:
+    """Whether the proposer will not be asked for ``req_id`` once ``last`` is read: it backs
+    off (``SpeculativeProposer.resume_at``) past the most tokens the request can know then."""
+    resume = getattr(runner.proposer, "resume_at", None)
+    row = runner.input_batch.row_of.get(req_id)
+    if not resume or req_id not in resume or row is None:
+        return False
+    most = int(runner.input_batch.num_tokens[row])  # a plain step's token is counted already
+    if last.drafted is not None and last.drafted.any():
+        drafted = {last.req_ids[i] for i in last.sample_idx[last.drafted].tolist()}
+        if req_id in drafted:
+            most += runner.config.speculative.num_speculative_tokens + 1
+    return most < resume[req_id]
 
 
 def is_slots(draft_ids: list[int]) -> bool:

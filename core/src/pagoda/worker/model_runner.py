@@ -339,7 +339,7 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         if self._unread and self._unread[-1].pending is not None:
             self._unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
-        if self._unread and must_read_last(self._unread[-1], so):
+        if self._unread and must_read_last(self._unread[-1], so, self):
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
             self._read_unread()
