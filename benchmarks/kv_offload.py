@@ -63,6 +63,12 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     order = [(t, c) for t in range(args.turns) for c in range(args.conversations)]
     ttft: list[float] = []
     first_turn_ttft: list[float] = []
+    # Later turns: from the request's arrival until its context (the prompt but for the turn's
+    # question) counts as computed, loaded or not; and from then to its first token.
+    context_ms: list[float] = []
+    rest_ms: list[float] = []
+    context_at: dict[str, float] = {}
+    requests = engine.engine_core.scheduler.requests
     in_flight: dict[str, tuple[int, int, float, bool]] = {}  # id -> conv, turn, start, got 1st
     busy: set[int] = set()
     answers: dict[int, list[list[int]]] = {c: [] for c in range(args.conversations)}
@@ -80,12 +86,22 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
             in_flight[rid] = (conv, turn, time.perf_counter(), False)
             busy.add(conv)
             i += 1
-        for out in engine.step():
+        outs = engine.step()
+        now = time.perf_counter()
+        for rid, (_, turn, _, _) in in_flight.items():
+            req = requests.get(rid)
+            if turn and rid not in context_at and req is not None:
+                if req.num_computed_tokens >= req.num_prompt_tokens - args.question_len:
+                    context_at[rid] = now
+        for out in outs:
             conv, turn, t0, seen = in_flight[out.request_id]
             tokens = out.outputs[0].token_ids
             if tokens and not seen:
-                (first_turn_ttft if turn == 0 else ttft).append(time.perf_counter() - t0)
+                (first_turn_ttft if turn == 0 else ttft).append(now - t0)
                 in_flight[out.request_id] = (conv, turn, t0, True)
+                if out.request_id in context_at:
+                    context_ms.append(1000 * (context_at[out.request_id] - t0))
+                    rest_ms.append(1000 * (now - context_at[out.request_id]))
             if out.finished:
                 history[conv] = history[conv] + list(tokens)
                 answers[conv].append(list(tokens))
@@ -101,11 +117,17 @@ def run(llm: LLM, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         "ttft_p90_ms": round(1000 * float(np.percentile(all_ttft, 90)), 2),
         "ttft_p50_later_turns_ms": round(1000 * float(np.median(ttft)), 2) if ttft else None,
         "ttft_p50_first_turn_ms": round(1000 * float(np.median(first_turn_ttft)), 2),
+        "later_turns_context_p50_ms": _median(context_ms),
+        "later_turns_rest_p50_ms": _median(rest_ms),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "total_tokens_per_s": round((prompt_tokens + output_tokens) / elapsed, 1),
         "answers": answers,
     }
+
+
+def _median(ms: list[float]) -> float | None:
+    return round(float(np.median(ms)), 2) if ms else None
 
 
 def pool_figures(llm: LLM) -> dict[str, Any]:
