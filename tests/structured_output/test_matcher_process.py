@@ -1,7 +1,6 @@
-"""Grammar matchers in a process of their own (``structured_output.matcher_process``, the
-default on a GPU) give every request the tokens the in-process matchers give, in a mixed batch
-of JSON-schema, regex, choice, sampled and unconstrained requests; the process ends with the
-engine."""
+"""Grammar matchers in a process of their own (``structured_output.matcher_process``) give
+every request the tokens the in-process matchers give, in a mixed batch of JSON-schema, regex,
+choice, sampled and unconstrained requests; the process ends with the engine."""
 
 from __future__ import annotations
 

@@ -225,11 +225,11 @@ class StructuredOutputConfig(_Section):
         description="JSON output may hold any whitespace between tokens; false: compact JSON"
         " (small models otherwise tend to emit whitespace until max_tokens)",
     )
-    matcher_process: bool | None = Field(
-        None,
+    matcher_process: bool = Field(
+        False,
         description="advance the grammar matchers and fill the bitmasks in a process of their"
-        " own, off the engine loop's interpreter; None: on a GPU, where that loop bounds a"
-        " small model's step",
+        " own, off the engine loop's interpreter; false: in a thread of the engine's process"
+        " (benchmarks/README.md has both measured)",
     )
 
 

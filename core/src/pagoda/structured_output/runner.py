@@ -281,15 +281,11 @@ class GrammarRows:
 
 
 def grammar_rows(
-    config: EngineConfig, vocab_size: int, max_num_reqs: int, device: torch.device
+    config: EngineConfig, vocab_size: int, max_num_reqs: int
 ) -> GrammarRows | RemoteGrammarRows:
-    """The runner's matchers: in a process of their own (``structured_output.matcher_process``;
-    by default on a GPU, where the engine loop bounds a small model's step), else in a thread
-    of this one."""
+    """The runner's matchers: in a process of their own (``structured_output.matcher_process``)
+    or in a thread of this one."""
     from pagoda.structured_output.remote import RemoteGrammarRows
 
-    remote = config.structured_output.matcher_process
-    if remote is None:
-        remote = device.type == "cuda"
-    cls = RemoteGrammarRows if remote else GrammarRows
+    cls = RemoteGrammarRows if config.structured_output.matcher_process else GrammarRows
     return cls(config, vocab_size, max_num_reqs)
