@@ -19,6 +19,7 @@ terminated)}`` for every request named.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from pagoda.structured_output.backend import GrammarBackend, bitmask_width
 logger = logging.getLogger(__name__)
 
 _PREFETCH_BUFFERS = 2  # alternate between steps; one more for fills on the runner's path
+_IDS_TIMEOUT_S = 600.0  # a step's ids not copied by then: the engine is gone
 
 
 class MatcherProcessError(RuntimeError):
@@ -80,9 +82,13 @@ class RemoteGrammarRows:
             torch.full(shape, -1, dtype=torch.int32).share_memory_()
             for _ in range(_PREFETCH_BUFFERS + 1)
         ]
-        if torch.cuda.is_available():  # pinned, so copies to the device do not wait
+        # A step's sampled ids, then its message's number, copied here behind its sampling:
+        # the child watches the number and reads the ids as soon as the device has them.
+        self._ids = torch.zeros(self.max_num_reqs, dtype=torch.int64).share_memory_()
+        self._flag = torch.zeros(1, dtype=torch.int64).share_memory_()
+        if torch.cuda.is_available():  # pinned, so copies do not wait for the host
             cudart = torch.cuda.cudart()
-            for b in self._buffers:
+            for b in [*self._buffers, self._ids, self._flag]:
                 if cudart.cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0) == 0:
                     self._registered.append(b)
         import torch.multiprocessing as tmp
@@ -91,7 +97,7 @@ class RemoteGrammarRows:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, self.config, self._buffers),
+            args=(child, self.config, self._buffers, self._ids, self._flag),
             name="pagoda-grammar-matchers",
             daemon=True,
         )
@@ -150,21 +156,16 @@ class RemoteGrammarRows:
             self._send(("remove", req_id))
 
     def after_launch(self, out: Any, device: torch.device) -> None:
-        """Once ``out``'s sampled ids are on the host (its ``get``), send them to the child,
-        which advances the matchers and fills the next step's rows in the same order."""
+        """Nothing: ``after_sample`` sent the step's ids on their way."""
+
+    def after_sample(self, out: Any, sampled: torch.Tensor) -> None:
+        """``out``'s sampling is launched and ``sampled`` holds its ids (on the device): copy
+        them, then this message's number, to the shared buffers behind it, and tell the child
+        which request each row is; it advances the matchers as soon as the ids land and fills
+        the next step's rows in the same order."""
         order = [out.req_ids[i] for i in out.sample_idx]
         if not any(r in self.entries for r in order):
             return
-        chained = out.on_output
-
-        def sampled(step: Any, output: Any) -> None:
-            if chained is not None:
-                chained(step, output)
-            self._send_sampled(order, step.sampled.numpy())
-
-        out.on_output = sampled
-
-    def _send_sampled(self, order: list[str], tokens: np.ndarray) -> None:
         advance, fill = [], []
         for j, req_id in enumerate(order):
             e = self.entries.get(req_id)
@@ -172,13 +173,27 @@ class RemoteGrammarRows:
                 continue
             e.sent += 1
             if e.live:
-                advance.append((req_id, [int(tokens[j])]))
+                advance.append((req_id, j))
                 fill.append((req_id, j))
         if not advance:
             return
+        if self._proc is None:
+            self._start()
+        n = len(order)
+        seq = self._seq + 1
+        if sampled.device.type == "cuda":
+            self._ids[:n].copy_(sampled, non_blocking=True)
+            self._flag.copy_(
+                torch.full((1,), seq, dtype=torch.int64, device=sampled.device), non_blocking=True
+            )
+        else:
+            self._ids[:n].copy_(sampled)
+            self._flag[0] = seq
         buffer = self._next
         self._next = (self._next + 1) % _PREFETCH_BUFFERS
-        seq = self._step(advance, fill, buffer, len(order))
+        self._seq = seq
+        self._send(("step_ids", seq, advance, fill, buffer, n))
+        self._outstanding.append(seq)
         self._prefetch = (seq, order, buffer)
         for req_id, j in fill:
             self.entries[req_id].prefetched = (seq, j)
@@ -257,7 +272,9 @@ def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
     registered.clear()
 
 
-def _serve(conn: Any, config: Any, buffers: list[torch.Tensor]) -> None:
+def _serve(
+    conn: Any, config: Any, buffers: list[torch.Tensor], ids: torch.Tensor, flag: torch.Tensor
+) -> None:
     """The child: matchers by request, advanced and filled as the messages say."""
     import signal
 
@@ -285,11 +302,31 @@ def _serve(conn: Any, config: Any, buffers: list[torch.Tensor]) -> None:
             elif op == "step":
                 _, seq, advance, fill, buffer, n = msg
                 conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
+            elif op == "step_ids":  # advance by the ids the device copies to ``ids``
+                _, seq, rows, fill, buffer, n = msg
+                tokens = _wait_for_ids(flag, ids, seq, n)
+                advance = [(r, [int(tokens[j])]) for r, j in rows]
+                conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
         except Exception as e:  # noqa: BLE001 - the runner raises it
             if op == "step":
                 conn.send(("error", f"{type(e).__name__}: {e}"))
             else:
                 logger.exception("grammar matcher process: %s failed", op)
+
+
+def _wait_for_ids(flag: torch.Tensor, ids: torch.Tensor, seq: int, n: int) -> np.ndarray:
+    """The ids of message ``seq``, once the device's copy of them has landed (it writes the
+    number after the ids)."""
+    f = flag.numpy()
+    deadline = time.monotonic() + _IDS_TIMEOUT_S
+    spins = 0
+    while f[0] < seq:
+        spins += 1
+        if spins > 1000:  # NOTE: a long step (a big model's) is waited for without a busy core
+            time.sleep(5e-5)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {seq}'s sampled ids did not arrive")
+    return ids.numpy()[:n].copy()
 
 
 def _advance_and_fill(

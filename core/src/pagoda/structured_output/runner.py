@@ -91,6 +91,9 @@ class GrammarRows:
         sampled_ids = [out.req_ids[i] for i in out.sample_idx]
         self.prefetch(sampled_ids, out.sampled, out.event, device)
 
+    def after_sample(self, out: Any, sampled: torch.Tensor) -> None:
+        """Nothing here: ``after_launch`` prefetches once the step's event is recorded."""
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)

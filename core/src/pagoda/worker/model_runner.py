@@ -525,6 +525,7 @@ class ModelRunner:
                 self.device,
             )
             self._sample_logits(logits, md, out)
+            self.grammar.after_sample(out, self._prev_sampled)
 
         if self.proposer is not None:  # NOTE: a proposer reads this step's sample at once
             sample()
