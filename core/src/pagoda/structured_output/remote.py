@@ -224,7 +224,7 @@ class RemoteGrammarRows:
         live = np.fromiter((e.live for e in entries), bool, len(idx))
         behind = (ends > starts()) & live
         if behind.any() and (token_ids[sel, np.maximum(ends - 1, 0)][behind] < 0).any():
-            wait_for_sampled()  # its output's hook sends those tokens
+            wait_for_sampled()  # brings them to the host rows
         s = starts()
         advance = []
         for j in np.flatnonzero(ends > s).tolist():
