@@ -206,10 +206,29 @@ def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1() ->
     gov = llm.engine.engine_core.scheduler.spec_governor
     ended = []
     end = gov._end
-    gov._end = lambda epoch: (ended.append((epoch.on, epoch.tokens, epoch.measured)), end(epoch))
+    gov._end = lambda e: (ended.append((e.on, sum(n for _, n, _ in e.samples), e.measured)), end(e))
     prompt = list(range(20, 30)) * 6
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
     drafting = [(tokens, measured) for on, tokens, measured in ended if on]
     assert drafting and any(tokens > measured for tokens, measured in drafting), ended
+
+
+def test_a_stalled_step_does_not_decide() -> None:
+    """A step 50 times slower than the others (another process, a collector pause) in an epoch
+    of plain steps is left out: drafting, which pays a little, stays on."""
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    steps = {"n": 0}
+
+    def stalls_once(on: bool) -> tuple[float, float]:
+        steps["n"] += 1
+        seconds, tokens = (1.1e-3, 1.5) if on else (1.0e-3, 1.0)
+        return (seconds * 50 if steps["n"] == 18 else seconds), tokens  # in the first plain epoch
+
+    modes = _run(gov, clock, 40, 8, stalls_once)
+    assert not modes[12] and not modes[17], modes  # step 18 fell in the plain probe
+    rate = gov.buckets[gov.bucket_of(8)].rate
+    assert rate[False] == pytest.approx(1000.0) and rate[True] > rate[False]
+    assert all(modes[22:])

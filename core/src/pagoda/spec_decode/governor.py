@@ -19,7 +19,8 @@ back when a probe overturns it, so a workload that changes is followed and a set
 little for probing. While drafting is off, it is probed again as soon as the batch has turned
 over (as many requests admitted as are running): a new workload may draft well.
 
-Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured. Turning drafting
+Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured, nor are stalls
+(a step more than ``stall`` times an epoch's median). Turning drafting
 off never changes what is sampled: the output is the same either way (lossless), only sooner or
 later. ``speculative.disable_by_batch_size`` (vLLM's knob) turns drafting off outright from that
 many running requests on, unmeasured.
@@ -53,8 +54,17 @@ class _Epoch:
     on: bool
     steps: int = 0  # step ends seen since the epoch began (settling ones included)
     measured: int = 0
-    tokens: int = 0
-    request_seconds: float = 0.0
+    # Each measured step: (seconds, tokens emitted, requests running).
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+
+    def rate(self, stall: float) -> float:
+        """Tokens per second a running request, leaving out stalls: steps slower than ``stall``
+        times the median step (another process, a collector pause), which say nothing about
+        either mode."""
+        limit = stall * sorted(dt for dt, _, _ in self.samples)[len(self.samples) // 2]
+        kept = [(dt, n, r) for dt, n, r in self.samples if dt <= limit]
+        seconds = sum(dt * r for dt, _, r in kept)
+        return sum(n for _, n, _ in kept) / seconds if seconds > 0 else 0.0
 
 
 class SpeculationGovernor:
@@ -72,6 +82,7 @@ class SpeculationGovernor:
         max_explore: int = 32,
         margin: float = 0.02,
         alpha: float = 0.5,
+        stall: float = 3.0,
         disable_by_batch_size: int | None = None,
         fixed: bool = False,
     ) -> None:
@@ -84,6 +95,7 @@ class SpeculationGovernor:
         self.max_explore = max_explore
         self.margin = margin
         self.alpha = alpha
+        self.stall = stall
         self.disable_by_batch_size = disable_by_batch_size
         # Fixed: only ``disable_by_batch_size`` decides; nothing is measured.
         self.fixed = fixed
@@ -128,8 +140,7 @@ class SpeculationGovernor:
             return
         epoch.measured += 1
         self._running = num_running
-        epoch.tokens += num_tokens
-        epoch.request_seconds += (now - last) * num_running
+        epoch.samples.append((now - last, num_tokens, num_running))
         if epoch.measured >= self.epoch_steps:
             self._end(epoch)
 
@@ -155,7 +166,7 @@ class SpeculationGovernor:
 
     def _end(self, epoch: _Epoch) -> None:
         bucket = self._bucket(epoch.bucket)
-        rate = epoch.tokens / epoch.request_seconds if epoch.request_seconds > 0 else 0.0
+        rate = epoch.rate(self.stall)
         old = bucket.rate.get(epoch.on)
         bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
         probed = epoch.on != bucket.best
