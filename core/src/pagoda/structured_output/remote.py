@@ -3,17 +3,20 @@
 Advancing a batch's matchers and filling their bitmask rows is about a millisecond of work at
 batch 64, much of it inside the grammar backend with Python's GIL held. In the engine's process
 that work competes with the engine loop itself, which on a GPU is what bounds a small model's
-step: every millisecond the loop loses is a millisecond the device waits. Here a child process
-owns the matchers; the runner sends it each step's sampled ids as soon as it reads them, the
-child advances the matchers and fills the next step's rows into a shared buffer, and the
-runner's next sampling finds them there (``RemoteGrammarRows``, the same interface as
-``GrammarRows``).
+step. Here a child process owns the matchers. Behind each constrained step's sampling the
+device copies the sampled ids, then the step's number, into shared pinned memory; the child,
+told which request each row is, watches the number, advances the matchers as soon as the ids
+land and fills the next step's rows into a shared buffer, where the runner's next sampling
+finds them (``RemoteGrammarRows``, the same interface as ``GrammarRows``).
 
 Messages, in order on one pipe: ``("add", req_id, params)``, ``("remove", req_id)``,
-``("step", seq, advance, fill, buffer, n)`` (answered with ``(seq, status)``) and ``("stop",)``.
-``advance``: ``[(req_id, tokens)]`` to accept; ``fill``: ``[(req_id, row)]`` to fill in
-``buffer`` (rows up to ``n`` not filled are all ones); ``status``: ``{req_id: (broken,
-terminated)}`` for every request named.
+``("step_ids", seq, rows, fill, buffer, n)`` (advance ``rows``' requests by the ids of step
+``seq``; ``rows`` and ``fill`` None: the same as the last such message), ``("step", seq,
+advance, fill, buffer, n)`` (advance by the tokens given) and ``("stop",)``; both steps are
+answered with ``(seq, status)``. ``rows``: ``[(req_id, row of the ids)]``; ``advance``:
+``[(req_id, tokens)]``; ``fill``: ``[(req_id, row)]`` to fill in ``buffer`` (rows up to ``n``
+not filled are all ones); ``status``: ``{req_id: (broken, terminated)}`` for every request
+named.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class RemoteGrammarRows:
         self._outstanding: list[int] = []  # step messages not answered yet
         self._status: dict[int, dict[str, tuple[bool, bool]]] = {}
         self._prefetch: tuple[int, list[str], int] | None = None  # (seq, order, buffer)
+        self._last_rows: tuple[list, list] | None = None  # the child keeps them too
 
     # ---- the child -----------------------------------------------------------------------------
 
@@ -192,7 +196,11 @@ class RemoteGrammarRows:
         buffer = self._next
         self._next = (self._next + 1) % _PREFETCH_BUFFERS
         self._seq = seq
-        self._send(("step_ids", seq, advance, fill, buffer, n))
+        if (advance, fill) == self._last_rows:  # the usual step: the batch did not change
+            self._send(("step_ids", seq, None, None, buffer, n))
+        else:
+            self._send(("step_ids", seq, advance, fill, buffer, n))
+            self._last_rows = (advance, fill)
         self._outstanding.append(seq)
         self._prefetch = (seq, order, buffer)
         for req_id, j in fill:
@@ -285,6 +293,7 @@ def _serve(
 
     manager = StructuredOutputManager(config, ModelInfo.from_config(config))
     matchers: dict[str, list] = {}  # req_id -> [matcher, backend, broken]
+    last_rows: tuple[list, list] = ([], [])
     while True:
         try:
             msg = conn.recv()
@@ -304,6 +313,9 @@ def _serve(
                 conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
             elif op == "step_ids":  # advance by the ids the device copies to ``ids``
                 _, seq, rows, fill, buffer, n = msg
+                if rows is None:  # the same rows as the last such step
+                    rows, fill = last_rows
+                last_rows = (rows, fill)
                 tokens = _wait_for_ids(flag, ids, seq, n)
                 advance = [(r, [int(tokens[j])]) for r, j in rows]
                 conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
