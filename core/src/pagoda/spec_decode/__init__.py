@@ -13,6 +13,7 @@ from pagoda.spec_decode.proposer import (
     ProposerContext,
     SpeculativeProposer,
     TargetModel,
+    VerifiedBatch,
     build_proposer,
 )
 from pagoda.spec_decode.rejection import rejection_sample
@@ -24,6 +25,7 @@ __all__ = [
     "SpecDecodingStats",
     "SpeculativeProposer",
     "TargetModel",
+    "VerifiedBatch",
     "build_proposer",
     "rejection_sample",
 ]

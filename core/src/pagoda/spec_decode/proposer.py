@@ -99,6 +99,26 @@ class ProposalBatch:
 
 
 @dataclass
+class VerifiedBatch:
+    """The requests of a step that verified drafts, as the step's launch leaves them: on the
+    device, nothing read yet (``SpeculativeProposer.draft_after_verify``). ``n`` requests."""
+
+    req_ids: list[str]  # [n]
+    rows: np.ndarray  # [n] int64: rows of the runner's token_ids
+    first: np.ndarray  # [n] int64: the position of each request's last known token
+    num_rows: np.ndarray  # [n] int64: positions computed from ``first`` on (1 + its drafts)
+    # [n, w] int64 on the device: the tokens after positions ``first ..``: the accepted drafts
+    # and the target's own token, then -1; ``num_emitted`` [n] of them are valid.
+    tokens: torch.Tensor
+    num_emitted: torch.Tensor
+    # Rows ``hidden_loc[i] : hidden_loc[i + 1]`` hold the hidden states of positions
+    # ``first[i] .. first[i] + num_rows[i] - 1`` (as ``ProposalBatch.new_hidden_states``; those
+    # past ``num_emitted[i] - 1`` were rejected).
+    new_hidden_states: torch.Tensor
+    hidden_loc: np.ndarray
+
+
+@dataclass
 class Drafts:
     """A proposer's answer: up to ``k`` draft tokens per request of the batch.
 
@@ -195,6 +215,14 @@ class SpeculativeProposer(ABC):
         the host, between steps; it should be vectorised over the batch (no Python loop over
         tokens). It may keep per-request state between calls, keyed by ``req_ids``. Returns the
         :class:`Drafts` of the step."""
+
+    def draft_after_verify(self, batch: VerifiedBatch) -> None:  # noqa: B027 (optional)
+        """Called, for a proposer with ``needs_hidden_states``, in the launch of a step that
+        verified drafts, right after verification and before the host waits for anything:
+        ``batch`` (a :class:`VerifiedBatch`) holds the outcome on the device. A draft model
+        may start its next drafts here, on the device, so that they run behind the step;
+        ``propose`` must still return them (it gets the same requests' rows again when the
+        step is read). Returns nothing."""
 
     def remove(self, req_ids: Iterable[str]) -> None:  # noqa: B027 (optional to override)
         """Forget the requests ``req_ids``: finished, aborted or preempted (their ids may come

@@ -21,7 +21,7 @@ from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.sample.state import SamplingRows, seeded_uniform
-from pagoda.spec_decode.proposer import ProposalBatch
+from pagoda.spec_decode.proposer import ProposalBatch, VerifiedBatch
 from pagoda.spec_decode.rejection import rejection_sample
 
 if TYPE_CHECKING:
@@ -147,6 +147,53 @@ def verify_drafts(
         out.logprobs_starts = starts
     if runner.proposer is not None and runner.proposer.needs_hidden_states:
         out.proposer_hidden = h[starts_t + num_emitted - 1]
+        if runner.hidden_feed is not None and out.hidden_feed is not None:
+            _draft_after_verify(runner, out, nd, tokens, num_emitted)
+
+
+def _draft_after_verify(
+    runner: ModelRunner,
+    out: StepOutput,
+    nd: np.ndarray,
+    tokens: torch.Tensor,
+    num_emitted: torch.Tensor,
+) -> None:
+    """Hand the proposer the step's verified requests on the device
+    (``SpeculativeProposer.draft_after_verify``): those that verified drafts, own their row,
+    and have no hidden states waiting from earlier steps."""
+    feed = runner.hidden_feed
+    rows_t, qsl, starts = out.hidden_feed
+    ib = runner.input_batch
+    req_ids = out.req_ids
+    pick = [
+        j
+        for j, (i, row) in enumerate(zip(out.sample_idx.tolist(), out.sample_rows.tolist()))
+        if nd[j] and ib.row_of.get(req_ids[i]) == row and req_ids[i] not in feed.pending
+    ]
+    if not pick:
+        return
+    sel = np.asarray(pick, dtype=np.int64)
+    idx = out.sample_idx[sel]
+    count = np.diff(qsl)[idx]
+    loc = np.zeros(len(sel) + 1, dtype=np.int64)
+    np.cumsum(count, out=loc[1:])
+    flat = np.repeat(qsl[idx] - loc[:-1], count) + np.arange(int(loc[-1]))
+    everyone = len(sel) == len(nd)
+    batch = VerifiedBatch(
+        req_ids=[req_ids[i] for i in idx.tolist()],
+        rows=out.sample_rows[sel],
+        first=starts[idx],
+        num_rows=count,
+        tokens=tokens if everyone else tokens[runner._as_device(sel)],
+        num_emitted=num_emitted if everyone else num_emitted[runner._as_device(sel)],
+        new_hidden_states=(
+            rows_t[int(flat[0]) : int(flat[0]) + len(flat)]
+            if flat[-1] - flat[0] + 1 == len(flat)
+            else rows_t[runner._as_device(flat)]
+        ),
+        hidden_loc=loc,
+    )
+    runner.proposer.draft_after_verify(batch)
 
 
 def _count_drafts_before(

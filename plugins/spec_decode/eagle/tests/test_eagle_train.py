@@ -54,7 +54,33 @@ def test_train_command_writes_a_head_that_drafts_and_keeps_greedy_output(
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
-    llm = LLM(**engine, speculative_config=spec)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
+    runs = {}
+    for behind in (True, False):  # drafts on the device right after verification, or later
+        llm = LLM(**engine, speculative_config=spec)
+        proposer = llm.engine.engine_core.executor.worker.model_runner.proposer
+        proposer.draft_behind = behind
+        drafts = _spy(proposer)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        stats = llm.engine.engine_core.scheduler.spec_stats_total
+        assert stats.num_accepted_tokens > 0
+        runs[behind] = (drafts, stats.num_accepted_tokens, proposer.num_drafted_behind)
+    # The same drafts either way; behind the step, most drafts after a verification came
+    # from the device without a draft of the proposer's own.
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] > 10 and runs[False][2] == 0
+
+
+def _spy(proposer) -> list[tuple[str, int, list[int]]]:
+    """Record the proposer's drafts by request and length."""
+    drafts = []
+    propose = proposer.propose
+
+    def spy(batch):
+        out = propose(batch)
+        for i, req_id in enumerate(batch.req_ids):
+            drafts.append((req_id, int(batch.num_tokens[i]), out.token_ids[i].tolist()))
+        return out
+
+    proposer.propose = spy
+    return drafts

@@ -46,17 +46,12 @@ class DenseChain:
         self.device = device
         self.max_batch = max(b for b in BUCKETS if b * width * block_size <= MAX_GATHERED or b == 1)
         b, q = self.max_batch, self.q
-        # NOTE: the integer inputs are views of one buffer, filled by one copy a call from a
-        # pinned host twin (reused: each call waits for its drafts, so the copy is done).
-        sizes = [b * q, b * q, b * q, b, b * width]
-        self.ints = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
-        self.host = torch.zeros(sum(sizes), dtype=torch.int64)
-        if device.type == "cuda":
-            self.host = self.host.pin_memory()
-        tokens, positions, valid, last, table = self.ints.split(sizes)
+        # NOTE: the integer inputs are views of one buffer, filled by one copy a call.
+        self.sizes = [b * q, b * q, b * q, b, b * width]
+        self.ints = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
+        tokens, positions, valid, last, table = self.ints.split(self.sizes)
         self.tokens, self.positions = tokens.view(b, q), positions.view(b, q)
         self.valid, self.last, self.table = valid.view(b, q), last, table.view(b, width)
-        self.host_views = [v.numpy() for v in self.host.split(sizes)]
         self.hidden = torch.zeros(b, q, hidden_in, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -140,35 +135,66 @@ class DenseChain:
         """Fill the input buffers for ``n`` requests whose ``m`` rows start at positions
         ``first`` (``tokens``: their input ids, flat; ``hidden``: their target rows, flat);
         returns the bucket."""
+        return self._load(tables, first, m, hidden, tokens)
+
+    def load_verified(
+        self,
+        tables: np.ndarray,
+        first: np.ndarray,
+        m: np.ndarray,
+        tokens: torch.Tensor,
+        num_emitted: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> int:
+        """``load`` for requests just verified, whose outcome is on the device only: ``m``
+        rows each from ``first`` were computed, of which ``num_emitted`` [n] are kept, and
+        ``tokens`` [n, <= q] (-1 padded) are their input ids."""
+        b = self._load(tables, first, m, hidden, None)
+        n, w = tokens.shape
+        self.tokens[:n, :w] = tokens.clamp(min=0)
+        cols = torch.arange(self.q, device=self.device)
+        self.valid[:n] = (cols[None, :] < num_emitted[:, None]).to(torch.int64)
+        self.last[:n] = num_emitted - 1
+        return b
+
+    def _load(
+        self,
+        tables: np.ndarray,
+        first: np.ndarray,
+        m: np.ndarray,
+        hidden: torch.Tensor,
+        tokens: np.ndarray | None,
+    ) -> int:
         n, q = len(m), self.q
         b = self.bucket(n)
         idx = np.repeat(np.arange(n) * q, m) + (
             np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
         )
-        tok, pos, valid, last, table = self.host_views
-        tok[:] = 0
-        tok[idx] = tokens
+        host = np.zeros(sum(self.sizes), dtype=np.int64)
+        tok, pos, valid, last, table = np.split(host, np.cumsum(self.sizes)[:-1])
+        if tokens is not None:
+            tok[idx] = tokens
         pos = pos.reshape(-1, q)
-        pos[:] = 0
         pos[:n] = first[:, None] + np.minimum(np.arange(q)[None, :], (m - 1)[:, None])
-        valid[:] = 0
         valid[idx] = 1
-        last[:] = 0
         last[:n] = m - 1
         table = table.reshape(-1, self.width)
         table[:] = self.trash
         table[:n, : tables.shape[1]] = tables
-        self.ints.copy_(self.host, non_blocking=True)
+        self.ints.copy_(self._pinned(host), non_blocking=True)
         rows = self.hidden[:b].view(b * q, -1)
         if len(idx) == b * q:
             rows.copy_(hidden)
         else:
             rows.zero_()
-            t = torch.from_numpy(idx)
-            if self.device.type == "cuda":
-                t = t.pin_memory()
-            rows[t.to(self.device, non_blocking=True)] = hidden.to(rows.dtype)
+            rows[self._pinned(idx).to(self.device, non_blocking=True)] = hidden.to(rows.dtype)
         return b
+
+    def _pinned(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` as a tensor to copy from without waiting (pinned on a GPU: a block the host
+        allocator keeps until the copy has run)."""
+        t = torch.from_numpy(a)
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def bucket(self, n: int) -> int:
         return next(b for b in BUCKETS if b >= n) if self.graphs else n

@@ -22,7 +22,13 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import set_forward_context
-from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda.spec_decode import (
+    Drafts,
+    ProposalBatch,
+    ProposerContext,
+    SpeculativeProposer,
+    VerifiedBatch,
+)
 from pagoda.spec_decode.proposer import TargetModel
 from pagoda_spec_eagle.chain import DenseChain, table_width
 from pagoda_spec_eagle.checkpoint import check_fits, read_head
@@ -43,6 +49,7 @@ class EagleProposer(SpeculativeProposer):
 
     kind = "eagle"
     needs_hidden_states = True
+    draft_behind = True  # draft right after each verification, on the device (tests turn it off)
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
@@ -56,6 +63,10 @@ class EagleProposer(SpeculativeProposer):
         self.k = ctx.num_speculative_tokens
         self.head: EagleHead | None = None
         self._state: dict[str, _Backoff] = {}
+        # req_id -> (drafts [n, k] copied to the host behind a step, row, first position):
+        # drafted on the device right after that step's verification (draft_after_verify)
+        self._ahead: dict[str, tuple[torch.Tensor, int, int]] = {}
+        self.num_drafted_behind = 0  # requests' drafts that came from draft_after_verify
 
     def kv_cache_block_bytes(self, block_size: int) -> int:
         ck = self.ckpt
@@ -195,10 +206,19 @@ class EagleProposer(SpeculativeProposer):
             st.add(first, rows)
             num_tokens = int(batch.num_tokens[i])
             st.score(batch.token_ids[batch.rows[i]], num_tokens)
+            ahead = self._ahead.pop(req_id, None) if self._ahead else None
             if st.num_rows and st.should_draft(num_tokens):
                 first, rows = st.take()
                 if self.resume_at:
                     self.resume_at.pop(req_id, None)
+                if ahead is not None and ahead[2] == first and len(rows) == m[i]:
+                    # NOTE: drafted on the device behind the step, from exactly these rows.
+                    ids = ahead[0][ahead[1]].numpy()
+                    out[i, : len(ids)] = ids
+                    st.drafted(ids, num_tokens)
+                    self.num_drafted_behind += 1
+                    plain = False
+                    continue
                 go[i] = True
                 pieces.append((first, rows))
                 plain &= len(rows) == m[i]
@@ -222,6 +242,40 @@ class EagleProposer(SpeculativeProposer):
         for req_id in req_ids:
             self._state.pop(req_id, None)
             self.resume_at.pop(req_id, None)
+            self._ahead.pop(req_id, None)
+
+    @torch.inference_mode()
+    def draft_after_verify(self, batch: VerifiedBatch) -> None:
+        """Draft for the verified requests on the device, behind the step (the fixed-shape
+        chain over the step's rows and its outcome): ``propose`` returns these drafts when the
+        step is read, without a draft of its own or a wait."""
+        chain = self.chain
+        if not self.draft_behind or chain is None or self.head is None:
+            return
+        keep = [
+            j
+            for j, req_id in enumerate(batch.req_ids)
+            if req_id in self._state and not self._state[req_id].num_rows
+        ]
+        if not keep:
+            return
+        sel = np.asarray(keep, dtype=np.int64)
+        first, m = batch.first[sel], batch.num_rows[sel]
+        tables = self._tables(batch.rows[sel], int((first + m).max()) + self.k + 1)
+        if not chain.fits(len(sel), m, tables.shape[1]):
+            return
+        tokens, emitted, hidden = batch.tokens, batch.num_emitted, batch.new_hidden_states
+        if len(sel) < len(batch.req_ids):
+            loc = batch.hidden_loc
+            flat = np.concatenate([np.arange(loc[j], loc[j + 1]) for j in keep])
+            hidden = hidden[self._put(flat)]
+            sel_t = self._put(sel)
+            tokens, emitted = tokens[sel_t], emitted[sel_t]
+        b = chain.load_verified(tables, first, m, tokens, emitted, hidden)
+        drafts = chain.run(b)[: len(sel)]
+        host = drafts.to("cpu", non_blocking=True) if drafts.is_cuda else drafts.clone()
+        for j, i in enumerate(keep):
+            self._ahead[batch.req_ids[i]] = (host, j, int(first[j]))
 
     def _draft(
         self,
