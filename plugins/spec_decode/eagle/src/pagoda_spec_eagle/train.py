@@ -211,6 +211,9 @@ def ttt_loss(
     return total, agree
 
 
+_TIMED_BATCHES = 16  # batches timed before a time budget resizes the learning-rate schedule
+
+
 def _batches(data: list[Recorded], tokens_per_batch: int, gen: torch.Generator):
     order = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
     groups, cur, longest = [], [], 0
@@ -318,12 +321,14 @@ def train_head(
     head.lm_head.weight.requires_grad_(train_lm_head)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    warm = max(1, len(batches) // 20)
+    planned = [len(batches)]  # cut to what fits max_seconds once batches are timed
 
     def schedule(i: int) -> float:
+        total = planned[0]
+        warm = max(1, total // 20)
         if i < warm:
             return (i + 1) / warm
-        return 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, len(batches) - warm)))
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warm) / max(1, total - warm))))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     start = time.perf_counter()
@@ -344,6 +349,11 @@ def train_head(
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         sched.step()
+        if max_seconds is not None and done == _TIMED_BATCHES:
+            # NOTE: the learning rate decays to 0 by the time the budget runs out, not at a
+            # last batch that the budget never reaches.
+            per_batch = (time.perf_counter() - start) / done
+            planned[0] = max(done + 1, min(len(batches), int(0.95 * max_seconds / per_batch)))
         recent = (recent + [agree])[-20:]
         if agree:
             bar.set_postfix(
@@ -351,6 +361,7 @@ def train_head(
             )
     seconds = time.perf_counter() - start
     d2t = ids - torch.arange(dv)
+    bar.close()
     config = llama_head_config(
         "eagle3", h, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
         cfg.vocab_size, head_dim=cfg.head_dim, draft_vocab_size=dv, rms_norm_eps=cfg.rms_norm_eps,
@@ -366,6 +377,7 @@ def train_head(
         "train_s": seconds,
         "batches": done,
         "batches_planned": len(batches),
+        "batches_scheduled": planned[0],
         "top1_per_step_last": per_step,
     }
     return head.export(d2t, cfg.vocab_size), config, figures
