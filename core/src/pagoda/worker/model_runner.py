@@ -380,35 +380,36 @@ class ModelRunner:
         bs = self.block_size
         slots = block_table[tok_req, positions // bs].astype(np.int64) * bs + positions % bs
 
-        self._to_device(self.input_ids[:total], input_ids)
         unknown = np.flatnonzero(input_ids < 0)
-        if len(unknown):
-            self._fill_from_device(unknown, token_rows[unknown])
-        self._to_device(self.positions[:total], positions)
-        self._to_device(self.slot_mapping[:total], slots)
-        self._to_device(self.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
-        self._to_device(self.seq_lens[:num_reqs], seq_lens.astype(np.int32))
-        self._to_device(self.block_table[:num_reqs, :max_blocks], block_table)
-        common = CommonAttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=total,
-            max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
-            seq_lens=self.seq_lens[:num_reqs],
-            block_table=self.block_table[:num_reqs],
-            slot_mapping=self.slot_mapping[:total],
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
-        )
-
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
         verified = None
         if bucket is None and self.verify_graphs is not None:
+            # NOTE: a verification graph copies its own (padded) inputs: none are copied here.
             step = (counts, starts, qsl, input_ids, positions, slots, rows)
             verified = run_verify_graph(self, *step, unknown, token_rows[unknown])
+        if verified is None:
+            self._to_device(self.input_ids[:total], input_ids)
+            if len(unknown):
+                self._fill_from_device(unknown, token_rows[unknown])
+            self._to_device(self.positions[:total], positions)
+            self._to_device(self.slot_mapping[:total], slots)
+            self._to_device(self.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
+            self._to_device(self.seq_lens[:num_reqs], seq_lens.astype(np.int32))
+            self._to_device(self.block_table[:num_reqs, :max_blocks], block_table)
+            common = CommonAttentionMetadata(
+                num_reqs=num_reqs,
+                num_actual_tokens=total,
+                max_query_len=int(counts.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc=self.query_start_loc[: num_reqs + 1],
+                seq_lens=self.seq_lens[:num_reqs],
+                block_table=self.block_table[:num_reqs],
+                slot_mapping=self.slot_mapping[:total],
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+                block_size=bs,
+            )
         if bucket is not None:
             hidden = graphs.run(common, bucket)
         elif verified is not None:
