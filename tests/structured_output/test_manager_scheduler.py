@@ -166,4 +166,3 @@ def test_structured_outputs_params_names_what_is_wrong() -> None:
     assert StructuredOutputsParams(json='{"b": 1, "a": 2}').key() == (
         StructuredOutputsParams(json={"a": 2, "b": 1}).key()
     )
-

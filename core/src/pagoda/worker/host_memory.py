@@ -43,6 +43,8 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
     buf = mmap.mmap(-1, nbytes)
     # NOTE: frombuffer keeps the map alive for as long as the tensor lives.
-    return torch.frombuffer(buf, dtype=torch.uint8)[: math.prod(shape) * dtype.itemsize].view(
-        dtype
-    ).view(shape)
+    return (
+        torch.frombuffer(buf, dtype=torch.uint8)[: math.prod(shape) * dtype.itemsize]
+        .view(dtype)
+        .view(shape)
+    )
