@@ -127,7 +127,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_a_stopped_background_compile_stops_the_compilers_it_started(slowjit, monkeypatch) -> None:
+def test_a_stopped_background_compile_stops_the_compilers_it_started(
+    slowjit, monkeypatch, caplog
+) -> None:
     """A compiler left running after its compile was stopped finishes writing into the cache
     after the next compile recorded it: the next load finds that out of date and rebuilds."""
     monkeypatch.setattr(SlowJitBackend, "code", SPAWNS)
@@ -143,3 +145,4 @@ def test_a_stopped_background_compile_stops_the_compilers_it_started(slowjit, mo
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(child)
+    assert "background compiles and their compilers stopped in" in caplog.text

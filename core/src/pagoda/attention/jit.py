@@ -155,5 +155,9 @@ def stop_background_compiles() -> None:
     no child outlives the engine)."""
     with _lock:
         procs = list(_running)
+    start = time.perf_counter()
     for proc in procs:
         _stop(proc)
+    if procs:
+        took = time.perf_counter() - start
+        logger.info("attention: background compiles and their compilers stopped in %.1f s", took)
