@@ -182,3 +182,18 @@ def test_backoff_doubles_the_period_after_each_miss_and_resets_on_an_accept() ->
     backoff.tick()
     backoff.forget("r")
     assert backoff.allows("r", 8)
+
+
+def test_alternating_drafts_back_off_at_batch_1_too(setup) -> None:
+    """With alternating drafts a miss costs the step the request sits out, at any batch size:
+    a lone request whose drafts always miss drafts in few steps."""
+    engine, prompts, params, want = setup
+    spec = {"method": "wrong", "num_speculative_tokens": K, "async_drafts": "alternate"}
+    spec["adaptive"] = False  # (the back-off alone)
+    llm = LLM(**{**engine, "max_num_seqs": 1}, speculative_config=spec, async_scheduling=True)
+    seen = _instrumented(llm)
+    assert _generate(llm, prompts[:2], params) == want[:2]
+    stats = llm.engine.engine_core.scheduler.spec_stats_total
+    assert stats.num_drafts and stats.num_accepted_tokens == 0, stats
+    assert seen["with_drafts"] <= seen["steps"] * 0.3, seen
+    assert seen["waits"] == 0, seen

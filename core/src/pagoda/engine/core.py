@@ -54,6 +54,7 @@ class EngineCore:
             if alternate_drafts(config):
                 self.scheduler.spec_alternate = True
                 self.scheduler.draft_backoff.min_accepted = 2  # a step sat out must pay
+                self.scheduler.draft_backoff.min_batch = 1  # at any batch size
             self.scheduler.spec_governor = build_governor(config.speculative)
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 # A request drafts every step until it misses twice in a row (no draft accepted, or none
 # found); then every 2nd, 4th, ... step, at most every ``2 ** _MAX_LEVEL``-th, until a draft of
 # it is accepted. Below ``_MIN_BATCH`` running requests a verification step costs about what a
-# decode step does, and nobody backs off.
+# decode step does, and nobody backs off (draft slots, or no async scheduling; alternating drafts
+# back off at any batch size: there a miss costs the step sat out).
 _MISSES_BEFORE_BACKOFF = 2
 _MAX_LEVEL = 4
 _MIN_BATCH = 8
@@ -66,11 +67,14 @@ class DraftBackoff:
     that requests at the same level draft in the same steps and the steps between them carry no
     drafts at all (plain decode steps, which overlap the device)."""
 
-    def __init__(self, min_accepted: int = 1) -> None:
+    def __init__(self, min_accepted: int = 1, min_batch: int = _MIN_BATCH) -> None:
         self.step = 0
         self._misses: dict[str, int] = {}
         # Accepted drafts a step needs to count as a hit.
         self.min_accepted = min_accepted
+        # Running requests from which requests back off. NOTE: with alternating drafts a miss
+        # costs a whole step sat out at any batch size, so there it is 1.
+        self.min_batch = min_batch
 
     def tick(self) -> None:
         """A new schedule."""
@@ -80,7 +84,7 @@ class DraftBackoff:
         """Whether ``req_id`` may have drafts scheduled this step (``ahead``: that many steps
         later), with ``num_running`` requests running."""
         misses = self._misses.get(req_id, 0)
-        if misses < _MISSES_BEFORE_BACKOFF or num_running < _MIN_BATCH:
+        if misses < _MISSES_BEFORE_BACKOFF or num_running < self.min_batch:
             return True
         level = min(misses - _MISSES_BEFORE_BACKOFF + 1, _MAX_LEVEL)
         return (self.step + ahead) % (1 << level) == 0
