@@ -8,15 +8,14 @@
    layers and the final hidden state (the proposer contract's hidden-state feed: no second
    forward).
 2. A draft vocabulary of the most frequent output tokens (``d2t``/``t2d``); the head's LM head
-   is the target's rows for them (trained further only with ``--train-lm-head``: on a small
-   corpus a trained LM head fits the training texts and drafts worse on others).
+   starts from the target's rows for them (``--freeze-lm-head`` keeps it there).
 3. Training with EAGLE-3's training-time test: step 0 reads the fused target features, step s
    the head's own output of step s - 1, attending to the real context and to its own earlier
    steps at the same position, as the chain does at inference. Loss per step (weight 0.8^s):
    cross-entropy against the target's distribution over the draft vocabulary (token loss) plus
    a smooth-L1 pull of the head's normed output towards the target's final hidden state
    (feature loss, EAGLE's). Output positions weigh 1, prompt positions ``--prompt-weight``
-   (the target's predictions inside a prompt are data too).
+   (default 0: the target's predictions inside a prompt can be data too).
 4. The head is written (config.json, model.safetensors: ``fc``, ``midlayer.*``, ``norm``,
    ``lm_head``, ``d2t``, ``t2d``) and Pagoda serves held-out prompts with it: the mean
    acceptance length and the acceptance per draft position are printed (and written as JSON).
@@ -389,8 +388,11 @@ def heldout_acceptance(
     """Serve ``prompts`` greedily with the head: mean acceptance length (tokens per
     verification step, the target's own included) and acceptance per draft position."""
     from pagoda import LLM, SamplingParams
+    from pagoda.config import SpeculativeConfig
 
     spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": k}
+    if "adaptive" in SpeculativeConfig.model_fields:  # every step drafts: the head is measured
+        spec["adaptive"] = False
     llm = LLM(**engine_args, speculative_config=spec)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -431,16 +433,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prompt-weight",
         type=float,
-        default=0.5,
-        help="weight of the target's predictions inside prompts (output tokens weigh 1)",
+        default=0.0,
+        help="weight of the target's predictions inside prompts (output tokens weigh 1; "
+        "default 0: outputs only)",
     )
     p.add_argument(
-        "--train-lm-head",
-        action="store_true",
-        help="train the draft LM head too (default: kept at the target's rows, which "
-        "generalises better on small data)",
+        "--freeze-lm-head",
+        dest="train_lm_head",
+        action="store_false",
+        help="keep the draft LM head at the target's rows (default: trained from them)",
     )
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="k of the evaluation")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=1024)
