@@ -1,22 +1,21 @@
 """The core's offload medium: blocks in CPU memory, copies on their own CUDA streams.
 
-Each worker keeps its part of every offloaded block (its KV heads, every layer) in one CPU tensor
-``[num_blocks, num_layers, *block]``: page-locked on CUDA, so that copies run asynchronously and at
-the bus's speed (registered in place, ``cudaHostRegister``: torch's ``pin_memory`` would round the
-pool up to a power of two, 16 GiB for 9). A job's copies are queued after everything the step's
-stream has queued so far, stores (device to CPU) on one side stream and loads on another, so that
-both directions of the bus work at once. A load moves each run of consecutive slots to a device
-staging buffer with one host-to-device copy (up to ``_STAGING_BYTES`` at a time), then scatters the
-staged blocks into the cache: with one kernel for every layer when the layers' caches are slices of
-one tensor (the model runner allocates them so), one a layer otherwise. A store gathers, then copies
-runs out the same way. Loads wait for stores, and the step's stream for either, only where the
-scheduler says they touch the same blocks (``stores_first``, ``wait_jobs``). On a CPU the copies are
-plain and done at once.
+Each worker keeps its part of every offloaded block (its KV heads, every layer) in one CPU
+tensor ``[num_blocks, num_layers, *block]``: pinned memory on CUDA, so that copies run
+asynchronously and at the bus's speed (torch's pinned allocator rounds it up to a power of two
+of bytes: a pool just under one wastes least). A job's copies are queued after everything the
+step's stream has queued so far, stores (device to CPU) on one side stream and loads on another,
+so that both directions of the bus work at once. A load moves each run of consecutive slots to a
+device staging buffer with one host-to-device copy (up to ``_STAGING_BYTES`` at a time), then
+scatters the staged blocks into the cache: with one kernel for every layer when the layers'
+caches are slices of one tensor (the model runner allocates them so), one a layer otherwise. A
+store gathers, then copies runs out the same way. Loads wait for stores, and the step's stream
+for either, only where the scheduler says they touch the same blocks (``stores_first``,
+``wait_jobs``). On a CPU the copies are plain and done at once.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -66,25 +65,6 @@ def stack_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(size, stride, first.storage_offset())
 
 
-def _page_locked(shape: tuple[int, ...], dtype: torch.dtype, owner: object) -> torch.Tensor:
-    """A host tensor whose pages are locked for as long as ``owner`` lives: registered with
-    the CUDA driver where it lies, or, if that fails, from torch's pinned-memory allocator."""
-    t = torch.empty(shape, dtype=dtype)
-    cudart = torch.cuda.cudart()
-    ptr = t.data_ptr()
-    if int(cudart.cudaHostRegister(ptr, t.numel() * t.element_size(), 1)) == 0:
-        if t.is_pinned():
-            # NOTE: the finalizer holds the tensor: its pages are unregistered before freed.
-            weakref.finalize(owner, _unregister, ptr, t)
-            return t
-        _unregister(ptr, t)
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-def _unregister(ptr: int, tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
 @dataclass
 class _Job:
     """A submitted job's events: those that end its copies, and (kind, blocks, start, end) of
@@ -101,11 +81,11 @@ class CPUMedium(OffloadMedium):
         self.device = first.device
         self.cuda = self.device.type == "cuda"
         block_shape = tuple(self.layers[0].shape[1:])
-        shape = (num_blocks, len(kv_caches), *block_shape)
-        if self.cuda:
-            self.cpu = _page_locked(shape, first.dtype, self)
-        else:
-            self.cpu = torch.empty(shape, dtype=first.dtype)
+        self.cpu = torch.empty(
+            (num_blocks, len(kv_caches), *block_shape),
+            dtype=first.dtype,
+            pin_memory=self.cuda,
+        )
         self.block_bytes = self.cpu[0].numel() * first.element_size()
         # Every layer's cache as one view, blocks first (None: the layers are apart).
         self.stacked = stack_layers(self.layers)
