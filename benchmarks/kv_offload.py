@@ -12,9 +12,9 @@ other, on the same prompts and the same attention backend; after each, the pools
 once idle are recorded, then again after ``reset_prefix_cache``. With offload on, the report
 also gives the bus's figures: the blocks copied each way and the device time their copies took,
 and one plain host-to-device copy of a context's bytes out of the pinned pool (the floor of a
-load). Unless ``--no-overlap``, the offloading engine then plays the workload once more, from
-empty pools, with ``cache.offload_overlap`` on (a long hit computed from its start while its
-end loads): the ``overlap`` figures.
+load). With ``--overlap`` the offloading engine then plays the workload once more, from empty
+pools, with ``cache.offload_overlap`` on (a long hit computed from its start while its end
+loads): the ``overlap`` figures.
 
 Idle means: no request holds a device block (every usable block free, though cached ones keep
 their contents for later prefix hits), no CPU slot pinned by a load or being stored, no copy
@@ -248,8 +248,8 @@ def main() -> None:
         " stores of the blocks it evicts",
     )  # fmt: skip
     ap.add_argument(
-        "--no-overlap", dest="overlap", action="store_false",
-        help="skip the pass with cache.offload_overlap (the offloading engine, run again)",
+        "--overlap", action="store_true",
+        help="a third pass with cache.offload_overlap (the offloading engine, run again)",
     )  # fmt: skip
     ap.add_argument(
         "--saved-weights", action="store_true",
