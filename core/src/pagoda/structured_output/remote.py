@@ -71,7 +71,6 @@ class RemoteGrammarRows:
         self._next = 0
         self._seq = 0
         self._outstanding: list[int] = []  # step messages not answered yet
-        self._status: dict[int, dict[str, tuple[bool, bool]]] = {}
         self._prefetch: tuple[int, list[str], int] | None = None  # (seq, order, buffer)
         self._last_rows: tuple[list, list] | None = None  # the child keeps them too
 
@@ -138,7 +137,6 @@ class RemoteGrammarRows:
                 e = self.entries.get(req_id)
                 if e is not None:
                     e.broken, e.terminated = broken, terminated
-            self._status[seq] = status
 
     def close(self) -> None:
         if self._proc is not None:
