@@ -75,6 +75,58 @@ def _ms(samples: list[float]) -> dict[str, float | int | None]:
     }
 
 
+def _profile(llm: LLM, prompts: list[dict], params: SamplingParams, top: int) -> dict:
+    """One pass under cProfile (host functions by own time) and one under the CUDA profiler
+    (the share of the pass's wall time that the device was busy)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    seconds, _ = _timed(llm, prompts, params)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(prof).stats
+    host = sorted(
+        (
+            {
+                "function": f"{Path(f).name}:{line}({fn})",
+                "calls": nc,
+                "own_s": round(tt, 4),
+                "total_s": round(ct, 4),
+            }
+            for (f, line, fn), (_, nc, tt, ct, _) in stats.items()
+        ),
+        key=lambda r: -r["own_s"],
+    )[:top]
+    print(f"--- cProfile of one pass, {params.structured_outputs and 'json_schema' or 'free'}")
+    print("\n".join(text.getvalue().splitlines()[: top + 12]))
+    result: dict = {"cprofile_pass_s": round(seconds, 3), "host_top": host}
+    if torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as cuda_prof:
+            seconds, _ = _timed(llm, prompts, params)
+            torch.cuda.synchronize()
+        spans = sorted(
+            (ev.time_range.start, ev.time_range.end)
+            for ev in cuda_prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CUDA
+        )
+        busy, end = 0.0, -1.0
+        for a, b in spans:  # the union of the device's intervals, in microseconds
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        result["cuda_profiled_pass_s"] = round(seconds, 3)
+        result["device_busy_s"] = round(busy / 1e6, 4)
+        result["device_busy_share"] = round(busy / 1e6 / seconds, 3)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(CONFIGS / "qwen3-0.6b"))
@@ -90,14 +142,32 @@ def main() -> None:
         help="grammar matchers in a process of their own, or in a thread (the default)",
     )
     p.add_argument(
+        "--host-wait",
+        action="store_true",
+        help="matchers in their own process: the host waits for their fill before it launches "
+        "the sampling (on a GPU the device waits by default)",
+    )
+    p.add_argument(
         "--sync-mask",
         action="store_true",
         help="no background prefetch: fill each bitmask on the host's path (for comparison)",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, one more pass of each kind under cProfile (the N costliest functions "
+        "by own time) and under the CUDA profiler (the device's busy share of the pass)",
     )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.host_wait:
+        import pagoda.structured_output.host_flag as host_flag
+
+        host_flag.device_wait_available = lambda device: False
     folder, weights = ensure_random_weights(Path(args.config), 0, device)
     llm = LLM(
         model=str(folder),
@@ -202,6 +272,14 @@ def main() -> None:
             if name == "json_schema":
                 check = outs
     _, queries, hits = manager.take_stats()
+    profiles = (
+        {
+            k: _profile(llm, prompts, v, args.profile)
+            for k, v in (("unconstrained", free), ("json_schema", constrained))
+        }
+        if args.profile
+        else None
+    )
 
     # Every constrained token was allowed by the grammar at its position.
     compiled = manager.compiled(StructuredOutputsParams(json=SCHEMA))
@@ -227,9 +305,11 @@ def main() -> None:
         ),
         "model_config": Path(args.config).name,
         "bitmask": "filled on the host's path" if args.sync_mask else "prefetched in background",
-        "matchers": "in a process of their own"
-        if runner is not None and not hasattr(runner.grammar, "_prefetch_rows")
-        else "in the engine's process",
+        "matchers": "in the engine's process"
+        if runner is None or hasattr(runner.grammar, "_prefetch_rows")
+        else "in a process of their own, the device waiting for them"
+        if runner.grammar._device_wait
+        else "in a process of their own, the host waiting for them",
         "weights": weights,
         "batch": args.batch,
         "input_len": args.input_len,
@@ -256,6 +336,8 @@ def main() -> None:
             "steps": steps,
         },
     }
+    if profiles:
+        report["profile"] = profiles
     name = f"structured-output-{Path(args.config).name}-b{args.batch}"
     save_report(
         report, f"{name}-{report['hardware'].split()[-1].lower()}-{commit()}", args.output_json

@@ -7,7 +7,11 @@ step. Here a child process owns the matchers. Behind each constrained step's sam
 device copies the sampled ids, then the step's number, into shared pinned memory; the child,
 told which request each row is, watches the number, advances the matchers as soon as the ids
 land and fills the next step's rows into a shared buffer, where the runner's next sampling
-finds them (``RemoteGrammarRows``, the same interface as ``GrammarRows``).
+finds them (``RemoteGrammarRows``, the same interface as ``GrammarRows``). Once a step's rows
+are filled the child writes the step's number into a second pinned flag; on a GPU the runner does
+not wait for the child's answer before it launches the sampling that applies them: it enqueues a
+wait for that number on the device ahead of the mask's copy (``pagoda.structured_output.
+host_flag``) and takes the answers (which requests broke or ended) as they come.
 
 Messages, in order on one pipe: ``("add", req_id, params)``, ``("remove", req_id)``,
 ``("step_ids", seq, rows, fill, buffer, n)`` (advance ``rows``' requests by the ids of step
@@ -37,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 _PREFETCH_BUFFERS = 2  # alternate between steps; one more for fills on the runner's path
 _IDS_TIMEOUT_S = 600.0  # a step's ids not copied by then: the engine is gone
+_DEVICE_WAIT_S = 30.0  # a fill the device waited for this long: the child is lost
 
 
 class MatcherProcessError(RuntimeError):
@@ -73,6 +78,8 @@ class RemoteGrammarRows:
         self._outstanding: list[int] = []  # step messages not answered yet
         self._prefetch: tuple[int, list[str], int] | None = None  # (seq, order, buffer)
         self._last_rows: tuple[list, list] | None = None  # the child keeps them too
+        self._device_wait = False  # the device waits for the child's fill (see host_flag)
+        self._seq_device: torch.Tensor | None = None
 
     # ---- the child -----------------------------------------------------------------------------
 
@@ -89,18 +96,28 @@ class RemoteGrammarRows:
         # the child watches the number and reads the ids as soon as the device has them.
         self._ids = torch.zeros(self.max_num_reqs, dtype=torch.int64).share_memory_()
         self._flag = torch.zeros(1, dtype=torch.int64).share_memory_()
+        # The number of the last step whose rows the child has filled (it writes it after the
+        # rows), and the word the device's wait for it writes when it gives up.
+        self._filled = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._wait_error = torch.zeros(1, dtype=torch.int64).share_memory_()
         if torch.cuda.is_available():  # pinned, so copies do not wait for the host
             cudart = torch.cuda.cudart()
-            for b in [*self._buffers, self._ids, self._flag]:
+            shared = [*self._buffers, self._ids, self._flag, self._filled, self._wait_error]
+            for b in shared:
                 if cudart.cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0) == 0:
                     self._registered.append(b)
+            from pagoda.structured_output.host_flag import device_wait_available
+
+            self._device_wait = len(self._registered) == len(shared) and device_wait_available(
+                torch.device("cuda")
+            )
         import torch.multiprocessing as tmp
 
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, self.config, self._buffers, self._ids, self._flag),
+            args=(child, self.config, self._buffers, self._ids, self._flag, self._filled),
             name="pagoda-grammar-matchers",
             daemon=True,
         )
@@ -122,10 +139,12 @@ class RemoteGrammarRows:
         self._outstanding.append(self._seq)
         return self._seq
 
-    def _drain(self) -> None:
-        """Take every answer still due (waits for the last)."""
+    def _drain(self, wait: bool = True) -> None:
+        """Take every answer still due (``wait``: waits for the last; else only those here)."""
         while self._outstanding:
             try:
+                if not wait and not self._conn.poll():
+                    return
                 reply = self._conn.recv()
             except (EOFError, OSError) as e:
                 raise MatcherProcessError(f"the grammar matcher process ended: {e!r}") from None
@@ -185,9 +204,10 @@ class RemoteGrammarRows:
         seq = self._seq + 1
         if sampled.device.type == "cuda":
             self._ids[:n].copy_(sampled, non_blocking=True)
-            self._flag.copy_(
-                torch.full((1,), seq, dtype=torch.int64, device=sampled.device), non_blocking=True
-            )
+            if self._seq_device is None:
+                self._seq_device = torch.zeros(1, dtype=torch.int64, device=sampled.device)
+            self._seq_device.fill_(seq)  # NOTE: stream-ordered after the last step's copy of it
+            self._flag.copy_(self._seq_device, non_blocking=True)
         else:
             self._ids[:n].copy_(sampled)
             self._flag[0] = seq
@@ -247,7 +267,13 @@ class RemoteGrammarRows:
             and order == req_ids
             and all(e.prefetched == (seq, i) for e, i in zip(entries, idx) if e.live)
         )
-        if usable:
+        if usable and self._device_wait:
+            # The device, not the host, waits for the child's fill (see host_flag); answers
+            # are taken as they come (a row that ended meanwhile is all ones: no constraint).
+            self._check_device_wait()
+            self._drain(wait=False)
+            buffer = self._prefetch[2]
+        elif usable:
             self._drain()
             buffer = self._prefetch[2]
         else:
@@ -262,7 +288,33 @@ class RemoteGrammarRows:
         if not constrained:
             return None
         bitmask = self._buffers[buffer][: len(req_ids)]
+        if usable and self._device_wait:
+            self._enqueue_wait(seq)
         return GrammarMask(self._backend, bitmask.to(device, non_blocking=True), constrained)
+
+    def _enqueue_wait(self, seq: int) -> None:
+        from pagoda.structured_output.host_flag import wait_for
+
+        try:
+            wait_for(self._filled, self._wait_error, seq, _DEVICE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - no device wait here: the host waits instead
+            logger.warning(
+                "structured output: the device cannot wait for the matcher process "
+                "(%s); the host waits for it",
+                e,
+            )
+            self._device_wait = False
+            self._drain()
+
+    def _check_device_wait(self) -> None:
+        """Fail, rather than sample with stale rows, once a device wait gave up on the child."""
+        if self._wait_error.numpy()[0] != 0:
+            alive = self._proc is not None and self._proc.is_alive()
+            raise MatcherProcessError(
+                f"the grammar matcher process did not fill step {int(self._wait_error[0])}'s "
+                f"bitmask within {_DEVICE_WAIT_S:.0f} s "
+                + ("(it is still running)" if alive else "(it has ended)")
+            )
 
 
 def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
@@ -279,7 +331,12 @@ def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
 
 
 def _serve(
-    conn: Any, config: Any, buffers: list[torch.Tensor], ids: torch.Tensor, flag: torch.Tensor
+    conn: Any,
+    config: Any,
+    buffers: list[torch.Tensor],
+    ids: torch.Tensor,
+    flag: torch.Tensor,
+    filled: torch.Tensor,
 ) -> None:
     """The child: matchers by request, advanced and filled as the messages say."""
     import signal
@@ -291,6 +348,7 @@ def _serve(
 
     manager = StructuredOutputManager(config, ModelInfo.from_config(config))
     matchers: dict[str, list] = {}  # req_id -> [matcher, backend, broken]
+    filled_np = filled.numpy()
     last_rows: tuple[list, list] = ([], [])
     while True:
         try:
@@ -308,7 +366,9 @@ def _serve(
                 matchers.pop(msg[1], None)
             elif op == "step":
                 _, seq, advance, fill, buffer, n = msg
-                conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
+                status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
+                filled_np[0] = seq  # NOTE: after the rows: a device waiting for it reads them next
+                conn.send((seq, status))
             elif op == "step_ids":  # advance by the ids the device copies to ``ids``
                 _, seq, rows, fill, buffer, n = msg
                 if rows is None:  # the same rows as the last such step
@@ -316,9 +376,12 @@ def _serve(
                 last_rows = (rows, fill)
                 tokens = _wait_for_ids(flag, ids, seq, n)
                 advance = [(r, [int(tokens[j])]) for r, j in rows]
-                conn.send((seq, _advance_and_fill(matchers, advance, fill, buffers[buffer], n)))
+                status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
+                filled_np[0] = seq
+                conn.send((seq, status))
         except Exception as e:  # noqa: BLE001 - the runner raises it
-            if op == "step":
+            if op in ("step", "step_ids"):
+                logger.exception("grammar matcher process: %s failed", op)
                 conn.send(("error", f"{type(e).__name__}: {e}"))
             else:
                 logger.exception("grammar matcher process: %s failed", op)

@@ -1,0 +1,98 @@
+"""On a GPU: the device's wait for the grammar matcher process's fill (``host_flag.wait_for``)
+holds back what is enqueued after it until the host writes the flag, without blocking the host,
+and gives up with its error word set when the flag never comes; and with the matchers in their
+own process (the device waiting for them) every request of a mixed batch gets the tokens the
+in-process matchers give."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytest.importorskip("triton")
+
+
+def _pinned(n: int, dtype=torch.int64) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, pin_memory=True)
+
+
+def test_the_device_waits_for_the_flag_and_the_host_does_not() -> None:
+    from pagoda.structured_output.host_flag import wait_for
+
+    flag, error = _pinned(1), _pinned(1)
+    rows = _pinned(1 << 16, torch.int32)
+    out = torch.zeros(1 << 16, dtype=torch.int32, device="cuda")
+    enqueued = threading.Event()
+
+    def fill() -> None:  # the matcher process's part: rows first, then the step's number
+        enqueued.wait(10)
+        time.sleep(0.05)
+        rows.numpy()[:] = 7
+        flag.numpy()[0] = 3
+
+    writer = threading.Thread(target=fill)
+    writer.start()
+    torch.cuda.synchronize()
+    wait_for(flag, error, 3, timeout_s=20)
+    out.copy_(rows, non_blocking=True)
+    # The host is here before the rows exist: had wait_for blocked, this would be reached only
+    # after the device gave up (the error word below).
+    assert flag.numpy()[0] == 0
+    enqueued.set()
+    torch.cuda.synchronize()
+    writer.join()
+    assert int(error.numpy()[0]) == 0
+    assert bool((out == 7).all())  # the copy ran after the flag, so after the rows
+
+
+def test_a_flag_that_never_comes_sets_the_error_word() -> None:
+    from pagoda.structured_output.host_flag import wait_for
+
+    flag, error = _pinned(1), _pinned(1)
+    flag.numpy()[0] = 4
+    wait_for(flag, error, 5, timeout_s=0.05)
+    torch.cuda.synchronize()
+    assert int(error.numpy()[0]) == 5
+    error.numpy()[0] = 0
+    wait_for(flag, error, 4, timeout_s=0.05)  # already there: no wait, no error
+    torch.cuda.synchronize()
+    assert int(error.numpy()[0]) == 0
+
+
+def test_matchers_in_their_own_process_give_the_same_tokens_on_cuda() -> None:
+    model = os.environ.get("SMOLLM2_GGUF")
+    if not model or not Path(model).exists():
+        pytest.skip("SMOLLM2_GGUF names no SmolLM2-135M-Instruct GGUF here")
+    pytest.importorskip("xgrammar")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "structured_output"))
+    from test_matcher_process import PHONE, PROMPTS, _params
+
+    from pagoda import LLM
+
+    got = {}
+    for on in (False, True):
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=256 << 20,
+            max_num_seqs=8,
+            structured_output={"matcher_process": on},
+        )
+        outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
+        got[on] = [list(o.outputs[0].token_ids) for o in outs]
+        if on:
+            rows = llm.engine.engine_core.executor.worker.model_runner.grammar
+            assert rows._device_wait  # the device, not the host, waited for the fills
+            text = llm.get_tokenizer().decode(got[on][1], skip_special_tokens=True)
+        llm.engine.shutdown()
+    assert got[True] == got[False]
+    assert re.fullmatch(PHONE, text), text
