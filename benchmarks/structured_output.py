@@ -227,10 +227,11 @@ def main() -> None:
     elif runner is not None:  # matchers in their own process: the runner's wait for its answer
         inner_drain = runner.grammar._drain
 
-        def timed_drain() -> None:
+        def timed_drain(wait: bool = True) -> None:
             t = time.perf_counter()
-            inner_drain()
-            join_s.append(time.perf_counter() - t)
+            inner_drain(wait)
+            if wait:
+                join_s.append(time.perf_counter() - t)
 
         runner.grammar._drain = timed_drain
     thread_s: list[tuple[float, float]] = []
