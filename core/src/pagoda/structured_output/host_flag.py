@@ -36,6 +36,47 @@ if triton is not None:
         if value < seq:
             tl.store(error_ptr, seq)
 
+    @triton.jit
+    def _wait_then_mask(
+        flag_ptr,
+        error_ptr,
+        seq,
+        max_polls,
+        bitmask_ptr,  # [rows, words] int32 in host memory
+        bitmask_stride,
+        logits_ptr,  # [rows, vocab] float32 on the device
+        logits_stride,
+        vocab,
+        words,
+        WORDS: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        i = 0
+        value = tl.load(flag_ptr, volatile=True)
+        while (value < seq) & (i < max_polls):
+            value = tl.load(flag_ptr, volatile=True)
+            i += 1
+        if value < seq:
+            tl.store(error_ptr, seq)
+        else:
+            bits = tl.arange(0, 32)
+            for start in range(0, words, WORDS):
+                w = start + tl.arange(0, WORDS)
+                # NOTE: .cv: fetch again; the host rewrote these lines since the last read.
+                word = tl.load(
+                    bitmask_ptr + row * bitmask_stride + w,
+                    mask=w < words,
+                    other=-1,
+                    cache_modifier=".cv",
+                )
+                refused = ((word[:, None] >> bits[None, :]) & 1) == 0
+                token = w[:, None] * 32 + bits[None, :]
+                tl.store(
+                    logits_ptr + row * logits_stride + token,
+                    float("-inf"),
+                    mask=refused & (token < vocab),
+                )
+
 
 # One poll of a flag in host memory crosses the bus: about a microsecond (measured on PCIe 5).
 _POLL_S = 1e-6
@@ -50,3 +91,34 @@ def wait_for(flag: torch.Tensor, error: torch.Tensor, seq: int, timeout_s: float
     int64 tensors in page-locked host memory the device can address (``cudaHostRegister`` or
     ``pin_memory``); on timeout ``error[0]`` becomes ``seq``."""
     _spin_until[(1,)](flag, error, seq, int(timeout_s / _POLL_S), num_warps=1)
+
+
+def wait_then_mask(
+    flag: torch.Tensor,
+    error: torch.Tensor,
+    seq: int,
+    bitmask: torch.Tensor,
+    logits: torch.Tensor,
+    timeout_s: float = 30.0,
+) -> None:
+    """Enqueue on the current stream: wait until ``flag[0] >= seq``, then set to -inf every
+    logit of ``logits`` (``[n, vocab]`` float32, on the device) that ``bitmask`` (``[n, words]``
+    int32 in the standard layout, in registered host memory, read in place) refuses. One launch
+    for the wait, the bitmask's trip over the bus and its application. On timeout the logits are
+    left alone and ``error[0]`` becomes ``seq``."""
+    n, vocab = logits.shape
+    words = bitmask.shape[1]
+    _wait_then_mask[(n,)](
+        flag,
+        error,
+        seq,
+        int(timeout_s / _POLL_S),
+        bitmask,
+        bitmask.stride(0),
+        logits,
+        logits.stride(0),
+        vocab,
+        words,
+        WORDS=64,
+        num_warps=4,
+    )

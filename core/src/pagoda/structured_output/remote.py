@@ -20,7 +20,7 @@ advance, fill, buffer, n)`` (advance by the tokens given) and ``("stop",)``; bot
 answered with ``(seq, status)``. ``rows``: ``[(req_id, row of the ids)]``; ``advance``:
 ``[(req_id, tokens)]``; ``fill``: ``[(req_id, row)]`` to fill in ``buffer`` (rows up to ``n``
 not filled are all ones); ``status``: ``{req_id: (broken, terminated)}`` for every request
-named.
+named whose status changed since the child last answered for it (a new matcher is neither).
 """
 
 from __future__ import annotations
@@ -80,6 +80,14 @@ class RemoteGrammarRows:
         self._last_rows: tuple[list, list] | None = None  # the child keeps them too
         self._device_wait = False  # the device waits for the child's fill (see host_flag)
         self._seq_device: torch.Tensor | None = None
+        # Started with the engine, so that the first constrained request does not wait for the
+        # child's start (an interpreter, torch, the backend, the tokenizer: seconds); if that
+        # fails here, the first constrained request starts it again and reports why.
+        try:
+            self._start()
+        except Exception as e:  # noqa: BLE001
+            logger.warning("structured output: the grammar matcher process did not start: %s", e)
+            self._proc = None
 
     # ---- the child -----------------------------------------------------------------------------
 
@@ -200,6 +208,15 @@ class RemoteGrammarRows:
             return
         if self._proc is None:
             self._start()
+        if self._device_wait:  # the step's output is not handed on if its mask's wait failed
+            prev = out.on_output
+
+            def checked(step: Any, output: Any) -> None:
+                self._check_device_wait()
+                if prev is not None:
+                    prev(step, output)
+
+            out.on_output = checked
         n = len(order)
         seq = self._seq + 1
         if sampled.device.type == "cuda":
@@ -289,22 +306,31 @@ class RemoteGrammarRows:
             return None
         bitmask = self._buffers[buffer][: len(req_ids)]
         if usable and self._device_wait:
-            self._enqueue_wait(seq)
+            return _FillAwaited(self._backend, bitmask, constrained, self, seq)
         return GrammarMask(self._backend, bitmask.to(device, non_blocking=True), constrained)
 
-    def _enqueue_wait(self, seq: int) -> None:
-        from pagoda.structured_output.host_flag import wait_for
+    def _apply_once_filled(self, logits: torch.Tensor, mask: _FillAwaited) -> torch.Tensor:
+        """The device waits for the child's fill of step ``mask.seq``, then masks ``logits``
+        with the rows straight from the shared buffer (one launch; see host_flag)."""
+        if self._device_wait and logits.is_contiguous() and logits.dtype == torch.float32:
+            from pagoda.structured_output.host_flag import wait_then_mask
 
-        try:
-            wait_for(self._filled, self._wait_error, seq, _DEVICE_WAIT_S)
-        except Exception as e:  # noqa: BLE001 - no device wait here: the host waits instead
-            logger.warning(
-                "structured output: the device cannot wait for the matcher process "
-                "(%s); the host waits for it",
-                e,
-            )
-            self._device_wait = False
-            self._drain()
+            try:
+                wait_then_mask(
+                    self._filled, self._wait_error, mask.seq, mask.bitmask, logits, _DEVICE_WAIT_S
+                )
+                return logits
+            except Exception as e:  # noqa: BLE001 - no device wait here: the host waits instead
+                logger.warning(
+                    "structured output: the device cannot wait for the matcher process (%s); "
+                    "the host waits for it",
+                    e,
+                )
+                self._device_wait = False
+        self._drain()
+        bitmask = mask.bitmask.to(logits.device, non_blocking=True)
+        self._backend.apply_bitmask(logits, bitmask, mask.rows)
+        return logits
 
     def _check_device_wait(self) -> None:
         """Fail, rather than sample with stale rows, once a device wait gave up on the child."""
@@ -315,6 +341,25 @@ class RemoteGrammarRows:
                 f"bitmask within {_DEVICE_WAIT_S:.0f} s "
                 + ("(it is still running)" if alive else "(it has ended)")
             )
+
+
+class _FillAwaited:
+    """A step's mask whose rows the child may still be filling: applying it enqueues the
+    device's wait for them (``RemoteGrammarRows._apply_once_filled``)."""
+
+    def __init__(
+        self,
+        backend: Any,
+        bitmask: torch.Tensor,
+        rows: list[int],
+        owner: RemoteGrammarRows,
+        seq: int,
+    ) -> None:
+        self.backend, self.bitmask, self.rows = backend, bitmask, rows  # bitmask: on the host
+        self.owner, self.seq = owner, seq
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.owner._apply_once_filled(logits, self)
 
 
 def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
@@ -405,7 +450,7 @@ def _wait_for_ids(flag: torch.Tensor, ids: torch.Tensor, seq: int, n: int) -> np
 def _advance_and_fill(
     matchers: dict[str, list], advance: list, fill: list, buffer: torch.Tensor, n: int
 ) -> dict[str, tuple[bool, bool]]:
-    status: dict[str, tuple[bool, bool]] = {}
+    status: dict[str, tuple[bool, bool]] = {}  # only what changed (see the module's note)
     one = [(r, t[0]) for r, t in advance if len(t) == 1 and r in matchers and not matchers[r][2]]
     if one:
         backend = matchers[one[0][0]][1]
@@ -430,5 +475,8 @@ def _advance_and_fill(
     for r, _ in list(advance) + list(fill):
         entry = matchers.get(r)
         if entry is not None:
-            status[r] = (entry[2], entry[0].is_terminated())
+            now = (entry[2], entry[0].is_terminated())
+            if now != (False, False) and (len(entry) < 4 or entry[3] != now):
+                entry[3:] = [now]
+                status[r] = now
     return status
