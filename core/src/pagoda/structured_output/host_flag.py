@@ -50,7 +50,11 @@ if triton is not None:
         words,
         WORDS: tl.constexpr,
     ):
+        # One program per (row, WORDS words): every program reads its own words over the bus at
+        # once, so the rows cross it in parallel (a program looping over a row's words would pay
+        # the bus's latency once per block).
         row = tl.program_id(0)
+        w = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
         i = 0
         value = tl.load(flag_ptr, volatile=True)
         while (value < seq) & (i < max_polls):
@@ -59,24 +63,24 @@ if triton is not None:
         if value < seq:
             tl.store(error_ptr, seq)
         else:
+            # NOTE: .cv: fetch again; the host rewrote these lines since the last read.
+            word = tl.load(
+                bitmask_ptr + row * bitmask_stride + w,
+                mask=w < words,
+                other=-1,
+                cache_modifier=".cv",
+            )
             bits = tl.arange(0, 32)
-            for start in range(0, words, WORDS):
-                w = start + tl.arange(0, WORDS)
-                # NOTE: .cv: fetch again; the host rewrote these lines since the last read.
-                word = tl.load(
-                    bitmask_ptr + row * bitmask_stride + w,
-                    mask=w < words,
-                    other=-1,
-                    cache_modifier=".cv",
-                )
-                refused = ((word[:, None] >> bits[None, :]) & 1) == 0
-                token = w[:, None] * 32 + bits[None, :]
-                tl.store(
-                    logits_ptr + row * logits_stride + token,
-                    float("-inf"),
-                    mask=refused & (token < vocab),
-                )
+            refused = ((word[:, None] >> bits[None, :]) & 1) == 0
+            token = w[:, None] * 32 + bits[None, :]
+            tl.store(
+                logits_ptr + row * logits_stride + token,
+                float("-inf"),
+                mask=refused & (token < vocab),
+            )
 
+
+_WORDS = 128  # bitmask words (4,096 tokens) a program masks
 
 # One poll of a flag in host memory crosses the bus: about a microsecond (measured on PCIe 5).
 _POLL_S = 1e-6
@@ -108,7 +112,7 @@ def wait_then_mask(
     left alone and ``error[0]`` becomes ``seq``."""
     n, vocab = logits.shape
     words = bitmask.shape[1]
-    _wait_then_mask[(n,)](
+    _wait_then_mask[(n, triton.cdiv(words, _WORDS))](
         flag,
         error,
         seq,
@@ -119,6 +123,6 @@ def wait_then_mask(
         logits.stride(0),
         vocab,
         words,
-        WORDS=64,
+        WORDS=_WORDS,
         num_warps=4,
     )
