@@ -67,33 +67,6 @@ def test_a_flag_that_never_comes_sets_the_error_word() -> None:
     assert int(error.numpy()[0]) == 0
 
 
-def test_wait_then_mask_applies_the_host_rows_as_the_reference_does() -> None:
-    from pagoda.structured_output.backend import apply_token_bitmask, bitmask_width
-    from pagoda.structured_output.host_flag import wait_then_mask
-
-    torch.manual_seed(0)
-    n, vocab = 9, 151_936 + 5  # a width that is not a multiple of 32 or of the kernel's block
-    bitmask = _pinned(n * bitmask_width(vocab), torch.int32).view(n, -1)
-    bitmask.copy_(torch.randint(-(2**31), 2**31 - 1, bitmask.shape, dtype=torch.int32))
-    bitmask[3] = -1  # an unconstrained row
-    bitmask[5] = 0  # nothing allowed
-    logits = torch.randn(n, vocab, device="cuda")
-    want = logits.clone()
-    apply_token_bitmask(want, bitmask.cuda(), list(range(n)))
-    flag, error = _pinned(1), _pinned(1)
-    flag.numpy()[0] = 2
-    wait_then_mask(flag, error, 2, bitmask, logits)
-    torch.cuda.synchronize()
-    assert int(error.numpy()[0]) == 0
-    assert torch.equal(logits, want)
-    assert bool(torch.isinf(logits[5]).all()) and not bool(torch.isinf(logits[3]).any())
-    before = logits.clone()
-    wait_then_mask(flag, error, 3, bitmask.fill_(0), logits, timeout_s=0.05)  # never filled
-    torch.cuda.synchronize()
-    assert int(error.numpy()[0]) == 3
-    assert torch.equal(logits, before)  # a mask that never came is not applied
-
-
 def test_matchers_in_their_own_process_give_the_same_tokens_on_cuda() -> None:
     model = os.environ.get("SMOLLM2_GGUF")
     if not model or not Path(model).exists():

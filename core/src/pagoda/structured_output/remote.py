@@ -80,6 +80,9 @@ class RemoteGrammarRows:
         self._last_rows: tuple[list, list] | None = None  # the child keeps them too
         self._device_wait = False  # the device waits for the child's fill (see host_flag)
         self._seq_device: torch.Tensor | None = None
+        # (seq, order, buffer, entries, rows): the last fill, when its every row was a live
+        # constrained request's (see ``after_sample``)
+        self._steady: tuple | None = None
         # Started with the engine, so that the first constrained request does not wait for the
         # child's start (an interpreter, torch, the backend, the tokenizer: seconds); if that
         # fails here, the first constrained request starts it again and reports why.
@@ -178,10 +181,12 @@ class RemoteGrammarRows:
         if params is None:
             return
         self.entries[req_id] = _Entry()
+        self._steady = None
         self._send(("add", req_id, params))
 
     def remove(self, req_id: str) -> None:
         if self.entries.pop(req_id, None) is not None:
+            self._steady = None
             self._send(("remove", req_id))
 
     def after_launch(self, out: Any, device: torch.device) -> None:
@@ -193,19 +198,29 @@ class RemoteGrammarRows:
         which request each row is; it advances the matchers as soon as the ids land and fills
         the next step's rows in the same order."""
         order = [out.req_ids[i] for i in out.sample_idx]
-        if not any(r in self.entries for r in order):
-            return
-        advance, fill = [], []
-        for j, req_id in enumerate(order):
-            e = self.entries.get(req_id)
-            if e is None:
-                continue
-            e.sent += 1
-            if e.live:
-                advance.append((req_id, j))
-                fill.append((req_id, j))
-        if not advance:
-            return
+        steady = self._steady
+        if steady is not None and order == steady[1]:
+            # The last step's requests, in its order, all constrained: nothing to work out.
+            entries = steady[3]
+            for e in entries:
+                e.sent += 1
+            advance = fill = self._last_rows[0] if self._last_rows else []
+        else:
+            if not any(r in self.entries for r in order):
+                return
+            advance, fill, entries = [], [], []
+            for j, req_id in enumerate(order):
+                e = self.entries.get(req_id)
+                if e is None:
+                    continue
+                entries.append(e)
+                e.sent += 1
+                if e.live:
+                    advance.append((req_id, j))
+                    fill.append((req_id, j))
+            if not advance:
+                self._steady = None
+                return
         if self._proc is None:
             self._start()
         if self._device_wait:  # the step's output is not handed on if its mask's wait failed
@@ -240,6 +255,12 @@ class RemoteGrammarRows:
         self._prefetch = (seq, order, buffer)
         for req_id, j in fill:
             self.entries[req_id].prefetched = (seq, j)
+        # Every row a live constrained request's: the next mask of these requests, in this
+        # order, is this fill as it is (``mask``'s first case), until a request comes or goes.
+        if len(fill) == n:
+            self._steady = (seq, order, buffer, entries, list(range(n)))
+        else:
+            self._steady = None
 
     def mask(
         self,
@@ -254,6 +275,27 @@ class RemoteGrammarRows:
         """As ``GrammarRows.mask``."""
         from pagoda.structured_output.runner import GrammarMask
 
+        steady = self._steady
+        prefetch = self._prefetch
+        if (
+            steady is not None
+            and prefetch is not None
+            and prefetch[0] == steady[0]
+            and req_ids == steady[1]
+        ):
+            # The usual step: the requests of the last sampling, in its order, each advanced by
+            # exactly its last token (constrained requests get no drafts; one that is preempted
+            # or ends is removed), every row constrained and filled by the child.
+            self._prefetch = None
+            bitmask = self._buffers[steady[2]][: len(req_ids)]
+            if self._device_wait:
+                self._check_device_wait()
+                self._drain(wait=False)
+                return _FillAwaited(self._backend, bitmask, steady[4], self, steady[0])
+            self._drain()
+            if not any(e.live for e in steady[3]):
+                return None
+            return GrammarMask(self._backend, bitmask.to(device, non_blocking=True), steady[4])
         idx = [i for i, r in enumerate(req_ids) if r in self.entries]
         if not idx:
             return None
@@ -310,16 +352,13 @@ class RemoteGrammarRows:
         return GrammarMask(self._backend, bitmask.to(device, non_blocking=True), constrained)
 
     def _apply_once_filled(self, logits: torch.Tensor, mask: _FillAwaited) -> torch.Tensor:
-        """The device waits for the child's fill of step ``mask.seq``, then masks ``logits``
-        with the rows straight from the shared buffer (one launch; see host_flag)."""
-        if self._device_wait and logits.is_contiguous() and logits.dtype == torch.float32:
-            from pagoda.structured_output.host_flag import wait_then_mask
+        """The device waits for the child's fill of step ``mask.seq`` (see host_flag), then
+        copies the rows in and applies them."""
+        if self._device_wait:
+            from pagoda.structured_output.host_flag import wait_for
 
             try:
-                wait_then_mask(
-                    self._filled, self._wait_error, mask.seq, mask.bitmask, logits, _DEVICE_WAIT_S
-                )
-                return logits
+                wait_for(self._filled, self._wait_error, mask.seq, _DEVICE_WAIT_S)
             except Exception as e:  # noqa: BLE001 - no device wait here: the host waits instead
                 logger.warning(
                     "structured output: the device cannot wait for the matcher process (%s); "
@@ -327,7 +366,9 @@ class RemoteGrammarRows:
                     e,
                 )
                 self._device_wait = False
-        self._drain()
+                self._drain()
+        else:
+            self._drain()
         bitmask = mask.bitmask.to(logits.device, non_blocking=True)
         self._backend.apply_bitmask(logits, bitmask, mask.rows)
         return logits
