@@ -68,7 +68,9 @@ def mask_threads() -> int:
     """Threads that fill a batch's bitmasks: half the CPUs this process may run on, at most 8.
     NOTE: xgrammar's own default counts the host's CPUs, not the container's or the affinity
     mask's; on a 16-CPU slice of a large host it starts dozens of threads that then wait for
-    each other."""
+    each other. ``PAGODA_XGRAMMAR_MASK_THREADS`` sets the number."""
+    if os.environ.get("PAGODA_XGRAMMAR_MASK_THREADS"):
+        return max(1, int(os.environ["PAGODA_XGRAMMAR_MASK_THREADS"]))
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
