@@ -278,6 +278,9 @@ def main() -> None:
             synced[current[0]] += time.perf_counter() - t
 
         torch.cuda.Event.synchronize = timed_sync
+    # The matcher process's own account of its steps (see RemoteGrammarRows.child_stats).
+    stats = getattr(runner.grammar, "child_stats", None) if runner is not None else None
+    before = stats.clone() if stats is not None else None
     for _ in range(args.repeats):
         for name, params in (("unconstrained", free), ("json_schema", constrained)):
             current[0] = name
@@ -288,6 +291,10 @@ def main() -> None:
             wall[name] += seconds
             if name == "json_schema":
                 check = outs
+    child = None
+    if stats is not None:
+        child = stats - before
+        child[2] = stats[2]
     if device.type == "cuda":
         torch.cuda.Event.synchronize = event_sync
     _, queries, hits = manager.take_stats()
@@ -355,6 +362,14 @@ def main() -> None:
             "steps": steps,
         },
     }
+    if child is not None and child[0] > 0:
+        steps = float(child[0])
+        report["matcher_process_ms_per_step"] = {
+            "steps": int(steps),
+            "advance_and_fill_mean": round(1e3 * float(child[1]) / steps, 3),
+            "advance_and_fill_max_all_runs": round(1e3 * float(child[2]), 3),
+            "wait_for_ids_mean": round(1e3 * float(child[3]) / steps, 3),
+        }
     if device.type == "cuda":
         report["host_waits_for_device_share"] = {
             k: round(synced[k] / wall[k], 3) for k in synced if wall[k]
@@ -372,7 +387,8 @@ def main() -> None:
         f"ratio {ratio:.3f}; compile {compile_times}; cache {hits}/{queries} hits; "
         f"mask {report['bitmask_host_ms_per_step']}; all allowed {accepted_all}; "
         f"grammar thread {report['grammar_thread_ms_per_step']}; host waits for the device "
-        f"{report.get('host_waits_for_device_share')}"
+        f"{report.get('host_waits_for_device_share')}; matcher process "
+        f"{report.get('matcher_process_ms_per_step')}"
     )
 
 

@@ -110,6 +110,9 @@ class RemoteGrammarRows:
         # The number of the last step whose rows the child has filled (it writes it after the
         # rows), and the word the device's wait for it writes when it gives up.
         self._filled = torch.zeros(1, dtype=torch.int64).share_memory_()
+        # The child's own account of the steps fed by the device: how many, the seconds from
+        # their ids landing to their rows filled (sum, max), and the seconds it waited for ids.
+        self.child_stats = torch.zeros(4, dtype=torch.float64).share_memory_()
         self._wait_error = torch.zeros(1, dtype=torch.int64).share_memory_()
         if torch.cuda.is_available():  # pinned, so copies do not wait for the host
             cudart = torch.cuda.cudart()
@@ -128,7 +131,15 @@ class RemoteGrammarRows:
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, self.config, self._buffers, self._ids, self._flag, self._filled),
+            args=(
+                child,
+                self.config,
+                self._buffers,
+                self._ids,
+                self._flag,
+                self._filled,
+                self.child_stats,
+            ),
             name="pagoda-grammar-matchers",
             daemon=True,
         )
@@ -423,6 +434,7 @@ def _serve(
     ids: torch.Tensor,
     flag: torch.Tensor,
     filled: torch.Tensor,
+    stats: torch.Tensor,
 ) -> None:
     """The child: matchers by request, advanced and filled as the messages say."""
     import signal
@@ -435,6 +447,7 @@ def _serve(
     manager = StructuredOutputManager(config, ModelInfo.from_config(config))
     matchers: dict[str, list] = {}  # req_id -> [matcher, backend, broken]
     filled_np = filled.numpy()
+    stats_np = stats.numpy()
     last_rows: tuple[list, list] = ([], [])
     while True:
         try:
@@ -460,10 +473,17 @@ def _serve(
                 if rows is None:  # the same rows as the last such step
                     rows, fill = last_rows
                 last_rows = (rows, fill)
+                t0 = time.perf_counter()
                 tokens = _wait_for_ids(flag, ids, seq, n)
+                t1 = time.perf_counter()
                 advance = [(r, [int(tokens[j])]) for r, j in rows]
                 status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
                 filled_np[0] = seq
+                work = time.perf_counter() - t1
+                stats_np[0] += 1
+                stats_np[1] += work
+                stats_np[2] = max(stats_np[2], work)
+                stats_np[3] += t1 - t0
                 conn.send((seq, status))
         except Exception as e:  # noqa: BLE001 - the runner raises it
             if op in ("step", "step_ids"):
