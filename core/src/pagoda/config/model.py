@@ -225,11 +225,12 @@ class StructuredOutputConfig(_Section):
         description="JSON output may hold any whitespace between tokens; false: compact JSON"
         " (small models otherwise tend to emit whitespace until max_tokens)",
     )
-    matcher_process: bool = Field(
-        False,
+    matcher_process: bool | Literal["auto"] = Field(
+        "auto",
         description="advance the grammar matchers and fill the bitmasks in a process of their"
-        " own, off the engine loop's interpreter; false: in a thread of the engine's process"
-        " (benchmarks/README.md has both measured)",
+        " own, off the engine loop's interpreter (on a GPU the device, not the host, waits for"
+        " its fill); false: in a thread of the engine's process; auto: a process on a GPU"
+        " engine, a thread on a CPU one (benchmarks/README.md has both measured)",
     )
 
 

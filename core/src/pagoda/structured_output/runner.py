@@ -284,11 +284,17 @@ class GrammarRows:
 
 
 def grammar_rows(
-    config: EngineConfig, vocab_size: int, max_num_reqs: int
+    config: EngineConfig, vocab_size: int, max_num_reqs: int, device: torch.device | None = None
 ) -> GrammarRows | RemoteGrammarRows:
     """The runner's matchers: in a process of their own (``structured_output.matcher_process``)
     or in a thread of this one."""
     from pagoda.structured_output.remote import RemoteGrammarRows
 
-    cls = RemoteGrammarRows if config.structured_output.matcher_process else GrammarRows
-    return cls(config, vocab_size, max_num_reqs)
+    remote = config.structured_output.matcher_process
+    if remote is True:  # started with the engine
+        return RemoteGrammarRows(config, vocab_size, max_num_reqs)
+    if remote == "auto" and device is not None and device.type == "cuda":
+        # A GPU engine's step is short enough for the engine loop to feel the matchers' work;
+        # the process starts with the first constrained request, not with every engine.
+        return RemoteGrammarRows(config, vocab_size, max_num_reqs, start=False)
+    return GrammarRows(config, vocab_size, max_num_reqs)

@@ -119,7 +119,7 @@ class ModelRunner:
             self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
         )
         # Structured output: the constrained requests' matchers and each step's bitmask.
-        self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs)
+        self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs, device)
         self._alloc_buffers()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
