@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _PREFETCH_BUFFERS = 2  # alternate between steps; one more for fills on the runner's path
 _IDS_TIMEOUT_S = 600.0  # a step's ids not copied by then: the engine is gone
+_SPIN_S = 0.005  # the child spins this long for a step's ids before it sleeps between looks
 _DEVICE_WAIT_S = 30.0  # a fill the device waited for this long: the child is lost
 
 
@@ -521,13 +522,13 @@ def _wait_for_ids(flag: torch.Tensor, ids: torch.Tensor, seq: int, n: int) -> np
     """The ids of message ``seq``, once the device's copy of them has landed (it writes the
     number after the ids)."""
     f = flag.numpy()
-    deadline = time.monotonic() + _IDS_TIMEOUT_S
-    spins = 0
+    start = time.monotonic()
     while f[0] < seq:
-        spins += 1
-        if spins > 1000:  # NOTE: a long step (a big model's) is waited for without a busy core
+        # NOTE: spin for the length of a small model's step (the child has CPUs of its own: a
+        # sleep's wake-up would delay every fill), then wait without a busy core.
+        if time.monotonic() - start > _SPIN_S:
             time.sleep(5e-5)
-            if time.monotonic() > deadline:
+            if time.monotonic() - start > _IDS_TIMEOUT_S:
                 raise TimeoutError(f"step {seq}'s sampled ids did not arrive")
     return ids.numpy()[:n].copy()
 
