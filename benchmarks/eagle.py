@@ -76,6 +76,12 @@ def main() -> None:
         help="also both heads with speculative.async_drafts: slots",
     )
     p.add_argument(
+        "--governor",
+        action="store_true",
+        help="also both heads with the engine's speculation governor on (speculative.adaptive, "
+        "the default: drafting only while it pays), as a user runs them",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also write a host profile (cProfile) of one prompt per engine to OUT_DIR",
@@ -105,6 +111,14 @@ def main() -> None:
         engines["eagle3_slots"] = LLM(**base, speculative_config={**slots, "model": args.head})
         engines["eagle3_random_slots"] = LLM(
             **base, speculative_config={**slots, "model": random_dir}
+        )
+    if args.governor:
+        governed = {key: value for key, value in spec.items() if key != "adaptive"}
+        engines["eagle3_governed"] = LLM(
+            **base, speculative_config={**governed, "model": args.head}
+        )
+        engines["eagle3_random_governed"] = LLM(
+            **base, speculative_config={**governed, "model": random_dir}
         )
     drafting = [name for name in engines if name != "none"]
     messages = corpus(args.num_prompts, args.seed, heldout=True, skip=args.heldout_skip)
@@ -148,6 +162,9 @@ def main() -> None:
     if args.slots:
         report["speedup_trained_slots"] = tps["eagle3_slots"] / tps["none"]
         report["speedup_random_slots"] = tps["eagle3_random_slots"] / tps["none"]
+    if args.governor:
+        report["speedup_trained_governed"] = tps["eagle3_governed"] / tps["none"]
+        report["speedup_random_governed"] = tps["eagle3_random_governed"] / tps["none"]
     for name in drafting:
         st = engines[name].engine.engine_core.scheduler.spec_stats_total
         report[name] = {
@@ -168,7 +185,8 @@ def main() -> None:
         str(out_dir / f"eagle3-b1-{Path(args.model).stem.lower()}-{device.type}-{commit()}.json"),
     )
     keys = ("tokens_per_s", "speedup_trained", "speedup_random", "speedup_trained_slots",
-            "speedup_random_slots", "greedy_identical")  # fmt: skip
+            "speedup_random_slots", "speedup_trained_governed", "speedup_random_governed",
+            "greedy_identical")  # fmt: skip
     print(json.dumps({key: report[key] for key in keys if key in report}))
     print("trained head:", json.dumps(report["eagle3"]))
     print("wrote", path)
