@@ -65,7 +65,7 @@ class _Entry:
 class RemoteGrammarRows:
     """``GrammarRows``, with the matchers in a child process (see the module's note)."""
 
-    def __init__(self, config: Any, vocab_size: int, max_num_reqs: int, start: bool = True) -> None:
+    def __init__(self, config: Any, vocab_size: int, max_num_reqs: int) -> None:
         self.config = config
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
@@ -85,15 +85,16 @@ class RemoteGrammarRows:
         # (seq, order, buffer, entries, rows): the last fill, when its every row was a live
         # constrained request's (see ``after_sample``)
         self._steady: tuple | None = None
-        # ``start``: with the engine, so that the first constrained request does not wait for
-        # the child's start (an interpreter, torch, the backend, the tokenizer: seconds); else,
-        # or if that fails here, the first constrained request starts it (and reports why not).
-        if start:
-            try:
-                self._start()
-            except Exception as e:  # noqa: BLE001
-                logger.warning("structured output: the matcher process did not start: %s", e)
-                self._proc = None
+        # Started with the engine, in the background, so that the first constrained request does
+        # not wait for the child's start (an interpreter, torch, the backend's vocabulary
+        # tables: seconds); if that fails here, the first constrained request starts it again
+        # and reports why.
+        try:
+            self._start()
+        except Exception as e:  # noqa: BLE001
+            # NOTE: info, not a warning: a GPU engine with no grammar backend installed gets here
+            logger.info("structured output: the matcher process did not start: %s", e)
+            self._proc = None
 
     # ---- the child -----------------------------------------------------------------------------
 
@@ -422,7 +423,7 @@ def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
         conn.send(("stop",))
     except (BrokenPipeError, OSError):
         pass
-    proc.join(timeout=5)
+    proc.join(timeout=1)  # NOTE: a child still starting (an engine that never used it) is killed
     if proc.is_alive():
         proc.kill()
     for b in registered:
@@ -453,6 +454,10 @@ def _serve(
     from pagoda.structured_output.manager import StructuredOutputManager
 
     manager = StructuredOutputManager(config, ModelInfo.from_config(config))
+    try:  # the vocabulary's tables now, while the engine starts, not on the first request
+        manager.backend  # noqa: B018
+    except Exception:  # noqa: BLE001 - the first request that needs it reports why
+        logger.exception("grammar matcher process: the grammar backend did not build")
     matchers: dict[str, list] = {}  # req_id -> [matcher, backend, broken]
     filled_np = filled.numpy()
     stats_np = stats.numpy()

@@ -291,10 +291,8 @@ def grammar_rows(
     from pagoda.structured_output.remote import RemoteGrammarRows
 
     remote = config.structured_output.matcher_process
-    if remote is True:  # started with the engine
+    if remote == "auto":  # a GPU engine's step is short enough for the loop to feel the matchers
+        remote = device is not None and device.type == "cuda"
+    if remote:  # started with the engine, in the background (see RemoteGrammarRows)
         return RemoteGrammarRows(config, vocab_size, max_num_reqs)
-    if remote == "auto" and device is not None and device.type == "cuda":
-        # A GPU engine's step is short enough for the engine loop to feel the matchers' work;
-        # the process starts with the first constrained request, not with every engine.
-        return RemoteGrammarRows(config, vocab_size, max_num_reqs, start=False)
     return GrammarRows(config, vocab_size, max_num_reqs)
