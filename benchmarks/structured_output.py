@@ -137,9 +137,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
         "--matcher-process",
-        choices=["on", "off"],
-        default="off",
-        help="grammar matchers in a process of their own, or in a thread (the default)",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="structured_output.matcher_process: the engine's default (auto: a process of their "
+        "own on a GPU, a thread on a CPU), a process, or a thread",
     )
     p.add_argument(
         "--host-wait",
@@ -174,7 +175,9 @@ def main() -> None:
         tokenizer=args.tokenizer,
         max_num_seqs=args.batch,
         max_model_len=args.input_len + args.output_len + 16,
-        structured_output={"matcher_process": args.matcher_process == "on"},
+        structured_output={
+            "matcher_process": {"auto": "auto", "on": True, "off": False}[args.matcher_process]
+        },
     )
     core = llm.engine.engine_core
     runner = getattr(core.executor, "worker", None)
