@@ -130,7 +130,10 @@ def test_no_worker_outlives_its_engine(tiny_models, tmp_path, how: str) -> None:
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         else:
             proc.kill()
-        proc.wait(20)
+        # NOTE: 60 s, not 20: on the 2-core CI machine right after setup the engine's exit after a
+        # Ctrl-C took longer than 20 s in three runs (never in a run of this file alone); a hang
+        # still fails here, and the property checked is that no worker outlives the engine.
+        proc.wait(60)
         assert _gone(pids, timeout_s=10), f"workers {pids} outlive the engine ({how})"
     finally:
         if proc.poll() is None:
