@@ -68,6 +68,45 @@ def test_a_flag_that_never_comes_sets_the_error_word() -> None:
     assert int(error.numpy()[0]) == 0
 
 
+def test_the_wait_launches_through_its_compiled_kernel() -> None:
+    from pagoda.structured_output import host_flag
+
+    flag, error = _pinned(1), _pinned(1)
+    flag.numpy()[0] = 1 << 40
+    before = host_flag._launch.num_cached
+    for seq in (1, 16, 17, 1 << 33):  # the JIT would specialise on 1 and multiples of 16
+        host_flag.wait_for(flag, error, seq, timeout_s=0.5)
+    torch.cuda.synchronize()
+    assert int(error.numpy()[0]) == 0
+    flag.numpy()[0] = 20
+    host_flag.wait_for(flag, error, 21, timeout_s=0.05)  # through the cached kernel: gives up
+    torch.cuda.synchronize()
+    assert int(error.numpy()[0]) == 21
+    # one kernel for i32 numbers and the first timeout, one for i64, one for the second timeout
+    assert host_flag._launch.fast and host_flag._launch.num_cached == before + 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_xgrammar_bitmask_through_the_compiled_kernel_matches_the_reference(dtype) -> None:
+    pytest.importorskip("xgrammar")
+    import pagoda_structured_xgrammar.backend as xb
+
+    from pagoda.structured_output.backend import apply_token_bitmask
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vocab = 151_936
+    words = (vocab + 31) // 32
+    for n in (64, 64, 3):  # the second launch of a shape goes through the cached kernel
+        logits = torch.randn(n, vocab, device="cuda", generator=g).to(dtype)
+        bits = torch.randint(-(2**31), 2**31 - 1, (n + 2, words), device="cuda", generator=g)
+        bitmask = bits.to(torch.int32)
+        want = logits.clone()
+        apply_token_bitmask(want, bitmask, list(range(n)))
+        xb.XGrammarBackend.apply_bitmask(logits, bitmask, list(range(n)))
+        assert torch.equal(logits, want)
+    assert xb._apply_launch.fast and xb._apply_launch.num_cached >= 2
+
+
 def test_matchers_in_their_own_process_give_the_same_tokens_on_cuda() -> None:
     model = os.environ.get("SMOLLM2_GGUF")
     if not model or not Path(model).exists():

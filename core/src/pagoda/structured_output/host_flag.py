@@ -28,9 +28,11 @@ except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
 
+from pagoda.ops.launch import CachedLaunch
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seq"])
     def _spin_until(flag_ptr, error_ptr, seq, max_polls):
         i = 0
         value = tl.load(flag_ptr, volatile=True)
@@ -53,4 +55,9 @@ def wait_for(flag: torch.Tensor, error: torch.Tensor, seq: int, timeout_s: float
     """Enqueue on the current stream: wait until ``flag[0] >= seq``. ``flag`` and ``error`` are
     int64 tensors in page-locked host memory the device can address (``cudaHostRegister`` or
     ``pin_memory``); on timeout ``error[0]`` becomes ``seq``."""
-    _spin_until[(1,)](flag, error, seq, int(timeout_s / _POLL_S), num_warps=1)
+    # NOTE: a launch every constrained step: through the compiled kernel (see pagoda.ops.launch)
+    key = (flag.data_ptr(), error.data_ptr(), seq > 0x7FFFFFFF, timeout_s)  # seq: i32 or i64
+    _launch(key, (1,), (flag, error, seq, int(timeout_s / _POLL_S)), num_warps=1)
+
+
+_launch = CachedLaunch(_spin_until) if triton is not None else None

@@ -168,7 +168,15 @@ class XGrammarBackend(GrammarBackend):
 
     @classmethod
     def apply_bitmask(cls, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        # xgrammar's kernels: CUDA on a GPU, C++ on a CPU (about 2x the torch reference there).
+        # xgrammar's kernels: Triton on a GPU, C++ on a CPU (about 2x the torch reference there).
+        if (
+            logits.device.type == "cuda"
+            and len(rows) == logits.shape[0]
+            and logits.dim() == 2
+            and logits.is_contiguous()
+            and _apply_every_row(logits, bitmask)
+        ):
+            return
         if logits.device.type in ("cuda", "cpu") and logits.is_contiguous():
             indices = None if len(rows) == logits.shape[0] else rows
             xgr.apply_token_bitmask_inplace(logits, bitmask[: logits.shape[0]], indices=indices)
@@ -177,3 +185,67 @@ class XGrammarBackend(GrammarBackend):
 
 
 XGrammarCompiled.backend = XGrammarBackend
+
+# xgrammar's Triton kernel, launched every constrained step through its compiled kernel
+# (pagoda.ops.launch): its wrapper's checks and the JIT's dispatch cost the host about as much as
+# the kernel runs, on a host-bound step. Used only where its parameters are the ones known here.
+_APPLY_PARAMS = (
+    "logits_ptr",
+    "bitmask_ptr",
+    "indices_ptr",
+    "num_rows",
+    "vocab_size",
+    "logits_strides",
+    "bitmask_strides",
+    "NUM_SMS",
+    "BLOCK_SIZE",
+)
+_APPLY_BLOCK = 4096
+_apply_launch: Any = None  # a CachedLaunch, or False where xgrammar's kernel is not the one known
+_num_sms: dict[int, int] = {}
+
+
+def _apply_every_row(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    """Mask every row of ``logits`` (CUDA, 2-D, contiguous) with ``bitmask``'s first rows
+    (int32, on the same device); False if this path does not apply (the caller then goes
+    through xgrammar's own entry point)."""
+    global _apply_launch
+    if _apply_launch is None:
+        try:
+            from xgrammar.kernels.apply_token_bitmask_inplace_triton import (
+                apply_token_bitmask_inplace_kernel as kernel,
+            )
+
+            from pagoda.ops.launch import CachedLaunch
+
+            known = tuple(kernel.arg_names) == _APPLY_PARAMS and torch.version.hip is None
+            _apply_launch = CachedLaunch(kernel) if known else False
+        except Exception:  # noqa: BLE001 - no Triton, another xgrammar: its entry point
+            _apply_launch = False
+    if _apply_launch is False or bitmask.dtype != torch.int32 or bitmask.device != logits.device:
+        return False
+    n = logits.shape[0]
+    bm = bitmask[:n]
+    vocab = min(logits.shape[1], bm.shape[1] * 32)
+    dev = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
+    sms = _num_sms.get(dev)
+    if sms is None:
+        sms = _num_sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    key = (
+        logits.dtype,
+        dev,
+        n,
+        vocab,
+        logits.stride(0),
+        bm.stride(0),
+        logits.data_ptr() % 16 == 0,
+        bm.data_ptr() % 16 == 0,
+    )
+    _apply_launch(
+        key,
+        (sms,),
+        (logits, bm, None, n, vocab, logits.stride(0), bm.stride(0), sms, _APPLY_BLOCK),
+        num_warps=_APPLY_BLOCK // 32 // (16 // logits.element_size()),
+        num_stages=3,
+    )
+    return True
