@@ -63,6 +63,9 @@ def test_matchers_in_their_own_process_give_the_same_tokens() -> None:
     rows = llm.engine.engine_core.executor.worker.model_runner.grammar
     proc = rows._proc
     assert proc is not None and proc.is_alive()  # the constrained requests went through it
+    # Steps whose rows were the last step's went without a message, and were filled all the same.
+    assert rows.num_announced > 0
+    assert int(rows.child_stats[0]) > rows.num_announced
     text = llm.get_tokenizer().decode(remote[1], skip_special_tokens=True)
     llm.engine.shutdown()
     assert remote == local

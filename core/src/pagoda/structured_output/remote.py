@@ -16,15 +16,24 @@ host_flag``) and takes the answers (which requests broke or ended) as they come.
 Messages, in order on one pipe: ``("add", req_id, params)``, ``("remove", req_id)``,
 ``("step_ids", seq, rows, fill, buffer, n)`` (advance ``rows``' requests by the ids of step
 ``seq``; ``rows`` and ``fill`` None: the same as the last such message), ``("step", seq,
-advance, fill, buffer, n)`` (advance by the tokens given) and ``("stop",)``; both steps are
-answered with ``(seq, status)``. ``rows``: ``[(req_id, row of the ids)]``; ``advance``:
-``[(req_id, tokens)]``; ``fill``: ``[(req_id, row)]`` to fill in ``buffer`` (rows up to ``n``
-not filled are all ones); ``status``: ``{req_id: (broken, terminated)}`` for every request
-named whose status changed since the child last answered for it (a new matcher is neither).
+advance, fill, buffer, n)`` (advance by the tokens given) and ``("stop",)``. ``rows``:
+``[(req_id, row of the ids)]``; ``advance``: ``[(req_id, tokens)]``; ``fill``: ``[(req_id,
+row)]`` to fill in ``buffer`` (rows up to ``n`` not filled are all ones). Steps are numbered
+in order and the child takes them in that order.
+
+The usual step sends nothing: when a step's rows are the last ``step_ids``' rows, the runner
+writes ``(seq, buffer, n)`` into a shared ring (``seq`` last) before it enqueues the ids' copy,
+and the child, finding step ``seq`` there, takes it as that message with ``rows`` None. A
+``step`` is answered with ``(seq, status)``; a ``step_ids`` only when a status changed, and
+before the child writes ``filled``; ``status``: ``{req_id: (broken, terminated)}`` for every
+request named whose status changed since the child last answered for it (a new matcher is
+neither). The child counts its answers in shared memory, so the runner looks for them without
+a system call.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -44,6 +53,7 @@ _PREFETCH_BUFFERS = 2  # alternate between steps; one more for fills on the runn
 _IDS_TIMEOUT_S = 600.0  # a step's ids not copied by then: the engine is gone
 _SPIN_S = 0.005  # the child spins this long for a step's ids before it sleeps between looks
 _DEVICE_WAIT_S = 30.0  # a fill the device waited for this long: the child is lost
+_RING = 16  # steps announced through shared memory (the runner is never this far ahead)
 
 
 class MatcherProcessError(RuntimeError):
@@ -55,7 +65,6 @@ class _Entry:
     sent: int = 0  # output tokens sent to the child
     broken: bool = False  # a token was refused: the row is no longer constrained
     terminated: bool = False
-    prefetched: tuple[int, int] | None = None  # (step message, row in its buffer)
 
     @property
     def live(self) -> bool:
@@ -77,8 +86,11 @@ class RemoteGrammarRows:
         self._registered: list[torch.Tensor] = []
         self._next = 0
         self._seq = 0
-        self._outstanding: list[int] = []  # step messages not answered yet
-        self._prefetch: tuple[int, list[str], int] | None = None  # (seq, order, buffer)
+        self._outstanding: list[int] = []  # "step" messages not answered yet
+        self._received = 0  # answers taken (the child counts those it sent)
+        self.num_announced = 0  # steps sent through the ring, without a message
+        # (seq, order, buffer, fill): the child's fill of the next step's rows, under way
+        self._prefetch: tuple[int, list[str], int, list] | None = None
         self._last_rows: tuple[list, list] | None = None  # the child keeps them too
         self._device_wait = False  # the device waits for the child's fill (see host_flag)
         self._seq_device: torch.Tensor | None = None
@@ -118,6 +130,12 @@ class RemoteGrammarRows:
         # their ids landing to their rows filled (sum, max), and the seconds it waited for ids.
         self.child_stats = torch.zeros(4, dtype=torch.float64).share_memory_()
         self._wait_error = torch.zeros(1, dtype=torch.int64).share_memory_()
+        # Steps sent without a message (see the module's note), and the child's answers sent.
+        self._ring = torch.zeros((_RING, 3), dtype=torch.int64).share_memory_()
+        self._ring_np = self._ring.numpy()
+        self._replies = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._replies_np = self._replies.numpy()
+        self._filled_np = self._filled.numpy()
         if torch.cuda.is_available():  # pinned, so copies do not wait for the host
             cudart = torch.cuda.cudart()
             shared = [*self._buffers, self._ids, self._flag, self._filled, self._wait_error]
@@ -143,6 +161,8 @@ class RemoteGrammarRows:
                 self._flag,
                 self._filled,
                 self.child_stats,
+                self._ring,
+                self._replies,
             ),
             name="pagoda-grammar-matchers",
             daemon=True,
@@ -166,22 +186,40 @@ class RemoteGrammarRows:
         return self._seq
 
     def _drain(self, wait: bool = True) -> None:
-        """Take every answer still due (``wait``: waits for the last; else only those here)."""
-        while self._outstanding:
+        """Take the answers that have come (``wait``: and those of every ``step`` sent)."""
+        while (wait and self._outstanding) or self._replies_np[0] > self._received:
             try:
-                if not wait and not self._conn.poll():
-                    return
                 reply = self._conn.recv()
             except (EOFError, OSError) as e:
                 raise MatcherProcessError(f"the grammar matcher process ended: {e!r}") from None
+            self._received += 1
             if reply[0] == "error":
                 raise MatcherProcessError(f"the grammar matcher process failed: {reply[1]}")
             seq, status = reply
-            self._outstanding.remove(seq)
+            if seq in self._outstanding:
+                self._outstanding.remove(seq)
             for req_id, (broken, terminated) in status.items():
                 e = self.entries.get(req_id)
                 if e is not None:
                     e.broken, e.terminated = broken, terminated
+
+    def _wait_filled(self, seq: int) -> None:
+        """The host waits until the child has filled step ``seq``'s rows, then takes the
+        answers (the child sends a step's answer before it writes ``filled``)."""
+        start = time.monotonic()
+        while self._filled_np[0] < seq:
+            if self._replies_np[0] > self._received:
+                self._drain(wait=False)  # an error, say
+                continue
+            if time.monotonic() - start > _DEVICE_WAIT_S:
+                alive = self._proc is not None and self._proc.is_alive()
+                raise MatcherProcessError(
+                    f"the grammar matcher process did not fill step {seq}'s bitmask within "
+                    f"{_DEVICE_WAIT_S:.0f} s "
+                    + ("(it is still running)" if alive else "(it has ended)")
+                )
+            time.sleep(2e-5)
+        self._drain(wait=False)
 
     def close(self) -> None:
         if self._proc is not None:
@@ -249,6 +287,19 @@ class RemoteGrammarRows:
             out.on_output = checked
         n = len(order)
         seq = self._seq + 1
+        buffer = self._next
+        self._next = (self._next + 1) % _PREFETCH_BUFFERS
+        self._seq = seq
+        if (advance, fill) == self._last_rows:
+            # The usual step: the batch did not change. No message: the ring announces it,
+            # its number written last, before the ids' copy is enqueued (see the module's note).
+            slot = self._ring_np[seq % _RING]
+            slot[1], slot[2] = buffer, n
+            slot[0] = seq
+            self.num_announced += 1
+        else:
+            self._send(("step_ids", seq, advance, fill, buffer, n))
+            self._last_rows = (advance, fill)
         if sampled.device.type == "cuda":
             self._ids[:n].copy_(sampled, non_blocking=True)
             if self._seq_device is None:
@@ -258,18 +309,7 @@ class RemoteGrammarRows:
         else:
             self._ids[:n].copy_(sampled)
             self._flag[0] = seq
-        buffer = self._next
-        self._next = (self._next + 1) % _PREFETCH_BUFFERS
-        self._seq = seq
-        if (advance, fill) == self._last_rows:  # the usual step: the batch did not change
-            self._send(("step_ids", seq, None, None, buffer, n))
-        else:
-            self._send(("step_ids", seq, advance, fill, buffer, n))
-            self._last_rows = (advance, fill)
-        self._outstanding.append(seq)
-        self._prefetch = (seq, order, buffer)
-        for req_id, j in fill:
-            self.entries[req_id].prefetched = (seq, j)
+        self._prefetch = (seq, order, buffer, fill)
         # Every row a live constrained request's: the next mask of these requests, in this
         # order, is this fill as it is (``mask``'s first case), until a request comes or goes.
         if len(fill) == n:
@@ -307,7 +347,7 @@ class RemoteGrammarRows:
                 self._check_device_wait()
                 self._drain(wait=False)
                 return _FillAwaited(self._backend, bitmask, steady[4], self, steady[0])
-            self._drain()
+            self._wait_filled(steady[0])
             if not any(e.live for e in steady[3]):
                 return None
             return GrammarMask(self._backend, bitmask.to(device, non_blocking=True), steady[4])
@@ -333,14 +373,12 @@ class RemoteGrammarRows:
                 tokens = token_ids[sel[j], s[j] : ends[j]].tolist()
                 advance.append((req_ids[idx[j]], tokens))
             e.sent += int(ends[j] - s[j])
-            e.prefetched = None
         seq = self._prefetch[0] if self._prefetch is not None else None
         order = self._prefetch[1] if self._prefetch is not None else None
-        usable = (
-            not advance
-            and order == req_ids
-            and all(e.prefetched == (seq, i) for e, i in zip(entries, idx) if e.live)
-        )
+        usable = not advance and order == req_ids
+        if usable:  # every live constrained row was filled by the child, at its place here
+            filled_rows = dict(self._prefetch[3])
+            usable = all(filled_rows.get(req_ids[i]) == i for e, i in zip(entries, idx) if e.live)
         if usable and self._device_wait:
             # The device, not the host, waits for the child's fill (see host_flag); answers
             # are taken as they come (a row that ended meanwhile is all ones: no constraint).
@@ -348,15 +386,13 @@ class RemoteGrammarRows:
             self._drain(wait=False)
             buffer = self._prefetch[2]
         elif usable:
-            self._drain()
+            self._wait_filled(seq)
             buffer = self._prefetch[2]
         else:
             fill = [(req_ids[i], i) for e, i in zip(entries, idx) if not e.broken]
             buffer = _PREFETCH_BUFFERS
             self._step(advance, fill, buffer, len(req_ids))
             self._drain()
-        for e in entries:
-            e.prefetched = None
         self._prefetch = None
         constrained = [i for e, i in zip(entries, idx) if e.live]
         if not constrained:
@@ -381,9 +417,9 @@ class RemoteGrammarRows:
                     e,
                 )
                 self._device_wait = False
-                self._drain()
+                self._wait_filled(mask.seq)
         else:
-            self._drain()
+            self._wait_filled(mask.seq)
         bitmask = mask.bitmask.to(logits.device, non_blocking=True)
         self._backend.apply_bitmask(logits, bitmask, mask.rows)
         return logits
@@ -439,8 +475,10 @@ def _serve(
     flag: torch.Tensor,
     filled: torch.Tensor,
     stats: torch.Tensor,
+    ring: torch.Tensor,
+    replies: torch.Tensor,
 ) -> None:
-    """The child: matchers by request, advanced and filled as the messages say."""
+    """The child: matchers by request, advanced and filled as the messages (and the ring) say."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops us
@@ -461,49 +499,92 @@ def _serve(
     matchers: dict[str, list] = {}  # req_id -> [matcher, backend, broken]
     filled_np = filled.numpy()
     stats_np = stats.numpy()
+    ring_np = ring.numpy()
+    replies_np = replies.numpy()
     last_rows: tuple[list, list] = ([], [])
+    inbox: collections.deque = collections.deque()
+    last_seq = 0  # steps come in order: by message or through the ring
+    idle_since = time.monotonic()
+
+    def answer(msg: tuple) -> None:
+        conn.send(msg)
+        replies_np[0] += 1  # NOTE: after the send: the runner's recv then finds it
+
+    def take(op: str, msg: tuple) -> None:
+        nonlocal last_rows, last_seq
+        if op == "add":
+            compiled = manager.compiled(msg[2])
+            matchers[msg[1]] = [compiled.new_matcher(), compiled.backend, False]
+        elif op == "remove":
+            matchers.pop(msg[1], None)
+        elif op == "step":
+            _, seq, advance, fill, buffer, n = msg
+            last_seq = seq
+            status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
+            answer((seq, status))
+            filled_np[0] = seq  # NOTE: after the rows: a device waiting for it reads them next
+        elif op == "step_ids":  # advance by the ids the device copies to ``ids``
+            _, seq, rows, fill, buffer, n = msg
+            last_seq = seq
+            if rows is None:  # the same rows as the last such step
+                rows, fill = last_rows
+            last_rows = (rows, fill)
+            t0 = time.perf_counter()
+            tokens = _wait_for_ids(flag, ids, seq, n)
+            t1 = time.perf_counter()
+            advance = [(r, [int(tokens[j])]) for r, j in rows]
+            status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
+            if status:
+                answer((seq, status))
+            filled_np[0] = seq
+            work = time.perf_counter() - t1
+            stats_np[0] += 1
+            stats_np[1] += work
+            stats_np[2] = max(stats_np[2], work)
+            stats_np[3] += t1 - t0
+
     while True:
         try:
-            msg = conn.recv()
+            while conn.poll():
+                inbox.append(conn.recv())
         except (EOFError, OSError):
             return
+        msg = None
+        if inbox and (inbox[0][0] in ("add", "remove", "stop") or inbox[0][1] == last_seq + 1):
+            msg = inbox.popleft()
+        else:
+            slot = ring_np[(last_seq + 1) % _RING]
+            if slot[0] == last_seq + 1:
+                # A step announced without a message: what the runner sent before it (added
+                # or removed requests) is in the pipe by now, and goes first.
+                buffer, n = int(slot[1]), int(slot[2])
+                try:
+                    while conn.poll():
+                        inbox.append(conn.recv())
+                except (EOFError, OSError):
+                    return
+                if inbox and inbox[0][0] in ("add", "remove", "stop"):
+                    continue
+                msg = ("step_ids", last_seq + 1, None, None, buffer, n)
+        if msg is None:
+            idle = time.monotonic() - idle_since
+            # NOTE: spin for the length of a small model's step (the child has CPUs of its
+            # own: a sleep's wake-up would delay every fill), then look less often.
+            if idle > 1.0:
+                conn.poll(0.01)
+            elif idle > _SPIN_S:
+                conn.poll(1e-4)
+            continue
         op = msg[0]
+        if op == "stop":
+            return
         try:
-            if op == "stop":
-                return
-            if op == "add":
-                compiled = manager.compiled(msg[2])
-                matchers[msg[1]] = [compiled.new_matcher(), compiled.backend, False]
-            elif op == "remove":
-                matchers.pop(msg[1], None)
-            elif op == "step":
-                _, seq, advance, fill, buffer, n = msg
-                status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
-                filled_np[0] = seq  # NOTE: after the rows: a device waiting for it reads them next
-                conn.send((seq, status))
-            elif op == "step_ids":  # advance by the ids the device copies to ``ids``
-                _, seq, rows, fill, buffer, n = msg
-                if rows is None:  # the same rows as the last such step
-                    rows, fill = last_rows
-                last_rows = (rows, fill)
-                t0 = time.perf_counter()
-                tokens = _wait_for_ids(flag, ids, seq, n)
-                t1 = time.perf_counter()
-                advance = [(r, [int(tokens[j])]) for r, j in rows]
-                status = _advance_and_fill(matchers, advance, fill, buffers[buffer], n)
-                filled_np[0] = seq
-                work = time.perf_counter() - t1
-                stats_np[0] += 1
-                stats_np[1] += work
-                stats_np[2] = max(stats_np[2], work)
-                stats_np[3] += t1 - t0
-                conn.send((seq, status))
+            take(op, msg)
         except Exception as e:  # noqa: BLE001 - the runner raises it
+            logger.exception("grammar matcher process: %s failed", op)
             if op in ("step", "step_ids"):
-                logger.exception("grammar matcher process: %s failed", op)
-                conn.send(("error", f"{type(e).__name__}: {e}"))
-            else:
-                logger.exception("grammar matcher process: %s failed", op)
+                answer(("error", f"{type(e).__name__}: {e}"))
+        idle_since = time.monotonic()
 
 
 def _leave_cpus_to_the_engine() -> None:
