@@ -232,3 +232,38 @@ def test_a_stalled_step_does_not_decide() -> None:
     rate = gov.buckets[gov.bucket_of(8)].rate
     assert rate[False] == pytest.approx(1000.0) and rate[True] > rate[False]
     assert all(modes[22:])
+
+
+def test_turnover_probes_back_off_while_drafting_keeps_losing() -> None:
+    """At batch 1 every new request turns the batch over: a proposer whose drafts never pay
+    would cost a drafting epoch per request; probes that keep losing wait for ever more."""
+
+    def drafted_per_request(gov: SpeculationGovernor, clock: FakeClock) -> list[int]:
+        per = []
+        for _ in range(40):
+            gov.admit(1)
+            per.append(sum(_run(gov, clock, 160, 1, _host_bound)))
+        return per
+
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    per = drafted_per_request(gov, clock)
+    assert gov.buckets[gov.bucket_of(1)].turnovers > 1
+    assert sum(per[20:]) <= 0.05 * 20 * 160  # probes of the later requests: at most 5% of steps
+    assert per[20:].count(0) >= 8  # whole requests go by without a probe
+    every = SpeculationGovernor(clock=FakeClock(), max_turnovers=1)  # a probe at each turnover
+    assert all(drafted_per_request(every, every.clock)[1:])
+
+
+def test_a_turnover_probe_that_wins_brings_probing_back_to_every_turnover() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    for _ in range(40):
+        gov.admit(1)
+        _run(gov, clock, 160, 1, _host_bound)
+    bucket = gov.buckets[gov.bucket_of(1)]
+    assert bucket.turnovers > 1 and not bucket.best
+    for _ in range(4):  # the workload changes: drafts now pay
+        gov.admit(1)
+        _run(gov, clock, 400, 1, _drafts_pay)
+    assert bucket.best and bucket.turnovers == 1

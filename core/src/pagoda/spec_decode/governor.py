@@ -17,7 +17,11 @@ The mode with the higher rate is exploited; the other is probed for one epoch no
 intervals that double while a probe confirms the choice (up to ``max_explore`` epochs) and shrink
 back when a probe overturns it, so a workload that changes is followed and a settled one pays
 little for probing. While drafting is off, it is probed again as soon as the batch has turned
-over (as many requests admitted as are running): a new workload may draft well.
+over (as many requests admitted as are running): a new workload may draft well. Those probes
+back off too: each that finds drafting still losing doubles the turnovers the next one waits for
+(up to ``max_turnovers``); one that finds it winning brings it back to every turnover. At batch 1
+every request is a turnover, and a proposer that never pays (a random draft head) would
+otherwise pay a drafting epoch on every request.
 
 Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured, nor are stalls
 (a step more than ``stall`` times an epoch's median). Turning drafting
@@ -46,12 +50,14 @@ class _Bucket:
     explore_every: int = 0  # exploit epochs between probes of the other mode
     since_probe: int = 0
     admitted_at_probe: int = 0  # the governor's ``admitted`` when drafting was last measured
+    turnovers: int = 1  # batch turnovers before drafting is probed again (see the module's note)
 
 
 @dataclass(slots=True)
 class _Epoch:
     bucket: int
     on: bool
+    turnover: bool = False  # a probe of drafting because the batch turned over
     steps: int = 0  # step ends seen since the epoch began (settling ones included)
     measured: int = 0
     # Each measured step: (seconds, tokens emitted, requests running).
@@ -80,6 +86,7 @@ class SpeculationGovernor:
         settle_steps: int = 4,
         min_explore: int = 3,
         max_explore: int = 32,
+        max_turnovers: int = 16,
         margin: float = 0.02,
         alpha: float = 0.5,
         stall: float = 3.0,
@@ -93,6 +100,7 @@ class SpeculationGovernor:
         self.settle_steps = settle_steps
         self.min_explore = min_explore
         self.max_explore = max_explore
+        self.max_turnovers = max_turnovers
         self.margin = margin
         self.alpha = alpha
         self.stall = stall
@@ -158,8 +166,8 @@ class SpeculationGovernor:
             got = self.buckets[b] = _Bucket(explore_every=self.min_explore)
         return got
 
-    def _begin(self, b: int, on: bool) -> None:
-        self.epoch = _Epoch(b, on)
+    def _begin(self, b: int, on: bool, turnover: bool = False) -> None:
+        self.epoch = _Epoch(b, on, turnover)
         self.epochs[on] += 1
         if on:
             self._bucket(b).admitted_at_probe = self.admitted
@@ -174,22 +182,28 @@ class SpeculationGovernor:
         if probed:
             if winner == bucket.best:  # the choice holds: probe less often
                 bucket.explore_every = min(2 * bucket.explore_every, self.max_explore)
+                if epoch.turnover:
+                    bucket.turnovers = min(2 * bucket.turnovers, self.max_turnovers)
             else:
                 bucket.explore_every = self.min_explore
+                bucket.turnovers = 1
             bucket.since_probe = 0
         else:
             bucket.since_probe += 1
             if winner != bucket.best:  # the exploited mode fell below the other's last rate
                 bucket.explore_every = self.min_explore
+                bucket.turnovers = 1
                 bucket.since_probe = 0
         bucket.best = winner
         other = not bucket.best
         probe = other not in bucket.rate or bucket.since_probe >= bucket.explore_every
         # NOTE: drafting pays by workload (how often drafts are right): once the batch has
         # turned over since drafting was last measured, it is measured again.
-        turned_over = self.admitted - bucket.admitted_at_probe >= max(self._running, 1)
-        probe |= other and turned_over and bucket.since_probe >= 1
-        self._begin(epoch.bucket, other if probe else bucket.best)
+        turned_over = (
+            self.admitted - bucket.admitted_at_probe >= max(self._running, 1) * bucket.turnovers
+        )
+        by_turnover = not probe and other and turned_over and bucket.since_probe >= 1
+        self._begin(epoch.bucket, other if probe or by_turnover else bucket.best, by_turnover)
 
     def _winner(self, bucket: _Bucket) -> bool:
         """The mode with the higher rate; the current choice keeps ties within ``margin``."""
