@@ -63,6 +63,10 @@ class EagleProposer(SpeculativeProposer):
         self.k = ctx.num_speculative_tokens
         self.head: EagleHead | None = None
         self._state: dict[str, _Backoff] = {}
+        # The pause a new request starts from: that of the last request that drafted (1 if its
+        # drafts were landing). A head that misses on every text then pays a draft every
+        # ``_MAX_PAUSE`` steps from a request's start, not the ramp 1, 2, 4 .. on each request.
+        self.start_pause = 1
         # req_id -> (drafts [n, k] copied to the host behind a step, row, first position):
         # drafted on the device right after that step's verification (draft_after_verify)
         self._ahead: dict[str, tuple[torch.Tensor, int, int]] = {}
@@ -202,7 +206,9 @@ class EagleProposer(SpeculativeProposer):
         for i, req_id in enumerate(batch.req_ids):
             rows = batch.new_hidden_states[batch.hidden_loc[i] : batch.hidden_loc[i + 1]]
             first = int(batch.num_tokens[i]) - 1 - int(m[i])
-            st = self._state.setdefault(req_id, _Backoff())
+            st = self._state.get(req_id)
+            if st is None:
+                st = self._state[req_id] = _Backoff(self.start_pause)
             st.add(first, rows)
             num_tokens = int(batch.num_tokens[i])
             st.score(batch.token_ids[batch.rows[i]], num_tokens)
@@ -240,7 +246,9 @@ class EagleProposer(SpeculativeProposer):
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
-            self._state.pop(req_id, None)
+            st = self._state.pop(req_id, None)
+            if st is not None and st.scored:
+                self.start_pause = 1 if st.misses == 0 else min(st.pause, _MAX_PAUSE)
             self.resume_at.pop(req_id, None)
             self._ahead.pop(req_id, None)
 
@@ -318,26 +326,30 @@ class EagleProposer(SpeculativeProposer):
 
 
 _PATIENCE = 3  # proposals in a row with no draft right before a request pauses
-_MAX_PAUSE = 32  # steps
+_MAX_PAUSE = 64  # steps
 
 
 class _Backoff:
-    """A request whose drafts keep missing pauses drafting (1, 2, 4 .. 32 steps, then one
+    """A request whose drafts keep missing pauses drafting (1, 2, 4 .. 64 steps, then one
     probe), so that a head that does not fit the text costs little; its hidden states wait
     and are caught up on at the next draft. A draft counts as a hit when the target's next
-    token equals it, whether or not it was scheduled."""
+    token equals it, whether or not it was scheduled. ``start_pause`` > 1 (the last request's
+    drafts were missing): the first two drafts are probes, and two misses pause that long."""
 
-    __slots__ = ("first", "parts", "num_rows", "last", "at", "misses", "pause", "resume")
+    __slots__ = ("first", "parts", "num_rows", "last", "at", "misses", "pause", "resume", "scored")
 
-    def __init__(self) -> None:
+    def __init__(self, start_pause: int = 1) -> None:
         self.first = 0
         self.parts: list[torch.Tensor] = []  # rows of positions first.. not caught up on yet
         self.num_rows = 0
         self.last: np.ndarray | None = None
         self.at = 0
         self.misses = 0
-        self.pause = 1
+        self.pause = start_pause
         self.resume = 0  # drafts again once the request knows this many tokens
+        self.scored = 0  # drafts scored
+        if start_pause > 1:  # two probes: a miss on both pauses ``start_pause`` steps
+            self.misses = _PATIENCE - 2
 
     def add(self, first: int, rows: torch.Tensor) -> None:
         """Rows of positions ``first..`` to catch up on: after the waiting ones when they meet,
@@ -358,6 +370,7 @@ class _Backoff:
             return
         hit = self.last[0] == history[self.at]
         self.last = None
+        self.scored += 1
         if hit:
             self.misses, self.pause = 0, 1
         else:
