@@ -72,3 +72,29 @@ def test_matchers_in_their_own_process_give_the_same_tokens() -> None:
     assert re.fullmatch(PHONE, text), text
     proc.join(timeout=10)
     assert not proc.is_alive()  # it ends with the engine
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path) -> None:
+    """The matcher process is spawned; a spawned child imports the parent's main script first,
+    which would run the script's top level (an LLM and its generate) a second time in it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from pagoda import LLM, SamplingParams\n"
+        "from pagoda.sampling_params import StructuredOutputsParams as S\n"
+        "llm = LLM(max_model_len=128, kv_cache_memory_bytes=16 << 20, max_num_seqs=2,\n"
+        "          structured_output={'matcher_process': True})\n"
+        "p = SamplingParams(max_tokens=4, temperature=0.0,\n"
+        "                   structured_outputs=S(choice=['yes', 'no']))\n"
+        "out = llm.generate(['Answer:'], p, use_tqdm=False)\n"
+        "print('RAN', out[0].outputs[0].text, flush=True)\n"
+        "llm.engine.shutdown()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    ran = [line for line in done.stdout.splitlines() if line.startswith("RAN")]
+    assert ran in (["RAN yes"], ["RAN no"]), done.stdout[-2000:]

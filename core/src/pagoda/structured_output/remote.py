@@ -34,10 +34,13 @@ a system call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import sys
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +170,8 @@ class RemoteGrammarRows:
             name="pagoda-grammar-matchers",
             daemon=True,
         )
-        self._proc.start()
+        with _main_not_imported():
+            self._proc.start()
         child.close()
         weakref.finalize(self, _stop, self._conn, self._proc, list(self._registered))
 
@@ -452,6 +456,31 @@ class _FillAwaited:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return self.owner._apply_once_filled(logits, self)
+
+
+@contextlib.contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """Start a spawned child without running the user's main script in it.
+
+    A spawned child imports the parent's ``__main__`` (by its file or module name) before it
+    runs its target, and that runs whatever the script does outside an ``if __name__ ==
+    "__main__":`` guard: a script that builds an ``LLM`` and generates at top level ran twice,
+    the second time inside the matcher process, which never got to serve. The child needs
+    nothing from ``__main__`` (its target and arguments live in pagoda), so the parent's
+    ``__main__`` shows neither while the child starts.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: getattr(main, k) for k in ("__file__", "__spec__") if hasattr(main, k)}
+    try:
+        for k in saved:
+            if k == "__spec__":
+                main.__spec__ = None
+            else:
+                delattr(main, k)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
 
 
 def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
