@@ -572,11 +572,17 @@ def _serve(
             stats_np[2] = max(stats_np[2], work)
             stats_np[3] += t1 - t0
 
-    while True:
+    def read_pipe() -> bool:
+        """Every message the pipe holds into ``inbox``; False once the engine is gone."""
         try:
             while conn.poll():
                 inbox.append(conn.recv())
         except (EOFError, OSError):
+            return False
+        return True
+
+    while True:
+        if not read_pipe():
             return
         msg = None
         if inbox and (inbox[0][0] in ("add", "remove", "stop") or inbox[0][1] == last_seq + 1):
@@ -587,10 +593,7 @@ def _serve(
                 # A step announced without a message: what the runner sent before it (added
                 # or removed requests) is in the pipe by now, and goes first.
                 buffer, n = int(slot[1]), int(slot[2])
-                try:
-                    while conn.poll():
-                        inbox.append(conn.recv())
-                except (EOFError, OSError):
+                if not read_pipe():
                     return
                 if inbox and inbox[0][0] in ("add", "remove", "stop"):
                     continue
