@@ -11,7 +11,8 @@ resample from p_j without d_j. Greedy rows accept a draft iff it is the target's
 with the argmax, so greedy output is token for token what it is without speculation.
 
 Everything is batched on the device, with no Python loop over requests or positions, and with no
-host synchronisation.
+host synchronisation; where every row is greedy, on CUDA, one Triton kernel does it all
+(:mod:`pagoda.spec_decode.greedy_kernel`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,36 @@ def rejection_sample(
     :returns: ``(tokens, num_emitted)``: [n, k + 1] int64 with -1 past each request's
         ``num_emitted`` (>= 1) tokens: the accepted drafts, then one token of the target.
     """
+    if target_probs is None and draft_ids.is_cuda:
+        from pagoda.spec_decode import greedy_kernel  # NOTE: imports Triton, CUDA only
+
+        if greedy_kernel.available(draft_ids.device):
+            return greedy_kernel.greedy_verify(target_argmax, draft_ids, num_drafts, starts)
+    return rejection_sample_torch(
+        target_argmax,
+        target_probs,
+        draft_ids,
+        num_drafts,
+        starts,
+        greedy,
+        draft_probs,
+        uniform_accept,
+        uniform_final,
+    )
+
+
+def rejection_sample_torch(
+    target_argmax: torch.Tensor,
+    target_probs: torch.Tensor | None,
+    draft_ids: torch.Tensor,
+    num_drafts: torch.Tensor,
+    starts: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    uniform_accept: torch.Tensor | None = None,
+    uniform_final: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rejection_sample` in torch operations, on any device (the reference)."""
     n, k = draft_ids.shape
     dev = draft_ids.device
     cols = torch.arange(k, device=dev)

@@ -79,7 +79,8 @@ def verify_drafts(
     packed = runner._as_device(np.concatenate([hidden_idx, draft_ids.ravel(), nd, starts]))
     hidden_idx_t, draft_t = packed[:total], packed[total : total + n * k].view(n, k)
     nd_t, starts_t = packed[total + n * k : total + n * k + n], packed[total + n * k + n :]
-    h = hidden[hidden_idx_t]
+    # NOTE: where every token of the step is a scoring row (batch 1, say) the rows are in order.
+    h = hidden[:total] if total == hidden.shape[0] else hidden[hidden_idx_t]
     logits = runner.model.compute_logits(h)
     md = ib.sampling.metadata(rows_exp, ib.token_ids, ib.num_tokens, ib.num_prompt, offsets)
     grammar = getattr(runner, "grammar", None)
@@ -368,4 +369,7 @@ def run_verify_graph(
         seq_lens_cpu=seq_lens,
         block_size=bs,
     )
-    return graphs.run(common, bucket)[runner._as_device(index)]
+    hidden = graphs.run(common, bucket)
+    if total == n * q:  # every request has q tokens: no padding to drop
+        return hidden[:total]
+    return hidden[runner._as_device(index)]

@@ -71,6 +71,10 @@ class DecodeGraphs:
         return r.attn_backend.build_graph_metadata(common)
 
     def _pad(self, n: int, b: int) -> None:
+        """Fill the buffers' rows of requests ``n .. b`` for a replay of bucket ``b`` with ``n``
+        real requests (whose rows, query start locations included, the caller wrote)."""
+        if n == b and n:
+            return  # NOTE: nothing to pad; every write below would be an empty launch
         r, q = self.runner, self.query_len
         r.input_ids[n * q : b * q] = 0
         r.positions[n * q : b * q] = 0

@@ -45,6 +45,7 @@ from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.pinned_stage import STAGED_DTYPES, PinnedStage
 from pagoda.worker.profile import profile_peak_activations
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
 
@@ -140,6 +141,7 @@ class ModelRunner:
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=d)
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
         self._pin = d.type == "cuda"
+        self._stage = PinnedStage() if self._pin else None
         # Launched steps whose output was not read yet (at most one after ``_settle``), and the
         # ids the last sampling step drew, on the device, with each row's index in them.
         self._unread: list[StepOutput] = []
@@ -314,16 +316,21 @@ class ModelRunner:
 
     def _to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
         """Copy ``src`` into the persistent buffer view ``dst`` without making the host wait: on
-        CUDA through pinned memory, whose block the allocator keeps until the copy has run."""
-        t = torch.from_numpy(np.ascontiguousarray(src))
-        if self._pin:
-            t = t.pin_memory()
-        dst.copy_(t, non_blocking=True)
+        CUDA through page-locked memory (the launch's staging region, or a pinned block the
+        allocator keeps until the copy has run)."""
+        dst.copy_(self._host(src), non_blocking=True)
 
     def _as_device(self, a: np.ndarray) -> torch.Tensor:
         """A new device tensor holding ``a``, copied like ``_to_device``."""
+        return self._host(a).to(self.device, non_blocking=True)
+
+    def _host(self, a: np.ndarray) -> torch.Tensor:
+        if self._stage is not None and a.dtype in STAGED_DTYPES:
+            t = self._stage.host(a)
+            if t is not None:
+                return t
         t = torch.from_numpy(np.ascontiguousarray(a))
-        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
+        return t.pin_memory() if self._pin else t
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its output."""
@@ -346,6 +353,8 @@ class ModelRunner:
         if spec and self._propose_in_launch:
             propose_for_slots(self, spec)
         self._settle()
+        if self._stage is not None:
+            self._stage.next_launch()
         if so.kv_transfers is not None and self.kv_offload is not None:
             self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait for it
         req_ids, starts = self._update_states(so)
