@@ -22,20 +22,21 @@ class PinnedStage:
     def __init__(self, nbytes: int = 4 << 20, regions: int = 2) -> None:
         self._buf = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(regions)]
         self._np = [b.numpy() for b in self._buf]
-        self._left: list[torch.cuda.Event | None] = [None] * regions
+        # Recorded when each region was last left (re-recorded each time: no event per launch).
+        self._left = [torch.cuda.Event() for _ in range(regions)]
+        self._recorded = [False] * regions
         self._i = 0
         self._off = 0
 
     def next_launch(self) -> None:
         """A new launch: switch regions. Copies from the region left may still be queued; an
-        event marks them, and the region is reused only once that event has passed."""
-        event = torch.cuda.Event()
-        event.record()
-        self._left[self._i] = event
+        event marks them, and the region is reused only once that event has passed (it has:
+        the step launched before them was read, so checking costs no wait)."""
+        self._left[self._i].record()
+        self._recorded[self._i] = True
         self._i = (self._i + 1) % len(self._buf)
-        waiting = self._left[self._i]
-        if waiting is not None:
-            waiting.synchronize()
+        if self._recorded[self._i] and not self._left[self._i].query():
+            self._left[self._i].synchronize()
         self._off = 0
 
     def host(self, src: np.ndarray) -> torch.Tensor | None:
