@@ -22,7 +22,20 @@ from pagoda.ops.launch import CachedLaunch
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["num_rows"])
+    # NOTE: nothing but the block is specialised (not the pointers' alignment, not k): one
+    # compile per engine, made when its verification graphs are captured (``warm``).
+    @triton.jit(
+        do_not_specialize=[
+            "argmax_ptr",
+            "draft_ptr",
+            "num_drafts_ptr",
+            "starts_ptr",
+            "tokens_ptr",
+            "emitted_ptr",
+            "num_rows",
+            "K",
+        ]
+    )
     def _greedy_verify(
         argmax_ptr,  # [num_rows] int64: the target's argmax of each scored row
         draft_ptr,  # [n, K] int64
@@ -31,7 +44,7 @@ if triton is not None:
         tokens_ptr,  # [n, K + 1] int64 out: accepted drafts, the argmax after them, then -1
         emitted_ptr,  # [n] int64 out: accepted drafts + 1
         num_rows,
-        K: tl.constexpr,
+        K,
         BLOCK: tl.constexpr,  # a power of two >= K + 1
     ):
         i = tl.program_id(0).to(tl.int64)
@@ -80,9 +93,19 @@ def greedy_verify(
         tokens,
         emitted,
     )
-    block = triton.next_power_of_2(k + 1)
-    # NOTE: the JIT specialises pointers on 16-byte alignment (the packed index arrays are
-    # views at any 8-byte offset), so the compiled kernel is cached per alignment pattern.
-    key = (n, k, dev.index, *(t.data_ptr() % 16 == 0 for t in args))
-    _launch(key, (n,), (*args, target_argmax.shape[0], k, block), num_warps=1)
+    block = _block(k)
+    _launch((n, block, dev.index), (n,), (*args, target_argmax.shape[0], k, block), num_warps=1)
     return tokens, emitted
+
+
+def _block(k: int) -> int:
+    # NOTE: at least 8 (k up to 7 in one compiled kernel), whatever this step's longest draft.
+    return max(8, triton.next_power_of_2(k + 1))
+
+
+def warm(device: torch.device, k: int) -> None:
+    """Compile the kernel for drafts of up to ``k`` tokens now (start-up), not in a step."""
+    if not available(device):
+        return
+    ids = torch.zeros(k + 1, dtype=torch.int64, device=device)
+    greedy_verify(ids, ids[:k].view(1, k), ids[:1] + k, ids[:1])

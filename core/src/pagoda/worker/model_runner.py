@@ -287,6 +287,11 @@ class ModelRunner:
                 self.verify_graphs = DecodeGraphs(self, query_len=k + 1)
                 self.graph_capture_s += self.verify_graphs.capture()
             self.startup_times["graph_capture_s"] = self.graph_capture_s
+        if self.device.type == "cuda" and self.proposer is not None:
+            # The greedy verification kernel compiles here, not in the first step that verifies.
+            from pagoda.spec_decode import greedy_kernel  # NOTE: imports Triton
+
+            greedy_kernel.warm(self.device, self.config.speculative.num_speculative_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
 
