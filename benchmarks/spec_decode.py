@@ -188,7 +188,7 @@ def main() -> None:
     )
     p.add_argument(
         "--async-drafts",
-        choices=["slots", "alternate"],
+        choices=["slots", "alternate", "chain"],
         default=None,
         help="speculative.async_drafts: alternate, or fill draft slots after reading the step "
         "in flight; default: the engine's",

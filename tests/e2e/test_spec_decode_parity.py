@@ -84,8 +84,15 @@ def _continued(prompts, outputs) -> list[list[int]]:
     return [p + o[:-3] for p, o in zip(prompts["source"][-6:], outputs["source"][-6:])]
 
 
-def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, reference) -> None:
-    llm = LLM(**BASE, **ENGINES["chunked_prefill_and_prefix_caching"], speculative_config=SPEC)
+# The default (alternating drafts), and chained drafts (launched before the step in flight is
+# read, betting on it; lost bets void a step): ``pagoda.spec_decode.chain``.
+MODES = {"default": {}, "chain": {"async_drafts": "chain", "adaptive": False}}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, reference, mode) -> None:
+    spec = {**SPEC, **MODES[mode]}
+    llm = LLM(**BASE, **ENGINES["chunked_prefill_and_prefix_caching"], speculative_config=spec)
     core = llm.engine.engine_core
     total = core.scheduler.spec_stats_total
     got_source = _generate(llm, prompts["source"])
@@ -109,10 +116,12 @@ def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, refere
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_output_with_ngram_speculation_is_token_identical_under_preemption(
-    prompts, reference
+    prompts, reference, mode
 ) -> None:
-    llm = LLM(**BASE, **ENGINES["preempting_small_cache"], speculative_config=SPEC)
+    spec = {**SPEC, **MODES[mode]}
+    llm = LLM(**BASE, **ENGINES["preempting_small_cache"], speculative_config=spec)
     core = llm.engine.engine_core
     n = PREEMPTED_PER_GROUP
     subset = prompts["source"][:n] + prompts["counts"][:n]

@@ -36,7 +36,8 @@ class OracleProposer(SpeculativeProposer):
 
     def propose(self, batch):
         type(self).proposed += len(batch)
-        k = self.ctx.num_speculative_tokens
+        # NOTE: up to what the runner asks (chained speculation asks k + 1: a guess, k drafts).
+        k = max(self.ctx.num_speculative_tokens, int(batch.max_num_drafts.max()))
         out = np.full((len(batch), k), -1, dtype=np.int64)
         for i in range(len(batch)):
             prompt = tuple(batch.token_ids[batch.rows[i], : batch.num_prompt_tokens[i]].tolist())
@@ -89,8 +90,15 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     flight inside a launch; checks the KV cache after every step."""
     core = llm.engine.engine_core
     runner = core.executor.worker.model_runner
-    seen = {"steps": 0, "with_drafts": 0, "slots": 0, "waits": 0}
+    seen = {"steps": 0, "with_drafts": 0, "slots": 0, "waits": 0, "voided": 0}
     schedule, read = core.scheduler.schedule, runner._read_unread
+    update = core.scheduler.update_from_output
+
+    def counting_update(so, output):
+        seen["voided"] += len(output.voided)
+        return update(so, output)
+
+    core.scheduler.update_from_output = counting_update
 
     def counting_schedule():
         so = schedule()
@@ -109,7 +117,7 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     return seen
 
 
-@pytest.mark.parametrize("mode", ["slots", "alternate"])
+@pytest.mark.parametrize("mode", ["slots", "alternate", "chain"])
 def test_async_drafts_are_fresh(setup, mode) -> None:
     """Draft slots filled once the step in flight is read, or (alternating) requests that sit
     out a step and draft from its tokens: either way no draft is stale."""
@@ -124,12 +132,15 @@ def test_async_drafts_are_fresh(setup, mode) -> None:
     assert stats.acceptance_rate > 0.95, stats
     assert stats.mean_acceptance_length > K + 0.5, stats
     assert seen["steps"] < 2 + MAX_TOKENS / (K + 1) * 1.5, seen
+    if mode == "chain":  # every bet holds: no launch waited for the step in flight
+        assert seen["waits"] == 0 and seen["voided"] == 0, seen
     core = llm.engine.engine_core
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 
 
 @pytest.mark.parametrize(
-    ("async_scheduling", "mode"), [(True, "slots"), (True, "alternate"), (False, "slots")]
+    ("async_scheduling", "mode"),
+    [(True, "slots"), (True, "alternate"), (True, "chain"), (False, "slots")],
 )
 def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling, mode) -> None:
     engine, prompts, params, want = setup
@@ -145,6 +156,11 @@ def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling,
     if async_scheduling and mode == "alternate":
         # Requests with drafts in flight sit the next step out: the runner never waits.
         assert seen["waits"] == 0, seen
+    elif async_scheduling and mode == "chain":
+        # Every bet on a step with drafts is lost (the step after it is void), and the output
+        # is still exact. The runner waits only where a request that verified drafts in the
+        # step in flight backs off (no draft slots, so no bet) in the next one.
+        assert seen["voided"] > 0 and seen["waits"] <= seen["with_drafts"], seen
     elif async_scheduling:
         # The runner waits for the step in flight only around steps with drafts: to fill the
         # slots of one, and to learn the lengths its requests reached before the next.
@@ -197,3 +213,38 @@ def test_alternating_drafts_back_off_at_batch_1_too(setup) -> None:
     assert stats.num_drafts and stats.num_accepted_tokens == 0, stats
     assert seen["with_drafts"] <= seen["steps"] * 0.3, seen
     assert seen["waits"] == 0, seen
+
+
+@pytest.mark.parametrize("method", ["ngram", "wrong", "oracle"])
+def test_chained_drafts_are_exact_under_preemption_prefix_caching_and_chunks(setup, method) -> None:
+    """Chained speculation with a KV cache too small for the batch (preemption), prefix
+    caching and chunked prefill: greedy output is unchanged, void steps included, and the
+    cache's bookkeeping holds after every step (nothing leaks once every request ends)."""
+    engine, prompts, params, want = setup
+    spec = {"method": method, "num_speculative_tokens": K, "async_drafts": "chain"}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    spec["adaptive"] = False
+    llm = LLM(
+        **{**engine, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 32},
+        speculative_config=spec,
+        async_scheduling=True,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+    )
+    seen = _instrumented(llm)
+    core = llm.engine.engine_core
+    preempted = 0
+    preempt = core.scheduler._preempt
+
+    def counting_preempt(*a, **k):
+        nonlocal preempted
+        preempted += 1
+        return preempt(*a, **k)
+
+    core.scheduler._preempt = counting_preempt
+    assert _generate(llm, prompts + prompts[:3], params) == want + want[:3]
+    assert preempted > 0, "the cache was meant to be too small for the batch"
+    if method == "wrong":
+        assert seen["voided"] > 0, seen
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1

@@ -185,11 +185,13 @@ class SpeculativeConfig(_Section):
         description="eagle, eagle3: folder of the draft head's checkpoint (config.json and"
         " safetensors or pytorch_model.bin, the layouts EAGLE and EAGLE-3 publish)",
     )
-    async_drafts: Literal["slots", "alternate"] = Field(
+    async_drafts: Literal["slots", "alternate", "chain"] = Field(
         "alternate",
         description="with async scheduling: alternate (a request whose step with drafts is in"
-        " flight sits out the next step, so no step waits for another) or slots (every step,"
-        " with draft slots filled once the step in flight is read)",
+        " flight sits out the next step, so no step waits for another), slots (every step,"
+        " with draft slots filled once the step in flight is read) or chain (every step,"
+        " launched before the one in flight is read, betting that it accepts all its drafts;"
+        " a lost bet voids one step; greedy requests and history-only proposers)",
     )
     adaptive: bool = Field(
         True,

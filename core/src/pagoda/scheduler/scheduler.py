@@ -312,8 +312,7 @@ class Scheduler:
                 req_id=r.request_id,
                 new_block_ids=[b.block_id for b in step.new_blocks[r.request_id]],
                 num_computed_tokens=r.num_computed_tokens,
-                block_offset=kv.num_held_blocks(r.request_id)
-                - len(step.new_blocks[r.request_id]),
+                block_offset=kv.num_held_blocks(r.request_id) - len(step.new_blocks[r.request_id]),
             )
             for r in step.cached_reqs
         ]
@@ -441,9 +440,7 @@ class Scheduler:
                 ):
                     self._start_overlap(req, num_hit, step)
                     continue
-                if self.offload is not None and self.offload.try_load(
-                    req, kv, hit_blocks, num_hit
-                ):
+                if self.offload is not None and self.offload.try_load(req, kv, hit_blocks, num_hit):
                     self.waiting.pop()  # its prompt's blocks load from the CPU pool meanwhile
                     continue
             num_new = req.num_tokens - req.num_computed_tokens - num_hit
@@ -555,7 +552,9 @@ class Scheduler:
             drafts = scheduled_drafts.get(req_id)
             emitted = 1 + len(drafts) if drafts else len(tokens)  # as ``schedule`` counted
             req.num_output_placeholders = max(req.num_output_placeholders - emitted, 0)
-            if drafts:
+            if drafts and req_id in model_runner_output.voided:
+                req.num_computed_tokens -= 1 + len(drafts)  # ran at the wrong positions
+            elif drafts:
                 filled = model_runner_output.draft_counts.get(req_id, len(drafts))
                 self._apply_drafts(req, len(drafts), filled, len(tokens) - 1)
             for token in tokens:

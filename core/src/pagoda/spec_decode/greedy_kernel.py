@@ -21,7 +21,6 @@ except ImportError:  # pragma: no cover - the torch path runs instead
 from pagoda.ops.launch import CachedLaunch
 
 if triton is not None:
-
     # NOTE: nothing but the block is specialised (not the pointers' alignment, not k): one
     # compile per engine, made when its verification graphs are captured (``warm``).
     @triton.jit(

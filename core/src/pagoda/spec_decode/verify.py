@@ -52,9 +52,14 @@ def verify_drafts(
     sample_idx: np.ndarray,
     qsl: np.ndarray,
     drafts: dict[str, list[int]],
+    chained: dict[str, int] | None = None,
+    plans: dict | None = None,
 ) -> None:
     """Score and verify the drafts of the sampling requests ``sample_idx`` of the step; fills
-    ``out`` as ``ModelRunner._sample`` does, with [n, k + 1] tokens."""
+    ``out`` as ``ModelRunner._sample`` does, with [n, k + 1] tokens.
+
+    ``chained``: requests whose step starts at the given position, which the host rows do not
+    count yet (``pagoda.spec_decode.chain``; ``plans`` gives what each bet on)."""
     ib = runner.input_batch
     n = len(sample_idx)
     sample_rows = rows[sample_idx]
@@ -70,6 +75,11 @@ def verify_drafts(
     hidden_idx = np.repeat(qsl[1:][sample_idx] - width, width) + offsets
     rows_exp = np.repeat(sample_rows, width)
     base = ib.num_tokens[sample_rows]
+    bet = None
+    if chained:
+        bet = np.fromiter((r in chained for r in sample_req_ids), dtype=bool, count=n)
+        base = base.copy()
+        base[bet] = [chained[r] + 1 for r in sample_req_ids if r in chained]
     cols = np.arange(k)
     at = np.minimum(base[:, None] + cols, ib.token_ids.shape[1] - 1)
     draft_ids = ib.token_ids[sample_rows[:, None], at]
@@ -128,7 +138,8 @@ def verify_drafts(
     )
     ib.sampling.record_sampled(sample_rows, tokens)
 
-    drafted = nd > 0
+    # NOTE: a bet's row is appended to when the step is read, like a row with drafts.
+    drafted = nd > 0 if bet is None else (nd > 0) | bet
     sample_pos = base.copy()
     if (~drafted).any():
         sample_pos[~drafted] = ib.append_placeholders(sample_rows[~drafted])
@@ -136,9 +147,22 @@ def verify_drafts(
     out.sample_rows = sample_rows
     out.sample_pos = sample_pos
     out.drafted = drafted
-    runner._prev_sampled = tokens[:, 0].contiguous()
+    out.num_drafts = nd
+    if bet is not None and plans:
+        out.premise_step = runner._last_step
+        out.premise = np.array(
+            [plans[r].premise if r in plans else -1 for r in sample_req_ids], dtype=np.int64
+        )
+        out.premise_drafts = np.array(
+            [plans[r].premise_drafts if r in plans else 0 for r in sample_req_ids],
+            dtype=np.int64,
+        )
+    # Each row's last token if every draft is accepted: what a chained step after this one
+    # takes as its first input, on the device.
+    # NOTE: -1 where drafts were rejected: a bet on this row is void then, and reads id 0.
+    runner._prev_sampled = tokens.gather(1, nd_t.unsqueeze(1)).squeeze(1).clamp_(min=0)
     runner._prev_index[:] = -1
-    runner._prev_index[sample_rows[~drafted]] = np.flatnonzero(~drafted)
+    runner._prev_index[sample_rows] = np.arange(n)
     out.sampled = tokens.to("cpu", non_blocking=True)
     if raw_logprobs is not None:
         req_of_row = runner._as_device(np.repeat(np.arange(n), width))

@@ -31,6 +31,7 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.spec_decode.chain import chain_drafts, plan_chain, propose_chain, write_chain_drafts
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.inflight import (
     alternate_drafts,
@@ -113,6 +114,8 @@ class ModelRunner:
             and not self.proposer.needs_hidden_states
             and not alternate_drafts(config)
         )
+        # Chained speculation (``pagoda.spec_decode.chain``): for history-only proposers.
+        self._chain = self._propose_in_launch and chain_drafts(config)
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
@@ -351,12 +354,19 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         if self._unread and self._unread[-1].pending is not None:
             self._unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
-        if self._unread and must_read_last(self._unread[-1], so, self):
-            # NOTE: rows with drafts learn their length only there, and draft slots are filled
-            # with the drafts proposed there.
-            self._read_unread()
-        if spec and self._propose_in_launch:
-            propose_for_slots(self, spec)
+        plans = None
+        if self._chain and spec:
+            self._settle()  # every step before the one in flight is read: bets are settled
+            plans = plan_chain(self, self._unread[-1] if self._unread else None, so)
+        if plans is not None:
+            propose_chain(self, plans, spec)  # the step in flight stays unread
+        else:
+            if self._unread and must_read_last(self._unread[-1], so, self):
+                # NOTE: rows with drafts learn their length only there, and draft slots are
+                # filled with the drafts proposed there.
+                self._read_unread()
+            if spec and self._propose_in_launch:
+                propose_for_slots(self, spec)
         self._settle()
         if self._stage is not None:
             self._stage.next_launch()
@@ -375,9 +385,19 @@ class ModelRunner:
             # NOTE: a request whose last step had drafts was scheduled as if all were accepted;
             # it goes on from its last known token.
             np.minimum(starts, ib.num_tokens[rows] - 1, out=starts)
+        chained: dict[str, int] = {}  # planned requests -> the position of their first token
+        if plans:
+            index = {r: i for i, r in enumerate(req_ids)}
+            for req_id, plan in plans.items():
+                starts[index[req_id]] = plan.start
+                chained[req_id] = plan.start
         if spec:
             drafts, filled = fill_draft_slots(self, spec, req_ids, counts)
-            ib.write_drafts(drafts)
+            if plans:
+                write_chain_drafts(self, plans, dict(drafts))
+                ib.write_drafts({r: d for r, d in drafts.items() if r not in plans})
+            else:
+                ib.write_drafts(drafts)
         if self._unread and ib.sampling.needs_token_history(rows):
             self._unread.pop().get()  # bad words read the ids on the host: wait for them
         num_reqs, total = len(req_ids), int(counts.sum())
@@ -439,10 +459,14 @@ class ModelRunner:
             q = self.verify_graphs.query_len if verified is not None else None
             self.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
         out.draft_counts = filled
-        if len(sample_idx) and drafts:
+        if chained:
+            # NOTE: a bet's row lags on the host; it samples whatever the host counts.
+            bet = np.fromiter((r in chained for r in req_ids), dtype=bool, count=len(req_ids))
+            sample_idx = np.union1d(sample_idx, np.flatnonzero(bet))
+        if len(sample_idx) and (drafts or chained):
             # Like _sample, with drafts: the rejection sampler keeps each request's accepted
             # drafts and adds one token.
-            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
+            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts, chained, plans)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None and not self._propose_in_launch:
@@ -453,7 +477,7 @@ class ModelRunner:
         self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if out.pending is None:
-            self._end_launch(out, bool(drafts))
+            self._end_launch(out, bool(drafts or chained))
         self._unread.append(out)
         return out
 

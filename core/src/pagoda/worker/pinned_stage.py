@@ -20,7 +20,9 @@ _ALIGN = 64
 
 class PinnedStage:
     def __init__(self, nbytes: int = 4 << 20, regions: int = 2) -> None:
-        self._buf = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(regions)]
+        self._buf = [
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(regions)
+        ]
         self._np = [b.numpy() for b in self._buf]
         # Recorded when each region was last left (re-recorded each time: no event per launch).
         self._left = [torch.cuda.Event() for _ in range(regions)]

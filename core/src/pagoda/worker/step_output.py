@@ -65,7 +65,25 @@ class StepOutput:
     # The rest of the launch when the step's sampling waits for something the host is still
     # computing (a structured-output bitmask): the runner calls it before its next launch.
     pending: Callable[[], None] | None = None
+    # Per sampling row: drafts verified (None: a step without drafts).
+    num_drafts: np.ndarray | None = None
+    # Chained speculation (``pagoda.spec_decode.chain``): the step these rows bet on, and per
+    # sampling row its sampling index there (-1: no bet) and the drafts it verified there.
+    premise_step: StepOutput | None = None
+    premise: np.ndarray | None = None
+    premise_drafts: np.ndarray | None = None
     _output: ModelRunnerOutput | None = None
+
+    @property
+    def bonus_pos(self) -> np.ndarray:
+        """Per sampling row, where its last token lands if every draft is accepted."""
+        return self.sample_pos if self.num_drafts is None else self.sample_pos + self.num_drafts
+
+    def premise_held(self, j: int, num_drafts: int) -> bool:
+        """Whether sampling row ``j`` emitted all of its ``num_drafts`` drafts and one token
+        (read the step first)."""
+        self.get()
+        return self.num_emitted is not None and int(self.num_emitted[j]) == num_drafts + 1
 
     @property
     def done(self) -> bool:
@@ -101,8 +119,12 @@ class StepOutput:
                 for i, t in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t]
             else:
+                void = self._void()
+                if void is not None:
+                    tokens = np.where(void[:, None], -1, tokens)
+                    out.voided = {self.req_ids[i] for i in self.sample_idx[void].tolist()}
                 self.num_emitted = (tokens >= 0).sum(axis=1)
-                self._write_back_verified(tokens)
+                self._write_back_verified(tokens, void)
                 for i, row in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t for t in row if t >= 0]
         if self.logprobs is not None:
@@ -122,17 +144,31 @@ class StepOutput:
                 out.prompt_logprobs[self.req_ids[i]] = PromptLogprobs(int(part.starts[i]), chunk)
         return out
 
-    def _write_back_verified(self, tokens: np.ndarray) -> None:
+    def _void(self) -> np.ndarray | None:
+        """Per sampling row: whether it bet on a step that did not accept all its drafts
+        (chained speculation); None when no row bet."""
+        if self.premise_step is None or self.premise is None:
+            return None
+        bet = self.premise >= 0
+        if not bet.any():
+            return None
+        prev = self.premise_step
+        prev.get()
+        held = prev.num_emitted[np.maximum(self.premise, 0)] == self.premise_drafts + 1
+        return bet & ~held
+
+    def _write_back_verified(self, tokens: np.ndarray, void: np.ndarray | None = None) -> None:
         """A step that verified drafts: rows without drafts replace their placeholder; rows
         with drafts gain their emitted tokens (the engine reads such a step before it schedules
-        the request again, so nothing was appended to them since)."""
+        the request again, so nothing was appended to them since). Void rows (a chained bet
+        that failed) write nothing."""
         ib = self.input_batch
         plain = ~self.drafted
         if plain.any():
             sub = StepOutput(ib, self.req_ids, self.sample_idx[plain], self.sample_rows[plain])
             sub.sample_pos = self.sample_pos[plain]
             sub._write_back(tokens[plain, 0])
-        drafted = np.flatnonzero(self.drafted)
+        drafted = np.flatnonzero(self.drafted if void is None else self.drafted & ~void)
         rows = self.sample_rows[drafted]
         owned = np.array(
             [
