@@ -18,8 +18,9 @@ runs, on the assumption that N accepts every draft it verifies:
   keys and values lie past the request's true length, where the steps after it write first.
 
 The step after a void one is built from the truth, which is on the host by then (the step
-before the void one has been read): no launch ever waits for the step in flight. A void step
-costs one step; a step whose drafts were all accepted (or that had none) costs nothing more.
+before the void one has been read). A void step costs one step, so a request bets on a step with
+drafts only while its last verification accepted every draft (a copy in progress); otherwise
+that launch waits, as with draft slots. A bet on a step without drafts always holds.
 
 Only requests whose sampling reads nothing position-dependent from the host are chained: greedy,
 without penalties, bad words, or a ``min_tokens`` still to reach (others fall back to draft
@@ -99,6 +100,10 @@ def plan_chain(
         if j is not None and not _premise_failed(last, j):
             start = int(last.bonus_pos[j])
             nd = int(last.num_drafts[j]) if last.num_drafts is not None else 0
+            if nd and not ib.all_accepted.get(req_id, True):
+                # NOTE: a bet on drafts is lost at the first rejection; bet only while the
+                # request's drafts keep being accepted whole (a copy in progress), else wait.
+                return None
             plans[req_id] = ChainPlan(row, start, start, 1, j, nd)
         else:  # its last step was read, or is void: the truth is on the host
             n = int(ib.num_tokens[row])

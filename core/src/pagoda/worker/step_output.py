@@ -125,6 +125,7 @@ class StepOutput:
                     out.voided = {self.req_ids[i] for i in self.sample_idx[void].tolist()}
                 self.num_emitted = (tokens >= 0).sum(axis=1)
                 self._write_back_verified(tokens, void)
+                self._note_acceptance(void)
                 for i, row in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t for t in row if t >= 0]
         if self.logprobs is not None:
@@ -143,6 +144,18 @@ class StepOutput:
                 chunk = arrays.select(lo, lo + int(part.n_pos[j]), int(part.ks[i]))
                 out.prompt_logprobs[self.req_ids[i]] = PromptLogprobs(int(part.starts[i]), chunk)
         return out
+
+    def _note_acceptance(self, void: np.ndarray | None) -> None:
+        """Record, per request that verified drafts here, whether it accepted them all."""
+        if self.num_drafts is None:
+            return
+        seen = self.input_batch.all_accepted
+        verified = self.num_drafts > 0
+        if void is not None:
+            verified &= ~void
+        for j in np.flatnonzero(verified).tolist():
+            req_id = self.req_ids[self.sample_idx[j]]
+            seen[req_id] = bool(self.num_emitted[j] == self.num_drafts[j] + 1)
 
     def _void(self) -> np.ndarray | None:
         """Per sampling row: whether it bet on a step that did not accept all its drafts
