@@ -92,12 +92,14 @@ def plan_chain(
         if any(r in drafted and r not in spec for r in so.num_scheduled_tokens):
             return None
     plans: dict[str, ChainPlan] = {}
+    # Rows of ``last`` known void already: they bet on a step (read by now) that lost the bet.
+    void = last.void() if last is not None and not last.done else None
     for req_id in slots:
         row = ib.row_of.get(req_id)
         if row is None or not _eligible(runner, row):
             return None
         j = in_last.get(req_id)
-        if j is not None and not _premise_failed(last, j):
+        if j is not None and (void is None or not void[j]):
             start = int(last.bonus_pos[j])
             nd = int(last.num_drafts[j]) if last.num_drafts is not None else 0
             if nd and not ib.all_accepted.get(req_id, True):
@@ -109,15 +111,6 @@ def plan_chain(
             n = int(ib.num_tokens[row])
             plans[req_id] = ChainPlan(row, n - 1, n, 0, -1, 0)
     return plans
-
-
-def _premise_failed(last: StepOutput, j: int) -> bool:
-    """Whether ``last``'s row ``j`` is known void already: it bet on a step (read by now) that
-    accepted fewer drafts than it verified."""
-    prev = last.premise_step
-    if prev is None or last.premise is None or last.premise[j] < 0:
-        return False
-    return not prev.premise_held(int(last.premise[j]), int(last.premise_drafts[j]))
 
 
 def propose_chain(runner: ModelRunner, plans: dict[str, ChainPlan], spec: dict) -> None:
@@ -163,6 +156,6 @@ def write_chain_drafts(runner: ModelRunner, plans: dict[str, ChainPlan], drafts:
     after the host's known tokens, which lag behind a bet)."""
     ib = runner.input_batch
     for req_id, p in plans.items():
-        ids = drafts.pop(req_id, None)
+        ids = drafts.get(req_id)
         if ids:
             ib.token_ids[p.row, p.start + 1 : p.start + 1 + len(ids)] = ids

@@ -32,6 +32,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None = None,
     uniform_accept: torch.Tensor | None = None,
     uniform_final: torch.Tensor | None = None,
+    kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify ``n`` requests' drafts against the target.
 
@@ -47,39 +48,16 @@ def rejection_sample(
     :param uniform_accept: [T] float64 in [0, 1), each row's acceptance draw (random rows).
     :param uniform_final: [T] float64 in [0, 1), each row's draw of a token of its own, used at
         the row after the accepted drafts (random rows).
+    :param kernel: False: torch operations only, on any device (the reference the greedy
+        kernel must equal).
     :returns: ``(tokens, num_emitted)``: [n, k + 1] int64 with -1 past each request's
         ``num_emitted`` (>= 1) tokens: the accepted drafts, then one token of the target.
     """
-    if target_probs is None and draft_ids.is_cuda:
+    if kernel and target_probs is None and draft_ids.is_cuda:
         from pagoda.spec_decode import greedy_kernel  # NOTE: imports Triton, CUDA only
 
         if greedy_kernel.available(draft_ids.device):
             return greedy_kernel.greedy_verify(target_argmax, draft_ids, num_drafts, starts)
-    return rejection_sample_torch(
-        target_argmax,
-        target_probs,
-        draft_ids,
-        num_drafts,
-        starts,
-        greedy,
-        draft_probs,
-        uniform_accept,
-        uniform_final,
-    )
-
-
-def rejection_sample_torch(
-    target_argmax: torch.Tensor,
-    target_probs: torch.Tensor | None,
-    draft_ids: torch.Tensor,
-    num_drafts: torch.Tensor,
-    starts: torch.Tensor,
-    greedy: torch.Tensor | None = None,
-    draft_probs: torch.Tensor | None = None,
-    uniform_accept: torch.Tensor | None = None,
-    uniform_final: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rejection_sample` in torch operations, on any device (the reference)."""
     n, k = draft_ids.shape
     dev = draft_ids.device
     cols = torch.arange(k, device=dev)

@@ -26,6 +26,7 @@ from pagoda.spec_decode.rejection import rejection_sample
 
 if TYPE_CHECKING:
     from pagoda.scheduler.output import ModelRunnerOutput
+    from pagoda.spec_decode.chain import ChainPlan
     from pagoda.worker.model_runner import ModelRunner
     from pagoda.worker.step_output import StepOutput
 
@@ -52,14 +53,13 @@ def verify_drafts(
     sample_idx: np.ndarray,
     qsl: np.ndarray,
     drafts: dict[str, list[int]],
-    chained: dict[str, int] | None = None,
-    plans: dict | None = None,
+    plans: dict[str, ChainPlan] | None = None,
 ) -> None:
     """Score and verify the drafts of the sampling requests ``sample_idx`` of the step; fills
     ``out`` as ``ModelRunner._sample`` does, with [n, k + 1] tokens.
 
-    ``chained``: requests whose step starts at the given position, which the host rows do not
-    count yet (``pagoda.spec_decode.chain``; ``plans`` gives what each bet on)."""
+    ``plans``: chained requests (``pagoda.spec_decode.chain``), whose step starts at their
+    plan's start, which the host rows do not count yet."""
     ib = runner.input_batch
     n = len(sample_idx)
     sample_rows = rows[sample_idx]
@@ -76,10 +76,10 @@ def verify_drafts(
     rows_exp = np.repeat(sample_rows, width)
     base = ib.num_tokens[sample_rows]
     bet = None
-    if chained:
-        bet = np.fromiter((r in chained for r in sample_req_ids), dtype=bool, count=n)
+    if plans:
+        bet = np.fromiter((r in plans for r in sample_req_ids), dtype=bool, count=n)
         base = base.copy()
-        base[bet] = [chained[r] + 1 for r in sample_req_ids if r in chained]
+        base[bet] = [plans[r].start + 1 for r in sample_req_ids if r in plans]
     cols = np.arange(k)
     at = np.minimum(base[:, None] + cols, ib.token_ids.shape[1] - 1)
     draft_ids = ib.token_ids[sample_rows[:, None], at]
@@ -148,7 +148,7 @@ def verify_drafts(
     out.sample_pos = sample_pos
     out.drafted = drafted
     out.num_drafts = nd
-    if bet is not None and plans:
+    if bet is not None:
         out.premise_step = runner._last_step
         out.premise = np.array(
             [plans[r].premise if r in plans else -1 for r in sample_req_ids], dtype=np.int64

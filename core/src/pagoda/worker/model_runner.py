@@ -385,19 +385,15 @@ class ModelRunner:
             # NOTE: a request whose last step had drafts was scheduled as if all were accepted;
             # it goes on from its last known token.
             np.minimum(starts, ib.num_tokens[rows] - 1, out=starts)
-        chained: dict[str, int] = {}  # planned requests -> the position of their first token
-        if plans:
+        plans = plans or {}
+        if plans:  # bets start where the step in flight ends if all its drafts are accepted
             index = {r: i for i, r in enumerate(req_ids)}
             for req_id, plan in plans.items():
                 starts[index[req_id]] = plan.start
-                chained[req_id] = plan.start
         if spec:
             drafts, filled = fill_draft_slots(self, spec, req_ids, counts)
-            if plans:
-                write_chain_drafts(self, plans, dict(drafts))
-                ib.write_drafts({r: d for r, d in drafts.items() if r not in plans})
-            else:
-                ib.write_drafts(drafts)
+            ib.write_drafts({r: d for r, d in drafts.items() if r not in plans})
+            write_chain_drafts(self, plans, drafts)
         if self._unread and ib.sampling.needs_token_history(rows):
             self._unread.pop().get()  # bad words read the ids on the host: wait for them
         num_reqs, total = len(req_ids), int(counts.sum())
@@ -459,14 +455,14 @@ class ModelRunner:
             q = self.verify_graphs.query_len if verified is not None else None
             self.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
         out.draft_counts = filled
-        if chained:
+        if plans:
             # NOTE: a bet's row lags on the host; it samples whatever the host counts.
-            bet = np.fromiter((r in chained for r in req_ids), dtype=bool, count=len(req_ids))
+            bet = np.fromiter((r in plans for r in req_ids), dtype=bool, count=len(req_ids))
             sample_idx = np.union1d(sample_idx, np.flatnonzero(bet))
-        if len(sample_idx) and (drafts or chained):
+        if len(sample_idx) and (drafts or plans):
             # Like _sample, with drafts: the rejection sampler keeps each request's accepted
             # drafts and adds one token.
-            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts, chained, plans)
+            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts, plans)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None and not self._propose_in_launch:
@@ -477,7 +473,7 @@ class ModelRunner:
         self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if out.pending is None:
-            self._end_launch(out, bool(drafts or chained))
+            self._end_launch(out, bool(drafts or plans))
         self._unread.append(out)
         return out
 

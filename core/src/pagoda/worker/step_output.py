@@ -72,18 +72,13 @@ class StepOutput:
     premise_step: StepOutput | None = None
     premise: np.ndarray | None = None
     premise_drafts: np.ndarray | None = None
+    _void: np.ndarray | None = None
     _output: ModelRunnerOutput | None = None
 
     @property
     def bonus_pos(self) -> np.ndarray:
         """Per sampling row, where its last token lands if every draft is accepted."""
         return self.sample_pos if self.num_drafts is None else self.sample_pos + self.num_drafts
-
-    def premise_held(self, j: int, num_drafts: int) -> bool:
-        """Whether sampling row ``j`` emitted all of its ``num_drafts`` drafts and one token
-        (read the step first)."""
-        self.get()
-        return self.num_emitted is not None and int(self.num_emitted[j]) == num_drafts + 1
 
     @property
     def done(self) -> bool:
@@ -119,7 +114,7 @@ class StepOutput:
                 for i, t in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t]
             else:
-                void = self._void()
+                void = self.void()
                 if void is not None:
                     tokens = np.where(void[:, None], -1, tokens)
                     out.voided = {self.req_ids[i] for i in self.sample_idx[void].tolist()}
@@ -157,18 +152,17 @@ class StepOutput:
             req_id = self.req_ids[self.sample_idx[j]]
             seen[req_id] = bool(self.num_emitted[j] == self.num_drafts[j] + 1)
 
-    def _void(self) -> np.ndarray | None:
+    def void(self) -> np.ndarray | None:
         """Per sampling row: whether it bet on a step that did not accept all its drafts
-        (chained speculation); None when no row bet."""
-        if self.premise_step is None or self.premise is None:
-            return None
-        bet = self.premise >= 0
-        if not bet.any():
-            return None
-        prev = self.premise_step
-        prev.get()
-        held = prev.num_emitted[np.maximum(self.premise, 0)] == self.premise_drafts + 1
-        return bet & ~held
+        (chained speculation); None when no row bet. Reads that step (if not read yet), then
+        lets it go: steps must not hold each other in a chain as long as a request lives."""
+        if self.premise_step is not None and self.premise is not None:
+            prev, self.premise_step = self.premise_step, None
+            bet = self.premise >= 0
+            prev.get()
+            held = prev.num_emitted[np.maximum(self.premise, 0)] == self.premise_drafts + 1
+            self._void = bet & ~held if bet.any() else None
+        return self._void
 
     def _write_back_verified(self, tokens: np.ndarray, void: np.ndarray | None = None) -> None:
         """A step that verified drafts: rows without drafts replace their placeholder; rows
