@@ -312,7 +312,8 @@ class Scheduler:
                 req_id=r.request_id,
                 new_block_ids=[b.block_id for b in step.new_blocks[r.request_id]],
                 num_computed_tokens=r.num_computed_tokens,
-                block_offset=kv.num_held_blocks(r.request_id) - len(step.new_blocks[r.request_id]),
+                block_offset=kv.num_held_blocks(r.request_id)
+                - len(step.new_blocks[r.request_id]),
             )
             for r in step.cached_reqs
         ]
@@ -440,7 +441,9 @@ class Scheduler:
                 ):
                     self._start_overlap(req, num_hit, step)
                     continue
-                if self.offload is not None and self.offload.try_load(req, kv, hit_blocks, num_hit):
+                if self.offload is not None and self.offload.try_load(
+                    req, kv, hit_blocks, num_hit
+                ):
                     self.waiting.pop()  # its prompt's blocks load from the CPU pool meanwhile
                     continue
             num_new = req.num_tokens - req.num_computed_tokens - num_hit

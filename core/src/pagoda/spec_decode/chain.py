@@ -55,10 +55,14 @@ class ChainPlan:
 
     row: int
     start: int  # position of the step's first input token
-    history: int  # tokens the proposal reads (the first ``history`` of the row)
-    skip: int  # leading proposed tokens that are not drafts (1: the guess of the bet token)
+    skip: int  # 1: a bet (the proposal's first token guesses the token at ``start``), 0: not
     premise: int  # the request's sampling index in the step bet on, or -1 (no bet)
     premise_drafts: int  # drafts the step bet on verified
+
+    @property
+    def history(self) -> int:
+        """Tokens the proposal reads: up to the start, which a bet does not know yet."""
+        return self.start + 1 - self.skip
 
 
 def _eligible(runner: ModelRunner, row: int) -> bool:
@@ -80,20 +84,23 @@ def plan_chain(
     if not slots:
         return None
     ib = runner.input_batch
+    if last is not None and last.done:
+        last = None  # read already: every request's truth is on the host
     in_last: dict[str, int] = {}
-    if last is not None and not last.done and len(last.sample_idx):
+    void = None
+    if last is not None:
         for j, (i, row) in enumerate(zip(last.sample_idx.tolist(), last.sample_rows.tolist())):
             req_id = last.req_ids[i]
             if ib.row_of.get(req_id) == row:
                 in_last[req_id] = j
-    # A request of this step that verified drafts in ``last`` without a plan needs it read.
-    if last is not None and not last.done and last.drafted is not None:
-        drafted = {last.req_ids[last.sample_idx[j]] for j in np.flatnonzero(last.drafted)}
-        if any(r in drafted and r not in spec for r in so.num_scheduled_tokens):
-            return None
+        # A request of this step that verified drafts in ``last`` without a plan needs it read.
+        if last.drafted is not None:
+            drafted = {last.req_ids[last.sample_idx[j]] for j in np.flatnonzero(last.drafted)}
+            if any(r in drafted and r not in spec for r in so.num_scheduled_tokens):
+                return None
+        # Rows of ``last`` known void already: they bet on a step (read by now) that lost.
+        void = last.void()
     plans: dict[str, ChainPlan] = {}
-    # Rows of ``last`` known void already: they bet on a step (read by now) that lost the bet.
-    void = last.void() if last is not None and not last.done else None
     for req_id in slots:
         row = ib.row_of.get(req_id)
         if row is None or not _eligible(runner, row):
@@ -106,10 +113,10 @@ def plan_chain(
                 # NOTE: a bet on drafts is lost at the first rejection; bet only while the
                 # request's drafts keep being accepted whole (a copy in progress), else wait.
                 return None
-            plans[req_id] = ChainPlan(row, start, start, 1, j, nd)
+            plans[req_id] = ChainPlan(row, start, 1, j, nd)
         else:  # its last step was read, or is void: the truth is on the host
             n = int(ib.num_tokens[row])
-            plans[req_id] = ChainPlan(row, n - 1, n, 0, -1, 0)
+            plans[req_id] = ChainPlan(row, n - 1, 0, -1, 0)
     return plans
 
 

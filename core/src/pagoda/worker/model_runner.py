@@ -122,6 +122,8 @@ class ModelRunner:
         self.input_batch = InputBatch(
             self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
         )
+        if self._chain:
+            self.input_batch.all_accepted = {}
         # Structured output: the constrained requests' matchers and each step's bitmask.
         self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs, device)
         self._alloc_buffers()

@@ -24,9 +24,9 @@ class PinnedStage:
             torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(regions)
         ]
         self._np = [b.numpy() for b in self._buf]
-        # Recorded when each region was last left (re-recorded each time: no event per launch).
+        # Recorded when each region was last left (re-recorded each time: no event per launch;
+        # one never recorded has passed).
         self._left = [torch.cuda.Event() for _ in range(regions)]
-        self._recorded = [False] * regions
         self._i = 0
         self._off = 0
 
@@ -35,9 +35,8 @@ class PinnedStage:
         event marks them, and the region is reused only once that event has passed (it has:
         the step launched before them was read, so checking costs no wait)."""
         self._left[self._i].record()
-        self._recorded[self._i] = True
         self._i = (self._i + 1) % len(self._buf)
-        if self._recorded[self._i] and not self._left[self._i].query():
+        if not self._left[self._i].query():
             self._left[self._i].synchronize()
         self._off = 0
 

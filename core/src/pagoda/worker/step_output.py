@@ -142,9 +142,9 @@ class StepOutput:
 
     def _note_acceptance(self, void: np.ndarray | None) -> None:
         """Record, per request that verified drafts here, whether it accepted them all."""
-        if self.num_drafts is None:
-            return
         seen = self.input_batch.all_accepted
+        if seen is None or self.num_drafts is None:
+            return
         verified = self.num_drafts > 0
         if void is not None:
             verified &= ~void
