@@ -96,7 +96,7 @@ def _build(args: argparse.Namespace, spec: dict | None) -> LLM:
     return LLM(**kw)
 
 
-def _prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]:
+def workload_prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]:
     if args.random_weights:
         rng = np.random.default_rng(0)
         vocab = llm.engine.engine_core.executor.worker.model_runner.arch.vocab_size
@@ -228,7 +228,7 @@ def main() -> None:
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     engines = {"off": _build(args, None), "ngram": _build(args, spec)}
-    prompts, kinds = _prompts(args, engines["off"])
+    prompts, kinds = workload_prompts(args, engines["off"])
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=bool(args.random_weights)
     )
