@@ -103,8 +103,12 @@ def main() -> None:
         "generated_s": round(generated_s, 2),
         "settings": rows,
     }
+    where = "cpu"
+    if runner.device.type == "cuda":
+        where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
     model = Path(report["model"].split()[0]).name.lower().removesuffix(".gguf")
-    path = save_report(report, f"ngram-settings-{model}-{report['commit']}", args.output_json)
+    name = f"ngram-settings-{model}-{where}-{report['commit']}"
+    path = save_report(report, name, args.output_json)
     print(f"{'k:min:max':>10} {'tok/step':>8} {'steps':>6} {'verif':>6} {'acc':>6} {'len':>6}")
     for row in rows:
         s = f"{row['num_speculative_tokens']}:{row['prompt_lookup_min']}:{row['prompt_lookup_max']}"
