@@ -70,14 +70,14 @@ def replay(
     # that step's slots as accepted: near max_tokens it gives fewer than the output left allows.
     before, slots = 0, 0  # the step in flight's tokens before it, and its draft slots
     while done < len(output):
-        cap = min(k, len(output) - done - 1)
-        if max_tokens is not None:
-            cap = min(cap, max_tokens - (before + 1 + slots) - 1)
-        before, slots = done, max(cap, 0)
+        limit = k if max_tokens is None else min(k, max_tokens - (before + 1 + slots) - 1)
+        before, slots = done, max(limit, 0)
+        # Drafts past the output's end are not replayed: the request ends within this step.
+        cap = min(slots, len(output) - done - 1)
         drafts = np.zeros(0, dtype=np.int64)
-        if slots:
+        if cap > 0:
             known = np.array([len(prompt) + done], dtype=np.int64)
-            found = ngram_drafts(hist, row, known, min_n, max_n, k, np.array([slots]))[0]
+            found = ngram_drafts(hist, row, known, min_n, max_n, k, np.array([cap]))[0]
             drafts = found[found >= 0]
         agree = drafts == np.asarray(output[done : done + len(drafts)])
         accepted = len(drafts) if agree.all() else int(agree.argmin())
