@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-import torch
 from pagoda_spec_ngram.replay import Replay, replay
-from spec_decode import workload_prompts
+from spec_decode import report_head, report_slugs, use_random_weights, workload_prompts
 
 from pagoda import LLM, SamplingParams
-from pagoda.bench.report import commit, hardware, save_report
+from pagoda.bench.report import save_report
 
 _SETTINGS = "4:2:4,4:1:4,8:2:4,8:1:4,8:1:8,12:1:8,16:1:8"
 
@@ -56,11 +53,7 @@ def main() -> None:
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
-    if args.random_weights:
-        from pagoda.bench.random_weights import ensure_random_weights
-
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        args.model = str(ensure_random_weights(Path(args.random_weights), 0, dev)[0])
+    use_random_weights(args)
     kw = {"max_model_len": args.max_model_len, "device": args.device}
     kw.update({k: v for k, v in (("model", args.model), ("dtype", args.dtype)) if v})
     llm = LLM(**kw)
@@ -90,23 +83,14 @@ def main() -> None:
         )
     runner = llm.engine.engine_core.executor.worker.model_runner
     report = {
-        "benchmark": "ngram_settings",
-        "command": "python " + " ".join(sys.argv),
-        "workload": "random" if args.random_weights else "input-grounded (stdlib source, docs)",
-        "model": args.random_weights or args.model or "SmolLM2-135M-Instruct (default)",
-        "hardware": hardware(runner.device),
-        "commit": commit(),
-        "dtype": str(runner.dtype),
+        **report_head("ngram_settings", args, runner),
         "num_prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "output_tokens": sum(len(o) for o in outputs),
         "generated_s": round(generated_s, 2),
         "settings": rows,
     }
-    where = "cpu"
-    if runner.device.type == "cuda":
-        where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
-    model = Path(report["model"].split()[0]).name.lower().removesuffix(".gguf")
+    model, where = report_slugs(report, runner)
     name = f"ngram-settings-{model}-{where}-{report['commit']}"
     path = save_report(report, name, args.output_json)
     print(f"{'k:min:max':>10} {'tok/step':>8} {'steps':>6} {'verif':>6} {'acc':>6} {'len':>6}")

@@ -113,6 +113,38 @@ def workload_prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], li
     return prompts, kinds
 
 
+def use_random_weights(args: argparse.Namespace) -> None:
+    """``--random-weights CONFIG_DIR``: the model is that config's random weights (made once)."""
+    if args.random_weights:
+        from pagoda.bench.random_weights import ensure_random_weights
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        folder, _ = ensure_random_weights(Path(args.random_weights), 0, dev)
+        args.model = str(folder)
+
+
+def report_head(benchmark: str, args: argparse.Namespace, runner: Any) -> dict[str, Any]:
+    """What every report of the workload starts with: the command, workload, model, hardware,
+    commit and dtype."""
+    return {
+        "benchmark": benchmark,
+        "command": "python " + " ".join(sys.argv),
+        "workload": "random" if args.random_weights else "input-grounded (stdlib source, docs)",
+        "model": args.random_weights or args.model or "SmolLM2-135M-Instruct (default)",
+        "hardware": hardware(runner.device),
+        "commit": commit(),
+        "dtype": str(runner.dtype),
+    }
+
+
+def report_slugs(report: dict[str, Any], runner: Any) -> tuple[str, str]:
+    """The model's and the hardware's part of a report's file name."""
+    where = "cpu"
+    if runner.device.type == "cuda":
+        where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
+    return Path(report["model"].split()[0]).name.lower().removesuffix(".gguf"), where
+
+
 def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, list[list[int]]]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -208,13 +240,7 @@ def main() -> None:
         # count the first one's KV cache as used (gpu_memory_utilization is of the whole GPU):
         # each gets an explicit quarter of the memory free now.
         args.kv_cache_memory_bytes = int(torch.cuda.mem_get_info()[0] * 0.25)
-    if args.random_weights:
-        from pagoda.bench.random_weights import ensure_random_weights
-
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        folder, _ = ensure_random_weights(Path(args.random_weights), 0, dev)
-        args.model = str(folder)
-
+    use_random_weights(args)
     spec = {
         "method": "ngram",
         "num_speculative_tokens": args.num_speculative_tokens,
@@ -266,13 +292,7 @@ def main() -> None:
     tps = {k: tokens[k] / seconds[k] for k in seconds}
     runner = engines["off"].engine.engine_core.executor.worker.model_runner
     report = {
-        "benchmark": "spec_decode",
-        "command": "python " + " ".join(sys.argv),
-        "workload": "random" if args.random_weights else "input-grounded (stdlib source, docs)",
-        "model": args.random_weights or args.model or "SmolLM2-135M-Instruct (default)",
-        "hardware": hardware(runner.device),
-        "commit": commit(),
-        "dtype": str(runner.dtype),
+        **report_head("spec_decode", args, runner),
         "batch_size": args.batch_size,
         "num_prompts": len(prompts),
         "kinds": sorted(set(kinds)),
@@ -308,10 +328,7 @@ def main() -> None:
                 for b, st in sorted(gov.buckets.items())
             },
         }
-    where = "cpu"
-    if runner.device.type == "cuda":
-        where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
-    model = Path(report["model"].split()[0]).name.lower().removesuffix(".gguf")
+    model, where = report_slugs(report, runner)
     name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"
     if args.async_drafts:
         name += f"-{args.async_drafts}"
