@@ -4,9 +4,13 @@ of EAGLE-3's three layers and of the last layer for every position the target co
 
 from __future__ import annotations
 
-import inspect
-import warnings
+import ast
+import functools
+import os
+import sysconfig
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,18 +85,6 @@ class Recorded:
 
 # ---- the corpus: text that ships with Python -----------------------------------------------------
 
-_MODULES = [
-    "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "colorsys",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib",
-    "email", "enum", "fnmatch", "fractions", "functools", "getopt", "gettext", "glob", "gzip",
-    "hashlib", "heapq", "hmac", "html", "http", "imaplib", "inspect", "io", "ipaddress",
-    "itertools", "json", "logging", "mailbox", "math", "mimetypes", "numbers", "operator",
-    "optparse", "os", "pathlib", "pickle", "platform", "pprint", "queue", "random", "re",
-    "sched", "secrets", "shelve", "shlex", "shutil", "smtplib", "socket", "sqlite3",
-    "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap",
-    "threading", "timeit", "tokenize", "trace", "traceback", "typing", "unittest", "urllib",
-    "uuid", "warnings", "wave", "weakref", "zipfile", "zlib",
-]  # fmt: skip
 _ASKS = [
     "Explain what the following Python documentation describes, in a few sentences:\n\n{}",
     "Summarise this text from the Python standard library:\n\n{}",
@@ -101,30 +93,56 @@ _ASKS = [
     "List the main ideas of this text:\n\n{}",
 ]
 
+# Folders of the standard library left out: tests, GUIs and demos, the installers' payloads.
+_SKIP_DIRS = {"idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
+              "dist-packages", "__pycache__", "__phello__"}  # fmt: skip
 
-def _module_texts(name: str) -> list[str]:
-    """The docstrings of module ``name`` and of its public members, or the source of members
-    without one."""
+
+@functools.cache
+def _texts() -> tuple[str, ...]:
+    """The standard library's documentation and code, read from its source files (parsed, not
+    imported: no module runs): the docstring of every module, class and function longer than
+    80 characters, under its qualified name, and the source of every public function with a
+    shorter one or none; in the order of the sorted file paths."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     texts: list[str] = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(
+            d for d in dirs if d not in _SKIP_DIRS and not d.startswith(("test", "config-"))
+        )
+        for name in sorted(files):
+            if not name.endswith(".py") or name.startswith("test"):
+                continue
+            path = Path(folder, name)
+            parts = path.relative_to(root).with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            texts += _file_texts(path.read_text(encoding="utf-8", errors="replace"), module)
+    return tuple(texts)
+
+
+def _file_texts(source: str, module: str) -> list[str]:
     try:
-        mod = __import__(name, fromlist=["_"])
-    except ImportError:
-        return texts
-    if inspect.getdoc(mod):
-        texts.append(inspect.getdoc(mod))
-    for attr in sorted(vars(mod)):
-        obj = getattr(mod, attr)
-        if attr.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        doc = inspect.getdoc(obj)
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out: list[str] = []
+    lines = source.splitlines(keepends=True)
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        doc = ast.get_docstring(node)  # type: ignore[arg-type]
         if doc and len(doc) > 80:
-            texts.append(f"{name}.{attr}: {doc}")
-        elif inspect.isfunction(obj):
-            try:
-                texts.append(inspect.getsource(obj))
-            except (OSError, TypeError):
-                pass
-    return texts
+            out.append(f"{prefix}: {doc}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if not node.name.startswith("_"):
+                code = textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno]))
+                if len(code) > 80:
+                    out.append(code)
+        for child in node.body:  # type: ignore[attr-defined]
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, f"{prefix}.{child.name}")
+
+    visit(tree, module)
+    return out
 
 
 HELD_OUT_TEXTS = 64  # texts no training message uses, for held-out figures
@@ -133,16 +151,14 @@ HELD_OUT_TEXTS = 64  # texts no training message uses, for held-out figures
 def corpus(
     n: int, seed: int = 0, *, heldout: bool = False, skip: int = 0, max_chars: int = 600
 ) -> list[str]:
-    """``n`` user messages built from the docstrings and sources of standard-library modules
-    and their public functions, under a few instructions. Training messages (the default) are
+    """``n`` user messages built from the docstrings and sources of the standard library
+    (``_texts``), under a few instructions. Training messages (the default) are
     the (text, instruction) pairs of every text but ``HELD_OUT_TEXTS`` of them, in a fixed
     shuffled order; held-out messages (``heldout=True``) use those texts only, from the
     ``skip``-th on, one instruction each."""
-    texts: list[str] = []
-    with warnings.catch_warnings():  # some modules warn on access to deprecated names
-        warnings.simplefilter("ignore")
-        for name in _MODULES:
-            texts += _module_texts(name)
+    # Texts that are the same once cut (copied code, shared docstrings) count once: a held-out
+    # message must not be a training one.
+    texts = list(dict.fromkeys(t[:max_chars] for t in _texts()))
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(texts))
     train, held = order[:-HELD_OUT_TEXTS], order[-HELD_OUT_TEXTS:]
@@ -155,7 +171,7 @@ def corpus(
         pairs = [(int(t), a) for t in train for a in range(len(_ASKS))]
         perm = rng.permutation(len(pairs))
         picks = [pairs[perm[i % len(pairs)]] for i in range(n)]
-    return [_ASKS[a].format(texts[t][:max_chars]) for t, a in picks]
+    return [_ASKS[a].format(texts[t]) for t, a in picks]
 
 
 def encode_prompts(llm: LLM, messages: list[str]) -> list[list[int]]:
