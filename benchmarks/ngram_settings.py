@@ -21,7 +21,13 @@ import json
 import time
 
 from pagoda_spec_ngram.replay import Replay, replay
-from spec_decode import report_head, report_slugs, use_random_weights, workload_prompts
+from spec_decode import (
+    add_workload_arguments,
+    report_head,
+    report_slugs,
+    use_random_weights,
+    workload_prompts,
+)
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.report import save_report
@@ -41,14 +47,7 @@ def _figures(r: Replay) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
-    p.add_argument("--random-weights", default=None, metavar="CONFIG_DIR")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--num-prompts", type=int, default=9)
-    p.add_argument("--input-len", type=int, default=256, help="random prompts only")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    add_workload_arguments(p, max_tokens=256)
     p.add_argument("--settings", default=_SETTINGS, help="k:min:max, comma-separated")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()

@@ -113,6 +113,18 @@ def workload_prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], li
     return prompts, kinds
 
 
+def add_workload_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The model, device and workload options (``workload_prompts``, ``use_random_weights``)."""
+    p.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
+    p.add_argument("--random-weights", default=None, metavar="CONFIG_DIR")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--num-prompts", type=int, default=9)
+    p.add_argument("--input-len", type=int, default=256, help="random prompts only")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--max-model-len", type=int, default=2048)
+
+
 def use_random_weights(args: argparse.Namespace) -> None:
     """``--random-weights CONFIG_DIR``: the model is that config's random weights (made once)."""
     if args.random_weights:
@@ -195,15 +207,8 @@ def _profile(engines: dict[str, LLM], batch: list[dict], params: SamplingParams,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
-    p.add_argument("--random-weights", default=None, metavar="CONFIG_DIR")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default=None)
+    add_workload_arguments(p, max_tokens=128)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-prompts", type=int, default=9)
-    p.add_argument("--input-len", type=int, default=256, help="random prompts only")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
