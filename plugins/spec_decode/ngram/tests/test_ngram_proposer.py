@@ -60,3 +60,32 @@ def test_lookup_range_defaults_are_vllms(lo, hi, want):
 def test_a_lookup_range_upside_down_is_an_error():
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         lookup_range(4, 2)
+
+
+def _reference(h, min_n, max_n, k, cap):
+    """Prompt lookup spelled out for one history: every earlier window, its matched suffix
+    length, the best by (length, followed by k known tokens, recency)."""
+    best = None
+    for e in range(len(h) - 1):
+        run = 0
+        while run < max_n and e - run >= 0 and h[e - run] == h[len(h) - 1 - run]:
+            run += 1
+        key = (run, e + k < len(h), e)
+        if run >= min_n and (best is None or key > best):
+            best = key
+    drafts = [] if best is None else h[best[2] + 1 : best[2] + 1 + min(k, cap)]
+    return drafts + [-1] * (k - len(drafts))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batches_match_the_spelled_out_lookup(seed):
+    # Small vocabularies: many matches, ties and partial suffixes; histories of every length.
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        vocab, k = int(rng.integers(2, 12)), int(rng.integers(1, 7))
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 4))
+        hists = [rng.integers(0, vocab, int(rng.integers(0, 40))).tolist() for _ in range(6)]
+        caps = rng.integers(1, k + 1, len(hists)).tolist()
+        want = [_reference(h, lo, hi, k, c) for h, c in zip(hists, caps)]
+        assert _drafts(hists, lo, hi, k, caps) == want

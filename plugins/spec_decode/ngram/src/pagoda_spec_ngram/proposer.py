@@ -4,8 +4,9 @@ n-gram in its own prompt and output (vLLM's ``ngram`` method, same settings).
 For each request, the longest suffix of ``prompt_lookup_min .. prompt_lookup_max`` tokens that
 occurred before is found, and the up to ``num_speculative_tokens`` tokens after that occurrence
 (the most recent one, among the longest matches) are the drafts. The whole batch is matched at
-once over a padded [requests, tokens] array: one vectorised comparison per n-gram length, no
-Python loop over requests or tokens.
+once: one vectorised comparison of the padded [requests, tokens] array with each request's last
+token finds the candidate matches, and the longer suffixes are compared at those candidates
+only; no Python loop over requests or tokens.
 """
 
 from __future__ import annotations
@@ -46,29 +47,34 @@ def ngram_drafts(
     if n == 0 or k == 0:
         return out
     width = int(num_tokens.max())
-    pos = np.arange(width)
     ar = np.arange(n)
     hist = token_ids[rows, :width]
-    hist = np.where(pos[None, :] < num_tokens[:, None], hist, -2)
-    # alive[i, e]: the window of the last m + 1 tokens ends at e (and at least one known token
-    # follows it: e <= num_tokens - 2). Shifted slices, not gathers, keep each length one pass.
-    alive = pos[None, :] <= (num_tokens - 2)[:, None]
-    run = np.zeros((n, width), dtype=np.int32)
-    for m in range(max_n):
-        at = num_tokens - 1 - m
-        suffix = np.where(at >= 0, hist[ar, np.maximum(at, 0)], -3)
-        alive[:, :m] = False
-        alive[:, m:] &= hist[:, : width - m] == suffix[:, None]
-        if not alive.any():
+    # Candidate matches: windows ending at e with the history's last token, followed by at
+    # least one known token (e <= num_tokens - 2). One pass over the batch; the longer suffixes
+    # are compared at the candidates only, which are few in text.
+    last = hist[ar, np.maximum(num_tokens - 1, 0)]
+    eq = hist == last[:, None]
+    eq &= np.arange(width)[None, :] <= (num_tokens - 2)[:, None]
+    r, e = np.nonzero(eq)
+    run = np.ones(len(r), dtype=np.int64)  # matched suffix length, up to max_n
+    live = np.arange(len(r))
+    for m in range(1, max_n):
+        at = e[live] - m  # the window's m-th token from its end (>= 0: the suffix's is too)
+        ok = at >= 0
+        rr = r[live[ok]]
+        ok[ok] = hist[rr, at[ok]] == hist[rr, num_tokens[rr] - 1 - m]
+        live = live[ok]
+        if not len(live):
             break
-        run += alive
+        run[live] += 1
     # The longest match wins, then one followed by k known tokens, then the most recent one.
-    full = pos[None, :] + k < num_tokens[:, None]
-    score = np.where(run >= min_n, (2 * run + full) * width + pos[None, :], -1)
-    best = score.argmax(axis=1)
-    found = score[ar, best] >= 0
+    keep = run >= min_n
+    r, e, run = r[keep], e[keep], run[keep]
+    best = np.full(n, -1, dtype=np.int64)
+    np.maximum.at(best, r, (2 * run + (e + k < num_tokens[r])) * width + e)
+    found = best >= 0
     cols = np.arange(k)
-    at = best[:, None] + 1 + cols[None, :]
+    at = (best % width)[:, None] + 1 + cols[None, :]
     ok = found[:, None] & (at < num_tokens[:, None])
     if max_num_drafts is not None:
         ok &= cols[None, :] < max_num_drafts[:, None]
