@@ -1,7 +1,8 @@
 """Host time of one n-gram proposal (``pagoda_spec_ngram.proposer.ngram_drafts``) for a batch.
 
-The histories are the input-grounded workload's prompts (``spec_decode.py``), tokenized with the
-default model's tokenizer, each cut at a random length past its half and tiled over the batch;
+The histories are the prompts of ``spec_decode.py``'s workload (``workload_prompts``: the
+input-grounded one, chat-templated, or random ones with ``--random-weights``), each cut at a
+random length past its half and tiled over the batch;
 every request gets drafts each step, so this is what the runner's host pays per step while it
 drafts. ``--against COMMIT`` times that commit's proposer on the same batches, alternating with
 this one, and checks that both draft the same tokens.
@@ -20,8 +21,9 @@ import types
 from pathlib import Path
 
 import numpy as np
+import torch
 from pagoda_spec_ngram.proposer import ngram_drafts
-from spec_decode import grounded_prompts
+from spec_decode import add_workload_arguments, engine_args, use_random_weights, workload_prompts
 
 from pagoda import LLM
 from pagoda.bench.report import commit, hardware, save_report
@@ -42,14 +44,15 @@ def _at(rev: str) -> types.ModuleType:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_arguments(p, max_tokens=0)
     p.add_argument("--batch-sizes", default="1,64,256")
     p.add_argument("--settings", default="4:2:4,8:1:8", help="k:min:max, comma-separated")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--against", default=None, metavar="COMMIT")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    tok = LLM(max_model_len=2048).get_tokenizer()
-    prompts = [tok.encode(text) for _, text in grounded_prompts(9)]
+    use_random_weights(args)
+    prompts = [p["prompt_token_ids"] for p in workload_prompts(args, LLM(**engine_args(args)))[0]]
     impls = {"this": ngram_drafts}
     if args.against:
         impls[args.against] = _at(args.against).ngram_drafts
@@ -80,7 +83,7 @@ def main() -> None:
     report = {
         "benchmark": "ngram_proposer",
         "command": "python " + " ".join(sys.argv),
-        "hardware": hardware(__import__("torch").device("cpu")),
+        "hardware": hardware(torch.device("cpu")),
         "commit": commit(),
         "rows": rows,
     }

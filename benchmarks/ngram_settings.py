@@ -23,6 +23,7 @@ import time
 from pagoda_spec_ngram.replay import Replay, replay
 from spec_decode import (
     add_workload_arguments,
+    engine_args,
     report_head,
     report_slugs,
     use_random_weights,
@@ -53,9 +54,7 @@ def main() -> None:
     args = p.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
     use_random_weights(args)
-    kw = {"max_model_len": args.max_model_len, "device": args.device}
-    kw.update({k: v for k, v in (("model", args.model), ("dtype", args.dtype)) if v})
-    llm = LLM(**kw)
+    llm = LLM(**engine_args(args))
     prompts, kinds = workload_prompts(args, llm)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=bool(args.random_weights)

@@ -79,16 +79,15 @@ def grounded_prompts(n: int) -> list[tuple[str, str]]:
     return out
 
 
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM`` arguments from the workload options (``add_workload_arguments``)."""
+    kw: dict[str, Any] = {"max_model_len": args.max_model_len, "device": args.device}
+    kw.update({k: v for k, v in (("model", args.model), ("dtype", args.dtype)) if v})
+    return kw
+
+
 def _build(args: argparse.Namespace, spec: dict | None) -> LLM:
-    kw: dict[str, Any] = {
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": max(args.batch_size, 1),
-        "device": args.device,
-    }
-    if args.model:
-        kw["model"] = args.model
-    if args.dtype:
-        kw["dtype"] = args.dtype
+    kw = {**engine_args(args), "max_num_seqs": max(args.batch_size, 1)}
     if args.kv_cache_memory_bytes:  # two engines share the device: size each cache
         kw["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     if spec is not None:
