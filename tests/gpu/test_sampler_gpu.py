@@ -58,19 +58,30 @@ def test_seeded_request_on_cuda_draws_the_same_tokens_in_any_batch(tmp_path: Pat
     cfg = json.loads(CONFIG.read_text())
     cfg["num_hidden_layers"] = 4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(model=str(tmp_path), load_format="dummy", max_model_len=256, batch_invariant=True)
-    target = SamplingParams(
-        max_tokens=12, temperature=1.0, top_p=0.95, seed=7, logprobs=2, ignore_eos=True
+    llm = LLM(
+        model=str(tmp_path),
+        load_format="dummy",
+        max_model_len=256,
+        batch_invariant=True,
+        kv_cache_memory_bytes=256 << 20,  # not most of the GPU: later tests build engines too
     )
-    prompt = {"prompt_token_ids": list(range(100, 140))}
-    alone = llm.generate(prompt, target)[0].outputs[0]
-    others = [{"prompt_token_ids": list(range(200 + i, 230 + 3 * i))} for i in range(5)]
-    mixed = llm.generate(
-        [*others[:3], prompt, *others[3:]],
-        [SamplingParams(max_tokens=6, temperature=1.0)] * 3 + [target] + [SamplingParams()] * 2,
-    )[3].outputs[0]
-    assert mixed.token_ids == alone.token_ids and len(mixed.logprobs) == 12
-    n4 = SamplingParams(n=4, max_tokens=12, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
-    first = llm.generate(prompt, n4)[0].outputs[0]
-    assert first.token_ids == alone.token_ids
-    set_batch_invariant(False)  # process-wide: the next tests run without it
+    try:
+        target = SamplingParams(
+            max_tokens=12, temperature=1.0, top_p=0.95, seed=7, logprobs=2, ignore_eos=True
+        )
+        prompt = {"prompt_token_ids": list(range(100, 140))}
+        alone = llm.generate(prompt, target)[0].outputs[0]
+        others = [{"prompt_token_ids": list(range(200 + i, 230 + 3 * i))} for i in range(5)]
+        mixed = llm.generate(
+            [*others[:3], prompt, *others[3:]],
+            [SamplingParams(max_tokens=6, temperature=1.0)] * 3 + [target] + [SamplingParams()] * 2,
+        )[3].outputs[0]
+        assert mixed.token_ids == alone.token_ids and len(mixed.logprobs) == 12
+        n4 = SamplingParams(
+            n=4, max_tokens=12, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True
+        )
+        first = llm.generate(prompt, n4)[0].outputs[0]
+        assert first.token_ids == alone.token_ids
+    finally:
+        llm.engine.shutdown()
+        set_batch_invariant(False)  # process-wide: the next tests run without it

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 from pagoda.executor.base import Executor, PendingOutput
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.worker import Worker
@@ -32,3 +36,9 @@ class UniProcExecutor(Executor):
         if self.worker is not None:
             self.worker.model_runner.grammar.close()  # its matcher process, if any
         self.worker = None  # type: ignore[assignment]
+        if torch.cuda.is_initialized():
+            # NOTE: the KV cache is most of the device; free it now, not at the interpreter's
+            # next full collection (graph captures can tie it into reference cycles), and hand
+            # the cached blocks back so that another engine in this process can profile them.
+            gc.collect()
+            torch.cuda.empty_cache()
