@@ -117,7 +117,7 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     return seen
 
 
-@pytest.mark.parametrize("mode", ["slots", "alternate", "chain"])
+@pytest.mark.parametrize("mode", ["slots", "alternate", "chain", "auto"])
 def test_async_drafts_are_fresh(setup, mode) -> None:
     """Draft slots filled once the step in flight is read, or (alternating) requests that sit
     out a step and draft from its tokens: either way no draft is stale."""
@@ -135,6 +135,42 @@ def test_async_drafts_are_fresh(setup, mode) -> None:
     if mode == "chain":  # every bet holds: no launch waited for the step in flight
         assert seen["waits"] == 0 and seen["voided"] == 0, seen
     core = llm.engine.engine_core
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
+
+
+def test_auto_mode_switches_between_slots_and_alternating_steps(setup) -> None:
+    """``async_drafts: auto``: alternating steps while many requests run, draft slots once few
+    do, and requests cross between the two with steps in flight; drafts stay fresh (the oracle's
+    are all accepted), output stays exact, and every block returns."""
+    engine, prompts, params, want = setup
+    spec = {"method": "oracle", "num_speculative_tokens": K, "async_drafts": "auto"}
+    llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
+    core = llm.engine.engine_core
+    assert core.scheduler.spec_alternate_from == 8
+    # NOTE: from 4 running requests on, so that this batch of 8 (whose requests end one by one)
+    # spends steps in both modes and switches while requests have steps in flight.
+    core.scheduler.spec_alternate_from = core.scheduler.draft_backoff.min_batch = 4
+    seen = _instrumented(llm)
+    modes = {"alternate": 0, "slots": 0}
+    schedule = core.scheduler.schedule
+
+    def recording_schedule():
+        so = schedule()
+        spec_tokens = so.scheduled_spec_decode_tokens.values()
+        if any(d[0] < 0 for d in spec_tokens):
+            modes["slots"] += 1
+        elif spec_tokens and so.alternate_drafts:  # drafts proposed two steps before
+            modes["alternate"] += 1
+        return so
+
+    core.scheduler.schedule = recording_schedule
+    lengths = [8, 12, 16, 24, 32, 40, 44, 48]
+    ragged = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    got = _generate(llm, prompts, ragged)
+    assert got == [w[:n] for w, n in zip(want, lengths)]
+    assert modes["alternate"] > 0 and modes["slots"] > 0, modes
+    stats = core.scheduler.spec_stats_total
+    assert stats.acceptance_rate > 0.95, stats
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 
 

@@ -185,13 +185,15 @@ class SpeculativeConfig(_Section):
         description="eagle, eagle3: folder of the draft head's checkpoint (config.json and"
         " safetensors or pytorch_model.bin, the layouts EAGLE and EAGLE-3 publish)",
     )
-    async_drafts: Literal["slots", "alternate", "chain"] = Field(
-        "alternate",
+    async_drafts: Literal["auto", "slots", "alternate", "chain"] = Field(
+        "auto",
         description="with async scheduling: alternate (a request whose step with drafts is in"
         " flight sits out the next step, so no step waits for another), slots (every step,"
-        " with draft slots filled once the step in flight is read) or chain (every step,"
-        " launched before the one in flight is read, betting that it accepts all its drafts;"
-        " a lost bet voids one step; greedy requests and history-only proposers)",
+        " with draft slots filled once the step in flight is read), auto (slots while fewer"
+        " than 8 requests run, where a step sat out costs more than the wait; alternate from"
+        " 8) or chain (every step, launched before the one in flight is read, betting that it"
+        " accepts all its drafts; a lost bet voids one step; greedy requests and history-only"
+        " proposers)",
     )
     adaptive: bool = Field(
         True,

@@ -15,7 +15,7 @@ from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.output import EngineCoreOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec_decode.governor import build_governor
-from pagoda.spec_decode.inflight import alternate_drafts
+from pagoda.spec_decode.inflight import alternate_from
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
 
@@ -51,10 +51,12 @@ class EngineCore:
         self.scheduler.structured_output = self.structured_output
         if config.speculative.method is not None:
             self.scheduler.num_spec_tokens = config.speculative.num_speculative_tokens
-            if alternate_drafts(config):
-                self.scheduler.spec_alternate = True
+            alternate = self.scheduler.spec_alternate_from = alternate_from(config)
+            if alternate is not None:
                 self.scheduler.draft_backoff.min_accepted = 2  # a step sat out must pay
-                self.scheduler.draft_backoff.min_batch = 1  # at any batch size
+                # NOTE: at any batch size where steps alternate (below it, with draft slots,
+                # a verification costs about what a decode step does).
+                self.scheduler.draft_backoff.min_batch = alternate
             self.scheduler.spec_governor = build_governor(config.speculative)
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # Speculative decoding: whether the runner proposes drafts after this step (false while
     # the governor has drafting off: ``pagoda.spec_decode.governor``).
     propose_drafts: bool = True
+    # Alternating async speculation this step (``pagoda.spec_decode.inflight``): the runner
+    # proposes once the step's output is read, for the step after the one its requests sit out.
+    alternate_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:

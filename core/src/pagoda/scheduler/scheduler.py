@@ -201,9 +201,11 @@ class Scheduler:
         self.spec_stats_total = SpecDecodingStats()
         self.num_spec_tokens = 0
         self.draft_backoff = DraftBackoff()
-        # Async speculation that alternates (``inflight.alternate_drafts``), set by the engine
-        # core; the requests whose last proposal had drafts.
-        self.spec_alternate = False
+        # Async speculation that alternates from this many running requests on
+        # (``inflight.alternate_from``; None: never), set by the engine core; whether this step
+        # alternates; the requests whose last proposal had drafts.
+        self.spec_alternate_from: int | None = None
+        self._alternate = False
         self._proposing: set[str] = set()
         # Whether this step drafts: the governor (set by the engine core; None: always) turns
         # drafting off for the batch while it does not pay (``pagoda.spec_decode.governor``).
@@ -257,6 +259,9 @@ class Scheduler:
         self.draft_backoff.tick()
         gov = self.spec_governor
         self._drafting = gov is None or gov.drafting(len(self.running))
+        self._alternate = (
+            self.spec_alternate_from is not None and len(self.running) >= self.spec_alternate_from
+        )
 
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -312,8 +317,7 @@ class Scheduler:
                 req_id=r.request_id,
                 new_block_ids=[b.block_id for b in step.new_blocks[r.request_id]],
                 num_computed_tokens=r.num_computed_tokens,
-                block_offset=kv.num_held_blocks(r.request_id)
-                - len(step.new_blocks[r.request_id]),
+                block_offset=kv.num_held_blocks(r.request_id) - len(step.new_blocks[r.request_id]),
             )
             for r in step.cached_reqs
         ]
@@ -338,13 +342,17 @@ class Scheduler:
             scheduled_spec_decode_tokens=step.spec,
             kv_transfers=None if self.offload is None else self.offload.build_step(),
             propose_drafts=self._drafting,
+            # NOTE: by the requests running after this step's admissions, whose next steps the
+            # runner's proposals after this one feed (the first step of a batch is its prompts').
+            alternate_drafts=self.spec_alternate_from is not None
+            and len(self.running) >= self.spec_alternate_from,
         )
 
     def _sits_out(self, req: Request) -> bool:
         """Alternating async speculation: a decoding request whose step in flight verifies
         drafts waits for it; one whose plain step is in flight, and whose last proposal had
         drafts, waits once so that its next step verifies fresh drafts."""
-        if not self.spec_alternate or not req.num_output_placeholders:
+        if not self._alternate or not req.num_output_placeholders:
             return False
         if req.num_output_placeholders > 1:
             return True
@@ -369,7 +377,7 @@ class Scheduler:
         if not self.draft_backoff.allows(req.request_id, len(self.running)):
             return []
         if req.num_output_placeholders:
-            if self.spec_alternate or req.sampling_params.structured_outputs is not None:
+            if self._alternate or req.sampling_params.structured_outputs is not None:
                 return []
             drafts = [-1] * self.num_spec_tokens
         else:
@@ -441,9 +449,7 @@ class Scheduler:
                 ):
                     self._start_overlap(req, num_hit, step)
                     continue
-                if self.offload is not None and self.offload.try_load(
-                    req, kv, hit_blocks, num_hit
-                ):
+                if self.offload is not None and self.offload.try_load(req, kv, hit_blocks, num_hit):
                     self.waiting.pop()  # its prompt's blocks load from the CPU pool meanwhile
                     continue
             num_new = req.num_tokens - req.num_computed_tokens - num_hit
@@ -570,7 +576,7 @@ class Scheduler:
                 self.kv_cache_manager.trim(req, max(req.num_tokens, req.num_computed_tokens))
             if req_id in proposed and not req.is_finished:
                 self.set_drafts(req, proposed[req_id])
-            if self.spec_alternate and tokens:
+            if self.spec_alternate_from is not None and tokens:
                 if req_id in proposed:
                     self._proposing.add(req_id)
                 else:

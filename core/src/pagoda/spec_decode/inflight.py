@@ -1,7 +1,7 @@
 """Speculation that keeps the host ahead of the device: drafts for a request whose previous step
 is still running, and a back-off for requests whose drafts keep failing.
 
-``speculative.async_drafts: alternate`` (the default): a request whose step with drafts is in
+``speculative.async_drafts: alternate``: a request whose step with drafts is in
 flight sits out the next step (its length is not known yet) and drafts again, from the tokens
 that step produced, in the one after; a request whose plain step is in flight and whose last
 proposal had drafts sits out once for the same reason. Requests whose drafts do not pay for the
@@ -26,6 +26,13 @@ the next step, while scheduling and output processing overlap the device as with
 speculation. :class:`DraftBackoff` keeps requests whose drafts are rejected (or never found) from
 reserving slots every step, so that with nothing accepted most steps are plain decode steps that
 need no wait at all.
+``speculative.async_drafts: auto`` (the default) decides each step by the number of requests
+running: draft slots below :data:`ALTERNATE_FROM`, alternating from there on. The scheduler tells
+the runner (``SchedulerOutput.alternate_drafts``), and a proposer that reads only history is asked
+at launch for a step's draft slots and after an alternating step's output for the drafts its
+requests verify two steps later. Requests switch at any step boundary: one whose slot step with
+drafts is in flight sits out the first alternating step, and one that sat out the last
+alternating step verifies the drafts proposed for it in the first slot step.
 """
 
 from __future__ import annotations
@@ -52,12 +59,29 @@ _MAX_LEVEL = 4
 _MIN_BATCH = 8
 
 
+#: ``speculative.async_drafts: auto`` fills draft slots while fewer requests than this run and
+#: alternates from this many on. At batch 1 a step's cost is mostly the host's, so waiting for
+#: the step in flight costs little while a step sat out costs a whole step (on an H200, SmolLM2
+#: at batch 1 and k = 8: 2.06x with slots, 1.79x alternating with the governor); at batch 64
+#: the wait exposes the device's latency every step (0.65x with slots, 0.93x alternating).
+ALTERNATE_FROM = _MIN_BATCH
+
+
+def alternate_from(config: EngineConfig) -> int | None:
+    """From how many running requests a step's speculation alternates instead of filling draft
+    slots (a request whose step with drafts is in flight sits out the next step and drafts
+    again, fresh, in the one after, so that the runner never waits for a step in flight; a
+    request drafting nothing runs every step): 1 for ``alternate``, :data:`ALTERNATE_FROM` for
+    ``auto``, None for ``slots`` and ``chain`` and without async scheduling."""
+    if not config.scheduler.async_scheduling:
+        return None
+    return {"alternate": 1, "auto": ALTERNATE_FROM}.get(config.speculative.async_drafts)
+
+
 def alternate_drafts(config: EngineConfig) -> bool:
-    """Whether speculation alternates (``speculative.async_drafts: alternate`` with async
-    scheduling) instead of filling draft slots: a request whose step with drafts is in flight
-    sits out the next step, and drafts again (fresh) in the one after, so that the runner never
-    waits for a step in flight; a request drafting nothing runs every step."""
-    return config.scheduler.async_scheduling and config.speculative.async_drafts == "alternate"
+    """Whether every step's speculation alternates (``speculative.async_drafts: alternate``
+    with async scheduling): the runner then never fills draft slots."""
+    return alternate_from(config) == 1
 
 
 class DraftBackoff:

@@ -467,9 +467,10 @@ class ModelRunner:
             verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts, plans)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
-        if self.proposer is not None and not self._propose_in_launch:
+        if self.proposer is not None and (not self._propose_in_launch or so.alternate_drafts):
             # NOTE: with drafting off (the governor), a proposer that reads only token history
-            # is not asked: its drafts would not be scheduled.
+            # is not asked: its drafts would not be scheduled. A step that alternates
+            # (``inflight.alternate_from``) proposes here even where slots are filled at launch.
             if so.propose_drafts or self.proposer.needs_hidden_states:
                 out.on_output = self._propose
         self._last_step = out
