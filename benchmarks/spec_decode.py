@@ -224,10 +224,10 @@ def main() -> None:
     )
     p.add_argument(
         "--async-drafts",
-        choices=["slots", "alternate", "chain"],
+        choices=["auto", "slots", "alternate", "chain"],
         default=None,
-        help="speculative.async_drafts: alternate, or fill draft slots after reading the step "
-        "in flight; default: the engine's",
+        help="speculative.async_drafts: alternate, fill draft slots after reading the step in "
+        "flight, chain, or auto (slots below 8 running requests); default: the engine's",
     )
     p.add_argument(
         "--no-adaptive",
