@@ -15,7 +15,10 @@ from pagoda.plugins import get_registry
 
 from .gpu_helpers import check_same_or_near_tie
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 CONFIG = Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b" / "config.json"
 STEPS = 64

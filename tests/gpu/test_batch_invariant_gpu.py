@@ -17,7 +17,10 @@ from pagoda.ops import batch_invariant
 sys.path.insert(0, str(Path(__file__).parents[1] / "e2e"))
 from invariance_helpers import check_invariance, write_config  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 PROMPT = list(range(1000, 1150))  # 150 tokens: three key tiles, several prefill chunks
 OTHERS = [list(range(3000 + 11 * i, 3040 + 37 * i)) for i in range(12)]

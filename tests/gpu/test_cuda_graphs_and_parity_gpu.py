@@ -15,7 +15,10 @@ from pagoda import LLM, SamplingParams
 
 from .gpu_helpers import check_same_or_near_tie, near_tie
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
 

@@ -16,7 +16,10 @@ from pagoda import LLM, SamplingParams
 
 from .gpu_helpers import CONFIGS, check_same_or_near_tie, save_random_qwen3
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 eagle = pytest.importorskip("pagoda_spec_eagle.checkpoint")
 
 

@@ -20,7 +20,10 @@ from pagoda.ops import reference
 
 from .gpu_helpers import check_same_or_near_tie, last_logits
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
 MODELS = ["llama-3.1-8b", "qwen3-0.6b"]

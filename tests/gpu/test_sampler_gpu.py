@@ -19,7 +19,10 @@ from pagoda.sample.sampler import Sampler
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from sampling_helpers import make_batch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 V = 1000
 CONFIG = Path(__file__).parents[2] / "benchmarks" / "configs" / "smollm2-135m" / "config.json"

@@ -18,7 +18,10 @@ import torch
 
 # NOTE: triton is not imported here: a module-level import at collection would load it before
 # the CPU tests that run its interpreter set TRITON_INTERPRET (their kernels then fail).
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def _pinned(n: int, dtype=torch.int64) -> torch.Tensor:

@@ -15,7 +15,10 @@ from pagoda import LLM, SamplingParams
 
 from .gpu_helpers import check_same_or_near_tie
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 CONFIG = Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b"
 VOCAB = 128256

@@ -150,7 +150,7 @@ def test_auto_mode_switches_between_slots_and_alternating_steps(setup) -> None:
     # NOTE: from 4 running requests on, so that this batch of 8 (whose requests end one by one)
     # spends steps in both modes and switches while requests have steps in flight.
     core.scheduler.spec_alternate_from = core.scheduler.draft_backoff.min_batch = 4
-    seen = _instrumented(llm)
+    _instrumented(llm)  # (checks the KV cache's bookkeeping after every step)
     modes = {"alternate": 0, "slots": 0}
     schedule = core.scheduler.schedule
 

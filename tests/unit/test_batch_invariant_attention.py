@@ -17,6 +17,7 @@ from pagoda.attention.backend import CommonAttentionMetadata  # noqa: E402
 from pagoda.attention.batch_invariant import BatchInvariantBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
 PAGE, HEADS, KV_HEADS, DIM = 16, 4, 2, 32
 
 

@@ -24,6 +24,7 @@ from pagoda.models.layers import RotaryEmbedding  # noqa: E402
 from pagoda.ops import reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 needs_triton = pytest.mark.skipif(find_spec("triton") is None, reason="needs triton")
 

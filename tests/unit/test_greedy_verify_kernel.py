@@ -13,7 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is defined
 
-pytestmark = pytest.mark.skipif(find_spec("triton") is None, reason="needs triton")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(find_spec("triton") is None, reason="needs triton"),
+]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory: CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory: CUDA"),
+]
 
 
 def test_staged_slices_hold_their_arrays_and_alternate_by_launch() -> None:

@@ -7,7 +7,10 @@ import torch
 
 from pagoda.testing import AttentionBackendConformance
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 class TestFlashInferConformance(AttentionBackendConformance):

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from pagoda.testing import AttentionBackendConformance  # noqa: E402
 
 _CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -16,6 +16,7 @@ pytest.importorskip("triton")
 from pagoda_attention_triton.kernels import paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
 
 
 def _reference(q, kc, vc, bt, seq_lens, q_lens, scale):
