@@ -6,6 +6,8 @@ that let real tokens see nothing of the pads) is checked without CUDA."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +69,22 @@ def test_padded_verification_steps_keep_greedy_output() -> None:
     assert runner.verify_graphs.replays > 0
     assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
     assert got == want
+
+
+def test_a_runner_with_graphs_goes_with_its_engine_without_a_collection() -> None:
+    """The runner holds its graphs and the graphs reach the runner: were that a strong reference,
+    the runner (its KV cache: on a GPU most of the device) would outlive its dropped engine until
+    the interpreter's next full garbage collection."""
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    llm = LLM(model=str(folder), device="cpu", max_model_len=256, speculative_config=SPEC)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    runner.verify_graphs = EagerVerifyGraphs(runner, query_len=SPEC["num_speculative_tokens"] + 1)
+    runner.verify_graphs.capture()
+    llm.generate([{"prompt_token_ids": [7, 8, 9, 10] * 6}], SamplingParams(max_tokens=8))
+    gone = weakref.ref(runner)
+    gc.disable()
+    try:
+        del llm, runner
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,7 +37,10 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, query_len: int = 1) -> None:
-        self.runner = runner
+        # NOTE: not a strong reference: the runner holds these graphs, and a cycle would keep
+        # the runner (its KV cache: most of the device) alive until a full garbage collection,
+        # after its engine was dropped.
+        self.runner = weakref.proxy(runner)
         self.query_len = q = query_len
         self.buckets = graph_buckets(min(runner.max_num_reqs, runner.max_num_tokens // q))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
