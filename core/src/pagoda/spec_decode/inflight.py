@@ -26,6 +26,7 @@ the next step, while scheduling and output processing overlap the device as with
 speculation. :class:`DraftBackoff` keeps requests whose drafts are rejected (or never found) from
 reserving slots every step, so that with nothing accepted most steps are plain decode steps that
 need no wait at all.
+
 ``speculative.async_drafts: auto`` (the default) decides each step by the number of requests
 running: draft slots below :data:`ALTERNATE_FROM`, alternating from there on. The scheduler tells
 the runner (``SchedulerOutput.alternate_drafts``), and a proposer that reads only history is asked
