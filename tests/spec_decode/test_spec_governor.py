@@ -267,3 +267,16 @@ def test_a_turnover_probe_that_wins_brings_probing_back_to_every_turnover() -> N
         gov.admit(1)
         _run(gov, clock, 400, 1, _drafts_pay)
     assert bucket.best and bucket.turnovers == 1
+
+
+def test_auto_drafts_switch_mode_at_a_bucket_boundary() -> None:
+    """``async_drafts: auto`` changes mode at a bucket boundary, so that no bucket's drafting
+    rate mixes draft slots with alternating steps."""
+    from pagoda.spec_decode.inflight import ALTERNATE_FROM
+
+    below, at = (
+        SpeculationGovernor.bucket_of(ALTERNATE_FROM - 1),
+        SpeculationGovernor.bucket_of(ALTERNATE_FROM),
+    )
+    assert below != at
+    assert SpeculationGovernor.bucket_of(2 * ALTERNATE_FROM - 1) == at

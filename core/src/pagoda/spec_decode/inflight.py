@@ -65,6 +65,8 @@ _MIN_BATCH = 8
 #: the step in flight costs little while a step sat out costs a whole step (on an H200, SmolLM2
 #: at batch 1 and k = 8: 2.06x with slots, 1.79x alternating with the governor); at batch 64
 #: the wait exposes the device's latency every step (0.65x with slots, 0.93x alternating).
+#: A power of two, so that each of the speculation governor's batch-size buckets (1, 2-3, 4-7,
+#: 8-15, ...) measures drafting in one mode only.
 ALTERNATE_FROM = _MIN_BATCH
 
 
