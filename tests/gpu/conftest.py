@@ -9,8 +9,9 @@ import gc
 import pytest
 import torch
 
-#: Bytes a module may leave allocated once its engines are gone (compiled kernels' constants,
-#: the sampler's small caches); an engine's KV cache or weights are far more.
+#: Bytes a module may leave allocated once its engines are gone (FlashInfer's workspace, shared
+#: by every engine of the process: 256 MiB; small per-device caches); an engine's KV cache or
+#: weights are far more.
 LEFT_OVER = 1 << 30
 
 
