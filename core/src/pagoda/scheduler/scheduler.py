@@ -259,9 +259,7 @@ class Scheduler:
         self.draft_backoff.tick()
         gov = self.spec_governor
         self._drafting = gov is None or gov.drafting(len(self.running))
-        self._alternate = (
-            self.spec_alternate_from is not None and len(self.running) >= self.spec_alternate_from
-        )
+        self._alternate = self._alternates()
 
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -344,8 +342,14 @@ class Scheduler:
             propose_drafts=self._drafting,
             # NOTE: by the requests running after this step's admissions, whose next steps the
             # runner's proposals after this one feed (the first step of a batch is its prompts').
-            alternate_drafts=self.spec_alternate_from is not None
-            and len(self.running) >= self.spec_alternate_from,
+            alternate_drafts=self._alternates(),
+        )
+
+    def _alternates(self) -> bool:
+        """Whether speculation alternates with the requests running now
+        (``inflight.alternate_from``)."""
+        return (
+            self.spec_alternate_from is not None and len(self.running) >= self.spec_alternate_from
         )
 
     def _sits_out(self, req: Request) -> bool:
