@@ -156,3 +156,13 @@ def test_cross_field_error_names_the_sources_of_both_keys(tmp_path) -> None:
     assert "speculative.num_speculative_tokens must be at least 1" in msg
     assert f"speculative.method from file {path}, line 2" in msg
     assert "speculative.num_speculative_tokens from default" in msg
+
+
+def test_a_section_argument_of_none_is_the_defaults_and_not_a_mapping_is_an_error() -> None:
+    """vLLM's ``LLM(speculative_config=None)`` means no speculation; a section given as anything
+    but a mapping of its keys is named as such, not as an unknown argument."""
+    config = EngineConfig.load(overrides={"speculative_config": None, "cache": None})
+    assert config.speculative.method is None and config.cache == EngineConfig().cache
+    msg = _error(lambda: EngineConfig.load(overrides={"speculative_config": "ngram"}))
+    assert "speculative: a section takes a mapping of its keys, got str 'ngram'" in msg
+    assert "[from argument speculative]" in msg

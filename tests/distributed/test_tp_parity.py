@@ -1,7 +1,7 @@
 """Tensor parallelism over gloo on CPU processes gives the greedy tokens of one process: tiny
 random Llama (one KV head, replicated) and Qwen3 (KV heads split, tied LM head) at two ranks,
-SmolLM2-135M-Instruct at three (9 heads, 3 KV heads), with structured output too, and through
-Ray on a local cluster."""
+SmolLM2-135M-Instruct at three (9 heads, 3 KV heads), with structured output and with n-gram
+speculation too, and through Ray on a local cluster."""
 
 from __future__ import annotations
 
@@ -128,3 +128,58 @@ def test_structured_output_at_three_ranks_gives_one_ranks_tokens(smollm2_gguf: P
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", one[0]), one[0]
     assert one[1] in ("red", "green", "blue")
     assert run(3) == one
+
+
+def test_two_ranks_with_ngram_speculation_give_one_ranks_tokens_without_it(tiny_models) -> None:
+    """Every rank fills its draft slots from the same history, verifies the same drafts and
+    accepts the same prefix. Ten requests of ragged lengths take the batch from ten running
+    requests (alternating drafts) down to one (draft slots), so both kinds of step travel to
+    the workers."""
+    model = str(tiny_models["llama"])
+    rng = np.random.default_rng(1)
+    # Prompts that repeat themselves, so that prompt lookup finds drafts that are accepted.
+    prompts = [
+        {"prompt_token_ids": (rng.integers(3, 1000, 6).tolist() * 5)[: 12 + 3 * i]}
+        for i in range(10)
+    ]
+    params = [
+        SamplingParams(max_tokens=8 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(10)
+    ]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    spec["prompt_lookup_max"] = 3
+
+    def run(tp: int, speculative: dict | None) -> list:
+        llm = LLM(
+            model=model,
+            tensor_parallel_size=tp,
+            executor="multiproc" if tp > 1 else "uniproc",
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_memory_bytes=16 << 20,
+            speculative_config=speculative,
+        )
+        scheduler = llm.engine.engine_core.scheduler
+        schedule = scheduler.schedule
+
+        def recording():
+            so = schedule()
+            drafts = so.scheduled_spec_decode_tokens.values()
+            if any(d[0] < 0 for d in drafts):
+                kinds.add("slots")
+            elif drafts and so.alternate_drafts:
+                kinds.add("alternating")
+            return so
+
+        scheduler.schedule = recording
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            accepted = scheduler.spec_stats_total.num_accepted_tokens
+        finally:
+            llm.engine.shutdown()
+        return [o.outputs[0].token_ids for o in outs], accepted
+
+    kinds: set[str] = set()
+    want, _ = run(1, None)
+    got, accepted = run(2, spec)
+    assert got == want
+    assert accepted > 0 and kinds == {"slots", "alternating"}, (accepted, kinds)

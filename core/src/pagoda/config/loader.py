@@ -184,6 +184,8 @@ def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
                     layer.origins[(name, plugin, key)] = (
                         f"argument {name}={{{plugin!r}: {{{key!r}: ...}}}}"
                     )
+        elif name in secs and name not in flat and value is None:
+            continue  # vLLM's way to say "none": ``LLM(speculative_config=None)``, the defaults
         elif name in secs and isinstance(value, Mapping):
             layer.values.setdefault(name, {}).update(value)
             for key in value:
@@ -192,6 +194,11 @@ def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
             section, key = flat[name]
             layer.values.setdefault(section, {})[key] = value
             layer.origins[(section, key)] = f"argument {name}"
+        elif name in secs:
+            raise ConfigError(
+                f"invalid configuration:\n  {name}: a section takes a mapping of its keys, got "
+                f"{type(value).__name__} {value!r} [from argument {name}]"
+            )
         else:
             raise ConfigError(
                 f"invalid configuration:\n  {name}: unknown engine argument{_hint(name, flat)}; "
