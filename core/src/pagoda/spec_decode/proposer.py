@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
-from pagoda.config import SpeculativeConfig
+from pagoda.config import EngineConfig, SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagoda.attention.backend import AttentionBackend
@@ -245,3 +245,22 @@ def build_proposer(ctx: ProposerContext) -> SpeculativeProposer | None:
             "pagoda.spec_decode.SpeculativeProposer"
         )
     return proposer
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """Refuse, at start, speculation that tensor parallelism cannot run: a proposer with
+    ``needs_hidden_states`` is called where a step's output is read, on the first rank only,
+    while a draft head runs the target's own sharded layers (embedding, LM head), whose
+    collectives every rank must join. A proposer that reads only the token history runs on
+    every rank alike (the scheduler sends its drafts to all of them)."""
+    method, tp = config.speculative.method, config.parallel.tensor_parallel_size
+    if method is None or tp == 1:
+        return
+    from pagoda.plugins import get_registry
+
+    if get_registry("spec_proposers").get(method).needs_hidden_states:
+        raise ValueError(
+            f"speculative.method {method!r} drafts from the target's hidden states, which "
+            f"tensor parallelism does not support yet (parallel.tensor_parallel_size={tp}): run "
+            "it on one rank, or pick a proposer that reads only the token history (ngram)"
+        )

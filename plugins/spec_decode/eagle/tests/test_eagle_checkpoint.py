@@ -120,3 +120,19 @@ def test_an_eagle3_head_needs_as_many_target_layers_as_fc_reads(tmp_path: Path) 
     proposer, ctx = _proposer("eagle3", tmp_path / "h")
     with pytest.raises(ValueError, match="fc.weight takes 192 features, not 2 layers of 64"):
         proposer.bind_target(tiny_target(ctx))
+
+
+def test_a_head_with_tensor_parallelism_is_refused_at_start(tmp_path: Path) -> None:
+    """A draft head runs on the first rank only, where the target's sharded layers wait for the
+    other ranks: refused before any worker starts, with the reason and what works instead."""
+    from eagle_helpers import TINY_LLAMA
+
+    from pagoda import LLM
+    from pagoda.bench.random_weights import ensure_random_weights
+
+    folder, _ = ensure_random_weights(TINY_LLAMA, 0, torch.device("cpu"))
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="tensor parallelism does not support yet") as info:
+        LLM(model=str(folder), device="cpu", tensor_parallel_size=2, speculative_config=spec)
+    assert "parallel.tensor_parallel_size=2" in str(info.value) and "ngram" in str(info.value)
