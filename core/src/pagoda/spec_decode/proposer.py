@@ -252,10 +252,18 @@ def check_parallel(config: EngineConfig) -> None:
     ``needs_hidden_states`` is called where a step's output is read, on the first rank only,
     while a draft head runs the target's own sharded layers (embedding, LM head), whose
     collectives every rank must join. A proposer that reads only the token history runs on
-    every rank alike (the scheduler sends its drafts to all of them)."""
+    every rank alike (the scheduler sends its drafts to all of them). Chained drafts are refused
+    too: each rank plans its bets from the steps it has read, and only the first rank reads
+    every step's output, so the ranks' forwards would differ in size."""
     method, tp = config.speculative.method, config.parallel.tensor_parallel_size
     if method is None or tp == 1:
         return
+    if config.speculative.async_drafts == "chain" and config.scheduler.async_scheduling:
+        raise ValueError(
+            "speculative.async_drafts 'chain' plans its bets on each rank from the steps that "
+            f"rank has read, which tensor parallelism (parallel.tensor_parallel_size={tp}) does "
+            "not keep in step across ranks yet: use auto, slots or alternate"
+        )
     from pagoda.plugins import get_registry
 
     if get_registry("spec_proposers").get(method).needs_hidden_states:
