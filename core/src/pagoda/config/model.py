@@ -192,8 +192,8 @@ class SpeculativeConfig(_Section):
         " with draft slots filled once the step in flight is read), auto (slots while fewer"
         " than 8 requests run, where a step sat out costs more than the wait; alternate from"
         " 8) or chain (every step, launched before the one in flight is read, betting that it"
-        " accepts all its drafts; a lost bet voids one step; greedy requests and history-only"
-        " proposers)",
+        " accepts all its drafts; a lost bet voids one step; greedy requests, history-only"
+        " proposers, one rank)",
     )
     adaptive: bool = Field(
         True,
