@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import tempfile
+import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.kv_offload import KVTransfers, OffloadMedium
 from pagoda.plugins import plugin_registered
 from pagoda.request import RequestStatus
+from pagoda.spec_decode import Drafts, SpeculativeProposer
 
 NUM_PREFIXES, PREFIX_LEN = 4, 192
 IDLE = {"pinned_slots": 0, "storing_slots": 0, "jobs_in_flight": 0, "requests_loading": 0}
@@ -312,4 +314,69 @@ def test_a_request_aborted_while_met_from_both_ends_leaves_no_block_or_pin_behin
     engine.add_request("s", {"prompt_token_ids": prefixes[1] + [2, 2]}, sp)
     while engine.has_unfinished_requests():
         engine.step()
+    _assert_idle(llm)
+
+
+# Prompt -> its greedy continuation without speculation, which the oracle proposer drafts.
+_ORACLE: dict[tuple[int, ...], list[int]] = {}
+
+
+class _OracleProposer(SpeculativeProposer):
+    """Drafts the continuation a plain engine produced: every draft is accepted."""
+
+    def propose(self, batch):
+        k = self.ctx.num_speculative_tokens
+        out = np.full((len(batch), k), -1, dtype=np.int64)
+        for i in range(len(batch)):
+            prompt = batch.token_ids[batch.rows[i], : batch.num_prompt_tokens[i]].tolist()
+            done = int(batch.num_tokens[i] - batch.num_prompt_tokens[i])
+            cont = _ORACLE[tuple(prompt)][done : done + k]
+            out[i, : len(cont)] = cont
+        return Drafts(out)
+
+
+@hookimpl
+def register_spec_proposers(register):
+    register("offload_oracle", _OracleProposer)
+
+
+def test_speculation_with_offload_gives_the_same_output_and_leaves_both_pools_idle(
+    tiny_model: Path,
+) -> None:
+    """Verification writes keys and values for drafts; only accepted tokens' blocks are hashed,
+    so the CPU pool stores and serves blocks written by verification steps exactly as a plain
+    engine computes them. The second round continues each first-round output, so its hits
+    include blocks of tokens that were accepted drafts."""
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = [p + [5, 7 + i] for i, p in enumerate(_prefixes())]
+
+    def workload(llm: LLM) -> list[list[int]]:
+        outs = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0] for p in first]
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        second = [p + o[:32] + [9] for p, o in zip(first, got)]
+        for p in second:
+            got.append(
+                list(
+                    llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]
+                    .outputs[0]
+                    .token_ids
+                )
+            )
+        _ORACLE.update({tuple(p): o for p, o in zip(first + second, got)})
+        return got
+
+    want = workload(_engine(tiny_model))
+    plugin = types.ModuleType("offload_oracle_proposer")
+    plugin.PAGODA_PLUGIN_API = 1
+    plugin.register_spec_proposers = register_spec_proposers
+    spec = {"method": "offload_oracle", "num_speculative_tokens": 3}
+    with plugin_registered(plugin):
+        llm = _engine(tiny_model, cpu_offload_gb=0.01, speculative_config=spec)
+        assert workload(llm) == want
+    core = llm.engine.engine_core
+    stats = core.scheduler.spec_stats_total
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0, stats
+    assert core.scheduler.offload.stats_total.loaded_blocks >= 4 * 12, (
+        core.scheduler.offload.stats_total
+    )
     _assert_idle(llm)
