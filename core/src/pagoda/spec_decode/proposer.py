@@ -258,14 +258,15 @@ def check_parallel(config: EngineConfig) -> None:
     method, tp = config.speculative.method, config.parallel.tensor_parallel_size
     if method is None or tp == 1:
         return
-    if config.speculative.async_drafts == "chain" and config.scheduler.async_scheduling:
+    from pagoda.plugins import get_registry
+    from pagoda.spec_decode.chain import chain_drafts
+
+    if chain_drafts(config):
         raise ValueError(
             "speculative.async_drafts 'chain' plans its bets on each rank from the steps that "
             f"rank has read, which tensor parallelism (parallel.tensor_parallel_size={tp}) does "
             "not keep in step across ranks yet: use auto, slots or alternate"
         )
-    from pagoda.plugins import get_registry
-
     if get_registry("spec_proposers").get(method).needs_hidden_states:
         raise ValueError(
             f"speculative.method {method!r} drafts from the target's hidden states, which "
