@@ -43,7 +43,8 @@ PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 def reference(qwen3_dir: Path):
     off = LLM(model=str(qwen3_dir), **COMMON)
     ids = [{"prompt_token_ids": p} for p in _prompts()]
-    return off, [o.outputs[0].token_ids for o in off.generate(ids, PARAMS, use_tqdm=False)]
+    yield off, [o.outputs[0].token_ids for o in off.generate(ids, PARAMS, use_tqdm=False)]
+    off.engine.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
@@ -62,6 +63,13 @@ def test_greedy_with_an_eagle_head_matches_without_on_cuda(
     ids = [{"prompt_token_ids": p} for p in prompts]
     spec = {"method": kind, "model": str(tmp_path / kind), "num_speculative_tokens": 4}
     on = LLM(model=str(qwen3_dir), **COMMON, speculative_config=spec)
+    try:
+        _check(on, off, prompts, ids, want)
+    finally:
+        on.engine.shutdown()
+
+
+def _check(on, off, prompts, ids, want) -> None:
     runner = on.engine.engine_core.executor.worker.model_runner
     got = [o.outputs[0].token_ids for o in on.generate(ids, PARAMS, use_tqdm=False)]
     assert on.engine.engine_core.scheduler.spec_stats_total.num_draft_tokens > 0

@@ -54,8 +54,18 @@ def test_greedy_with_ngram_speculation_matches_without_and_graphs_replay(qwen3_d
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     ids = [{"prompt_token_ids": p} for p in prompts]
     off = LLM(**common)
-    want = [o.outputs[0].token_ids for o in off.generate(ids, params, use_tqdm=False)]
-    on = LLM(**common, speculative_config=SPEC)
+    on = None
+    try:
+        want = [o.outputs[0].token_ids for o in off.generate(ids, params, use_tqdm=False)]
+        on = LLM(**common, speculative_config=SPEC)
+        _check(on, off, prompts, ids, params, want)
+    finally:  # the tier runs on in this process: both engines give the device back
+        off.engine.shutdown()
+        if on is not None:
+            on.engine.shutdown()
+
+
+def _check(on, off, prompts, ids, params, want) -> None:
     runner = on.engine.engine_core.executor.worker.model_runner
     assert runner.decode_graphs is not None
     got = [o.outputs[0].token_ids for o in on.generate(ids, params, use_tqdm=False)]
