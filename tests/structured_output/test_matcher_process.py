@@ -4,6 +4,7 @@ choice, sampled and unconstrained requests; the process ends with the engine."""
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -68,7 +69,12 @@ def _run(matcher_process: bool) -> tuple[list[list[int]], LLM]:
     return [list(o.outputs[0].token_ids) for o in outs], llm
 
 
-def test_matchers_in_their_own_process_give_the_same_tokens() -> None:
+def test_matchers_in_their_own_process_give_the_same_tokens(monkeypatch) -> None:
+    from pagoda.structured_output import remote as remote_mod
+
+    stops = []
+    stop = remote_mod._stop
+    monkeypatch.setattr(remote_mod, "_stop", lambda *a: (stops.append(a), stop(*a)))
     local, llm = _run(False)
     llm.engine.shutdown()
     remote, llm = _run(True)
@@ -84,6 +90,12 @@ def test_matchers_in_their_own_process_give_the_same_tokens() -> None:
     assert re.fullmatch(PHONE, text), text
     proc.join(timeout=10)
     assert not proc.is_alive()  # it ends with the engine
+    # Stopped once: the collector does not stop it again (on a GPU a second stop unregistered
+    # its pinned buffers twice, and the runtime's error surfaced at the next engine's first
+    # allocation).
+    del rows, llm
+    gc.collect()
+    assert len(stops) == 1
 
 
 def test_a_script_without_a_main_guard_runs_once(tmp_path) -> None:

@@ -145,6 +145,8 @@ class RemoteGrammarRows:
             for b in shared:
                 if cudart.cudaHostRegister(b.data_ptr(), b.numel() * b.element_size(), 0) == 0:
                     self._registered.append(b)
+                else:  # copies from it wait for the host; the device wait is off (below)
+                    _clear_cuda_error()
             from pagoda.structured_output.host_flag import device_wait_available
 
             self._device_wait = len(self._registered) == len(shared) and device_wait_available(
@@ -173,7 +175,9 @@ class RemoteGrammarRows:
         with _main_not_imported():
             self._proc.start()
         child.close()
-        weakref.finalize(self, _stop, self._conn, self._proc, list(self._registered))
+        # One stop, whichever comes first: close() or the collector (a second cudaHostUnregister
+        # of the same buffers fails, and its error would surface at the next CUDA call).
+        self._finalizer = weakref.finalize(self, _stop, self._conn, self._proc, self._registered)
 
     def _send(self, msg: tuple) -> None:
         if self._proc is None:
@@ -227,7 +231,7 @@ class RemoteGrammarRows:
 
     def close(self) -> None:
         if self._proc is not None:
-            _stop(self._conn, self._proc, self._registered)
+            self._finalizer()
             self._proc = None
 
     # ---- GrammarRows' interface ----------------------------------------------------------------
@@ -483,6 +487,19 @@ def _main_not_imported() -> Iterator[None]:
             setattr(main, k, v)
 
 
+def _clear_cuda_error() -> None:
+    """Take the error a failed CUDA runtime call left behind: the runtime keeps it for the next
+    call that checks, and torch would raise it from an unrelated allocation or launch."""
+    cudart = torch.cuda.cudart()
+    if hasattr(cudart, "cudaGetLastError"):
+        cudart.cudaGetLastError()
+        return
+    try:  # NOTE: torch's launch check reads (and so clears) the pending error
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
+
+
 def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
     try:
         conn.send(("stop",))
@@ -491,8 +508,11 @@ def _stop(conn: Any, proc: Any, registered: list[torch.Tensor]) -> None:
     proc.join(timeout=1)  # NOTE: a child still starting (an engine that never used it) is killed
     if proc.is_alive():
         proc.kill()
+    cudart = torch.cuda.cudart() if registered else None
     for b in registered:
-        torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+        if int(cudart.cudaHostUnregister(b.data_ptr())) != 0:
+            _clear_cuda_error()
+            logger.warning("structured output: a matcher buffer was not registered at stop")
     registered.clear()
 
 
