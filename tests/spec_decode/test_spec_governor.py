@@ -100,6 +100,23 @@ def test_a_workload_that_starts_to_pay_turns_drafting_back_on() -> None:
     assert sum(modes[500:]) / len(modes[500:]) > 0.95
 
 
+def test_a_batch_draining_from_where_drafting_lost_does_not_draft_by_default() -> None:
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    assert gov.drafting(40)  # the ramp-up passes through a smaller bucket, unmeasured
+    gov.observe(40, 40, clean=False)
+    _run(gov, clock, 300, 64, _host_bound)
+    assert not gov.buckets[gov.bucket_of(64)].best  # drafting lost at 64
+    # The batch drains: its last requests run plain, probing drafting only after a few epochs.
+    tail = _run(gov, clock, 30, 40, _host_bound) + _run(gov, clock, 30, 20, _host_bound)
+    assert not any(tail[:24]) and not any(tail[30:54]), tail
+    # Where drafting pays, a drained bucket still finds it.
+    assert sum(_run(gov, clock, 600, 2, _drafts_pay)[300:]) > 0.9 * 300
+    # Without a larger bucket's measurement, an unmeasured bucket drafts from its first step.
+    fresh = SpeculationGovernor(clock=FakeClock())
+    assert all(_run(fresh, fresh.clock, 12, 40, _host_bound))
+
+
 def test_prompt_steps_and_idle_gaps_are_not_measured() -> None:
     clock = FakeClock()
     gov = SpeculationGovernor(clock=clock, settle_steps=0, epoch_steps=2)

@@ -23,6 +23,12 @@ back off too: each that finds drafting still losing doubles the turnovers the ne
 every request is a turnover, and a proposer that never pays (a random draft head) would
 otherwise pay a drafting epoch on every request.
 
+A bucket that has measured nothing starts drafting (the user asked for it), unless the nearest
+larger bucket that measured both modes found drafting losing: a batch draining from a size where
+drafting lost runs plain, and probes drafting only as often as after a confirmed choice. (Its
+last requests are the ones that decide when the batch ends; drafting by default there, with
+alternating drafts sitting each drafting request out a step, added steps to the batch's end.)
+
 Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured, nor are stalls
 (a step more than ``stall`` times an epoch's median). Turning drafting
 off never changes what is sampled: the output is the same either way (lossless), only sooner or
@@ -51,6 +57,7 @@ class _Bucket:
     since_probe: int = 0
     admitted_at_probe: int = 0  # the governor's ``admitted`` when drafting was last measured
     turnovers: int = 1  # batch turnovers before drafting is probed again (see the module's note)
+    inherited: bool = False  # plain from a larger bucket: drafting's first probe waits its turn
 
 
 @dataclass(slots=True)
@@ -129,7 +136,7 @@ class SpeculationGovernor:
             return True
         b = self.bucket_of(num_running)
         if self.epoch is None or self.epoch.bucket != b:
-            self._begin(b, self._bucket(b).best)
+            self._begin(b, self._start(b))
         return self.epoch.on
 
     def observe(self, num_tokens: int, num_running: int, clean: bool = True) -> None:
@@ -166,6 +173,21 @@ class SpeculationGovernor:
             got = self.buckets[b] = _Bucket(explore_every=self.min_explore)
         return got
 
+    def _start(self, b: int) -> bool:
+        """The mode a bucket's epoch starts in: its choice, or, while it has measured nothing,
+        plain where the nearest larger bucket measured drafting losing (a batch draining from
+        where drafting lost: its laggards would otherwise draft by default, in the last steps
+        that decide when the batch ends). Drafting is then probed as after a confirmed choice."""
+        bucket = self._bucket(b)
+        if bucket.rate:
+            return bucket.best
+        larger = [k for k, v in self.buckets.items() if k > b and len(v.rate) == 2]
+        if larger and not self.buckets[min(larger)].best:
+            bucket.best, bucket.inherited = False, True
+            bucket.since_probe = 0
+            bucket.admitted_at_probe = self.admitted
+        return bucket.best
+
     def _begin(self, b: int, on: bool, turnover: bool = False) -> None:
         self.epoch = _Epoch(b, on, turnover)
         self.epochs[on] += 1
@@ -196,7 +218,8 @@ class SpeculationGovernor:
                 bucket.since_probe = 0
         bucket.best = winner
         other = not bucket.best
-        probe = other not in bucket.rate or bucket.since_probe >= bucket.explore_every
+        unmeasured = other not in bucket.rate and not bucket.inherited
+        probe = unmeasured or bucket.since_probe >= bucket.explore_every
         # NOTE: drafting pays by workload (how often drafts are right): once the batch has
         # turned over since drafting was last measured, it is measured again.
         turned_over = (
