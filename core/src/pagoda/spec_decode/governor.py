@@ -184,7 +184,6 @@ class SpeculationGovernor:
         larger = [k for k, v in self.buckets.items() if k > b and len(v.rate) == 2]
         if larger and not self.buckets[min(larger)].best:
             bucket.best, bucket.inherited = False, True
-            bucket.since_probe = 0
             bucket.admitted_at_probe = self.admitted
         return bucket.best
 
