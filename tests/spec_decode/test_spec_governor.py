@@ -68,6 +68,29 @@ def test_drafting_turns_off_where_it_does_not_pay_and_probes_ever_less() -> None
     assert gov.buckets[gov.bucket_of(64)].explore_every == gov.max_explore
 
 
+def _loses_much(on: bool) -> tuple[float, float]:
+    """Batch 64, drafts rarely right: a step with drafts costs twice a plain one."""
+    return (2.0e-3, 1.2) if on else (1.0e-3, 1.0)
+
+
+def test_probes_of_a_mode_that_loses_much_are_spaced_by_their_cost() -> None:
+    """Drafting at 60% of plain: each probe of it loses 40% of an epoch and a half, so the next
+    waits some 30 epochs (2% of the time); a near tie is probed far sooner."""
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    modes = _run(gov, clock, 400, 64, _loses_much)
+    # A drafting epoch (4 settling steps + 8), a plain one (2 + 8), then 30 plain epochs.
+    assert all(modes[:12]) and not any(modes[12:320]), modes.index(True, 12)
+    assert any(modes[320:340])
+    assert gov.buckets[gov.bucket_of(64)].explore_every >= 30
+    # Spaced by the fixed interval alone, drafting came back within a few epochs.
+    eager = SpeculationGovernor(clock=FakeClock(), probe_budget=1.0)
+    assert any(_run(eager, eager.clock, 400, 64, _loses_much)[12:80])
+    near = SpeculationGovernor(clock=FakeClock())
+    tie = _run(near, near.clock, 400, 64, lambda on: (1.02e-3, 1.0) if on else (1e-3, 1.0))
+    assert any(tie[22:80])
+
+
 def test_drafting_stays_on_where_it_pays() -> None:
     clock = FakeClock()
     gov = SpeculationGovernor(clock=clock)

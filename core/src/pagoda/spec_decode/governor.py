@@ -16,8 +16,11 @@ drafts the pipeline needs a few steps to fill), after a switch to plain steps th
 The mode with the higher rate is exploited; the other is probed for one epoch now and then, at
 intervals that double while a probe confirms the choice (up to ``max_explore`` epochs) and shrink
 back when a probe overturns it, so a workload that changes is followed and a settled one pays
-little for probing. While drafting is off, it is probed again as soon as the batch has turned
-over (as many requests admitted as are running): a new workload may draft well. Those probes
+little for probing. A probe of the losing mode costs what that mode loses, so probes are also
+spaced far enough apart that their cost stays within ``probe_budget`` of the time (a probe of a
+mode that loses 40% waits some 30 epochs; one of a near tie, a few). While drafting is off, it
+is probed again as soon as the batch has turned over (as many requests admitted as are
+running): a new workload may draft well. Those probes
 back off too: each that finds drafting still losing doubles the turnovers the next one waits for
 (up to ``max_turnovers``); one that finds it winning brings it back to every turnover. At batch 1
 every request is a turnover, and a proposer that never pays (a random draft head) would
@@ -38,6 +41,7 @@ many running requests on, unmeasured.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +98,7 @@ class SpeculationGovernor:
         min_explore: int = 3,
         max_explore: int = 32,
         max_turnovers: int = 16,
+        probe_budget: float = 0.02,
         margin: float = 0.02,
         alpha: float = 0.5,
         stall: float = 3.0,
@@ -102,12 +107,15 @@ class SpeculationGovernor:
     ) -> None:
         if epoch_steps < 1 or settle_steps < 0 or not 1 <= min_explore <= max_explore:
             raise ValueError("governor: epoch_steps >= 1, settle_steps >= 0, 1 <= min <= max")
+        if probe_budget <= 0:
+            raise ValueError("governor: probe_budget > 0")
         self.clock = clock
         self.epoch_steps = epoch_steps
         self.settle_steps = settle_steps
         self.min_explore = min_explore
         self.max_explore = max_explore
         self.max_turnovers = max_turnovers
+        self.probe_budget = probe_budget
         self.margin = margin
         self.alpha = alpha
         self.stall = stall
@@ -216,6 +224,7 @@ class SpeculationGovernor:
                 bucket.turnovers = 1
                 bucket.since_probe = 0
         bucket.best = winner
+        bucket.explore_every = max(bucket.explore_every, self._spacing(bucket))
         other = not bucket.best
         unmeasured = other not in bucket.rate and not bucket.inherited
         probe = unmeasured or bucket.since_probe >= bucket.explore_every
@@ -226,6 +235,17 @@ class SpeculationGovernor:
         )
         by_turnover = not probe and other and turned_over and bucket.since_probe >= 1
         self._begin(epoch.bucket, other if probe or by_turnover else bucket.best, by_turnover)
+
+    def _spacing(self, bucket: _Bucket) -> int:
+        """The fewest exploit epochs between probes for which a probe's cost (its epoch, settling
+        steps included, at the losing mode's rate) stays within ``probe_budget`` of the time."""
+        best, other = bucket.rate.get(bucket.best), bucket.rate.get(not bucket.best)
+        if best is None or other is None or best <= 0:
+            return self.min_explore
+        loss = max(0.0, 1.0 - other / best)  # the fraction of a probe's time it loses
+        probe = (self.epoch_steps + self.settle_steps) / self.epoch_steps  # in exploit epochs
+        epochs = math.ceil(probe * loss / self.probe_budget)
+        return min(self.max_explore, max(self.min_explore, epochs))
 
     def _winner(self, bucket: _Bucket) -> bool:
         """The mode with the higher rate; the current choice keeps ties within ``margin``."""
