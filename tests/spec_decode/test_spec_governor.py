@@ -74,21 +74,41 @@ def _loses_much(on: bool) -> tuple[float, float]:
 
 
 def test_probes_of_a_mode_that_loses_much_are_spaced_by_their_cost() -> None:
-    """Drafting at 60% of plain: each probe of it loses 40% of an epoch and a half, so the next
-    waits some 30 epochs (2% of the time); a near tie is probed far sooner."""
+    """Drafting at 60% of plain: each probe of it loses 40% of an epoch and a half, so once both
+    modes were measured twice the next probe waits some 30 epochs (2% of the time); a near tie
+    is probed far sooner."""
     clock = FakeClock()
     gov = SpeculationGovernor(clock=clock)
-    modes = _run(gov, clock, 400, 64, _loses_much)
-    # A drafting epoch (4 settling steps + 8), a plain one (2 + 8), then 30 plain epochs.
-    assert all(modes[:12]) and not any(modes[12:320]), modes.index(True, 12)
-    assert any(modes[320:340])
+    modes = _run(gov, clock, 450, 64, _loses_much)
+    # A drafting epoch (4 settling steps + 8), a plain probe (2 + 8), three plain epochs, a
+    # drafting probe that confirms the choice, then 30 plain epochs.
+    assert all(modes[:12]) and not any(modes[12:52]) and all(modes[52:64])
+    assert not any(modes[64:360]) and any(modes[360:380]), modes.index(True, 64)
     assert gov.buckets[gov.bucket_of(64)].explore_every >= 30
     # Spaced by the fixed interval alone, drafting came back within a few epochs.
     eager = SpeculationGovernor(clock=FakeClock(), probe_budget=1.0)
-    assert any(_run(eager, eager.clock, 400, 64, _loses_much)[12:80])
+    assert any(_run(eager, eager.clock, 450, 64, _loses_much)[64:200])
     near = SpeculationGovernor(clock=FakeClock())
-    tie = _run(near, near.clock, 400, 64, lambda on: (1.02e-3, 1.0) if on else (1e-3, 1.0))
-    assert any(tie[22:80])
+    tie = _run(near, near.clock, 450, 64, lambda on: (1.02e-3, 1.0) if on else (1e-3, 1.0))
+    assert any(tie[64:200])
+
+
+def test_one_slow_epoch_does_not_hold_a_wrong_choice() -> None:
+    """The first plain probe runs while the host is busy elsewhere (every step three times
+    slower): drafting, which loses, is kept, but plain is probed again within a few epochs
+    and wins; the slow epoch did not space the probes out."""
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    steps = {"n": 0}
+
+    def busy_early(on: bool) -> tuple[float, float]:
+        steps["n"] += 1
+        seconds, tokens = _loses_much(on)
+        return (seconds * 3 if 12 < steps["n"] <= 22 else seconds), tokens
+
+    modes = _run(gov, clock, 400, 64, busy_early)
+    assert all(modes[:12]) and not any(modes[12:22]) and all(modes[22:34])  # drafting kept
+    assert not any(modes[200:]), modes.index(True, 200)
 
 
 def test_drafting_stays_on_where_it_pays() -> None:

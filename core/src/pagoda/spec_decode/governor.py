@@ -18,7 +18,8 @@ intervals that double while a probe confirms the choice (up to ``max_explore`` e
 back when a probe overturns it, so a workload that changes is followed and a settled one pays
 little for probing. A probe of the losing mode costs what that mode loses, so probes are also
 spaced far enough apart that their cost stays within ``probe_budget`` of the time (a probe of a
-mode that loses 40% waits some 30 epochs; one of a near tie, a few). While drafting is off, it
+mode that loses 40% waits some 30 epochs; one of a near tie, a few), once each mode has been
+measured twice. While drafting is off, it
 is probed again as soon as the batch has turned over (as many requests admitted as are
 running): a new workload may draft well. Those probes
 back off too: each that finds drafting still losing doubles the turnovers the next one waits for
@@ -56,6 +57,7 @@ class _Bucket:
     """What is known about one batch-size bucket."""
 
     rate: dict[bool, float] = field(default_factory=dict)  # mode -> tokens/s a request (EMA)
+    epochs: dict[bool, int] = field(default_factory=dict)  # mode -> epochs measured
     best: bool = True  # drafting on until measured otherwise: the user asked for it
     explore_every: int = 0  # exploit epochs between probes of the other mode
     since_probe: int = 0
@@ -206,6 +208,7 @@ class SpeculationGovernor:
         rate = epoch.rate(self.stall)
         old = bucket.rate.get(epoch.on)
         bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
+        bucket.epochs[epoch.on] = bucket.epochs.get(epoch.on, 0) + 1
         probed = epoch.on != bucket.best
         winner = self._winner(bucket)
         if probed:
@@ -238,9 +241,13 @@ class SpeculationGovernor:
 
     def _spacing(self, bucket: _Bucket) -> int:
         """The fewest exploit epochs between probes for which a probe's cost (its epoch, settling
-        steps included, at the losing mode's rate) stays within ``probe_budget`` of the time."""
-        best, other = bucket.rate.get(bucket.best), bucket.rate.get(not bucket.best)
-        if best is None or other is None or best <= 0:
+        steps included, at the losing mode's rate) stays within ``probe_budget`` of the time.
+        Only once each mode was measured twice: one epoch that ran slow for reasons of its own
+        (the host busy elsewhere) must not hold a wrong choice for dozens of epochs."""
+        if min(bucket.epochs.get(True, 0), bucket.epochs.get(False, 0)) < 2:
+            return self.min_explore
+        best, other = bucket.rate[bucket.best], bucket.rate[not bucket.best]
+        if best <= 0:
             return self.min_explore
         loss = max(0.0, 1.0 - other / best)  # the fraction of a probe's time it loses
         probe = (self.epoch_steps + self.settle_steps) / self.epoch_steps  # in exploit epochs
