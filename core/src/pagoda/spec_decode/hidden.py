@@ -55,6 +55,12 @@ def _decoder_layers(model: torch.nn.Module) -> tuple[list[torch.nn.Module], torc
 
 
 class HiddenFeed:
+    #: Positions a request keeps while drafting is off (``hold(bounded=True)``): older ones
+    #: are dropped, and the proposer's next catch-up starts after them (a draft head then
+    #: attends to what its cache held there). A bound on the memory a long stretch of plain
+    #: steps would otherwise hold (each kept row also keeps its step's rows alive).
+    max_hold = 64
+
     def __init__(self, runner: ModelRunner, proposer: SpeculativeProposer) -> None:
         self.layers = tuple(proposer.hidden_state_layers)
         self.device = runner.device
@@ -112,6 +118,8 @@ class HiddenFeed:
             index = tok_req * padded_q + (np.arange(total) - qsl[tok_req])
             rows = self.buf[self._as_device(index)]
         out.hidden_feed = (rows, qsl.copy(), starts.copy())
+        if len(sample_idx) == len(req_ids):  # every request sampled (decoding)
+            return
         sampled = np.zeros(len(req_ids), dtype=bool)
         sampled[sample_idx] = True
         for i in np.flatnonzero(~sampled).tolist():  # chunks of prompts still prefilling
@@ -162,16 +170,35 @@ class HiddenFeed:
             loc[j + 1] = loc[j] + len(joined)
         return torch.cat(parts), loc
 
-    def hold(self, step: StepOutput, keep: np.ndarray, num_tokens: np.ndarray) -> None:
+    def hold(
+        self, step: StepOutput, keep: np.ndarray, num_tokens: np.ndarray, bounded: bool = False
+    ) -> None:
         """Keep the rows of the sampling requests ``step.sample_idx[keep]`` (which now know
-        ``num_tokens`` tokens) for a later ``take``: their proposer was not asked this step."""
+        ``num_tokens`` tokens) for a later ``take``: their proposer was not asked this step.
+        ``bounded``: at most the last ``max_hold`` positions of each request stay."""
         rows, qsl, starts = step.hidden_feed
-        idx = step.sample_idx[keep]
-        first = starts[idx]
-        m = np.clip(num_tokens - 1 - first, 0, np.diff(qsl)[idx])
-        for j, i in enumerate(idx.tolist()):
-            own = rows[qsl[i] : qsl[i] + m[j]]
-            self._keep(step.req_ids[i], int(first[j]), own)
+        for i, n in zip(step.sample_idx[keep].tolist(), num_tokens.tolist()):
+            lo, first = int(qsl[i]), int(starts[i])
+            m = min(max(n - 1 - first, 0), int(qsl[i + 1]) - lo)
+            req_id = step.req_ids[i]
+            self._keep(req_id, first, rows[lo : lo + m])
+            if bounded:
+                self._trim(req_id)
+
+    def _trim(self, req_id: str) -> None:
+        """Drop a request's oldest pending rows beyond ``max_hold``."""
+        first, kept, n = self.pending[req_id]
+        excess = n - self.max_hold
+        if excess <= 0:
+            return
+        while excess >= len(kept[0]):
+            excess -= len(kept[0])
+            first, n = first + len(kept[0]), n - len(kept[0])
+            kept = kept[1:]
+        if excess:
+            kept = [kept[0][excess:], *kept[1:]]
+            first, n = first + excess, n - excess
+        self.pending[req_id] = (first, kept, n)
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:

@@ -258,11 +258,14 @@ def _draft_probs(
     return q
 
 
-def propose_after(runner: ModelRunner, step: StepOutput, output: ModelRunnerOutput) -> None:
+def propose_after(
+    runner: ModelRunner, step: StepOutput, output: ModelRunnerOutput, draft: bool = True
+) -> None:
     """Ask the proposer for drafts for the requests that sampled in ``step`` (still running
-    in the same row), now that their tokens are on the host; they go out in ``output``."""
+    in the same row), now that their tokens are on the host; they go out in ``output``.
+    ``draft=False`` (drafting off): only keep their hidden states for a later draft."""
     runner._proposals = output.draft_token_ids  # NOTE: only the latest step's drafts are fresh
-    propose(runner, step, output.draft_token_ids)
+    propose(runner, step, output.draft_token_ids, draft=draft)
 
 
 def propose(
@@ -270,43 +273,47 @@ def propose(
     step: StepOutput,
     into: dict[str, list[int]],
     slots: dict[str, int] | None = None,
+    draft: bool = True,
 ) -> None:
     """Drafts for the requests that sampled in ``step`` (read already), by request id into
     ``into``; with ``slots`` (request id -> draft slots of the next step) only for those, at
-    most that many each."""
+    most that many each. ``draft=False``: the proposer is not asked (drafting is off; its
+    drafts would be scheduled nowhere), and the hidden states it reads wait in the feed, the
+    most recent ``HiddenFeed.max_hold`` positions of each request."""
     proposer = runner.proposer
     ib = runner.input_batch
     if proposer is None or step.num_emitted is None or not len(step.sample_idx):
         return
+    # NOTE: plain Python over the step's sampling requests: this runs after every step, and
+    # at a small batch a dozen numpy calls on arrays of one element cost more than the loop.
     req_ids = [step.req_ids[i] for i in step.sample_idx.tolist()]
-    owned = np.fromiter(
-        (ib.row_of.get(r, -1) == row for r, row in zip(req_ids, step.sample_rows.tolist())),
-        dtype=bool,
-        count=len(req_ids),
-    )
-    num_tokens = step.sample_pos + step.num_emitted
+    n_tok = (step.sample_pos + step.num_emitted).tolist()
     k = runner.config.speculative.num_speculative_tokens
-    max_drafts = np.minimum(k, runner.max_model_len - num_tokens)
-    if slots is not None:
-        max_drafts = np.minimum(
-            max_drafts, np.fromiter((slots.get(r, 0) for r in req_ids), np.int64, len(req_ids))
-        )
-    ok = owned & (max_drafts >= 1)
+    room, row_of = runner.max_model_len, ib.row_of
+    most, ok_l = [], []
+    for r, row, n in zip(req_ids, step.sample_rows.tolist(), n_tok):
+        m = min(k, room - n) if slots is None else min(k, room - n, slots.get(r, 0))
+        most.append(m)
+        ok_l.append(m >= 1 and row_of.get(r, -1) == row)
     feed = runner.hidden_feed if step.hidden_feed is not None else None
+    if not draft:
+        if feed is not None and any(ok_l):
+            keep = np.flatnonzero(ok_l)
+            feed.hold(step, keep, np.asarray(n_tok)[keep], bounded=True)
+        return
     resume = getattr(proposer, "resume_at", None)
     if resume:  # requests that draft nothing yet are not asked; their hidden states wait
-        waiting = ok & np.fromiter(
-            (n < resume.get(r, 0) for r, n in zip(req_ids, num_tokens.tolist())),
-            dtype=bool,
-            count=len(req_ids),
-        )
-        if waiting.any():
-            ok &= ~waiting
+        waiting = [o and n < resume.get(r, 0) for o, r, n in zip(ok_l, req_ids, n_tok)]
+        if any(waiting):
+            ok_l = [o and not w for o, w in zip(ok_l, waiting)]
             if feed is not None:
-                feed.hold(step, np.flatnonzero(waiting), num_tokens[waiting])
-    keep = np.flatnonzero(ok)
-    if not len(keep):
+                held = np.flatnonzero(waiting)
+                feed.hold(step, held, np.asarray(n_tok)[held])
+    if not any(ok_l):
         return
+    keep = np.flatnonzero(ok_l)
+    num_tokens = np.asarray(n_tok, dtype=np.int64)
+    max_drafts = np.asarray(most, dtype=np.int64)
     rows = step.sample_rows[keep]
     hidden = step.proposer_hidden
     new_hidden = loc = None

@@ -472,7 +472,7 @@ class ModelRunner:
             # is not asked: its drafts would not be scheduled. A step that alternates
             # (``inflight.alternate_from``) proposes here even where slots are filled at launch.
             if so.propose_drafts or self.proposer.needs_hidden_states:
-                out.on_output = self._propose
+                out.on_output = self._propose if so.propose_drafts else self._hold_hidden
         self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if out.pending is None:
@@ -589,6 +589,10 @@ class ModelRunner:
     def _propose(self, step: StepOutput, output: ModelRunnerOutput) -> None:
         """Once a step's output is on the host: the proposer's drafts for the next step."""
         propose_after(self, step, output)
+
+    def _hold_hidden(self, step: StepOutput, output: ModelRunnerOutput) -> None:
+        """Drafting is off (the governor): the proposer is not asked, its hidden states wait."""
+        propose_after(self, step, output, draft=False)
 
     def _prompt_logprobs(
         self,

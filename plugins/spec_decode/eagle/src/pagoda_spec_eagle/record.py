@@ -206,7 +206,12 @@ def generate_and_record(
     from pagoda.testing import plugin_registered
 
     args = {**engine_args, "enable_prefix_caching": False}
-    args["speculative_config"] = {"method": RECORDER, "num_speculative_tokens": 1}
+    # NOTE: no governor: with drafting off the recorder would not be called (every step counts).
+    args["speculative_config"] = {
+        "method": RECORDER,
+        "num_speculative_tokens": 1,
+        "adaptive": False,
+    }
     with plugin_registered(_RecorderPlugin(), "pagoda-eagle3-recorder"):
         llm = LLM(**args)
         room = int(engine_args.get("max_model_len") or 2048) - max_tokens - 8
