@@ -1,0 +1,138 @@
+"""Where a draft head's host time goes at batch 1: tokens/s without speculation and with a
+random EAGLE-3 head (nothing accepted), governed and not, and the host seconds spent in the
+speculation path's functions (wrapped timers, no profiler, so the steps keep their pace).
+
+    python benchmarks/eagle_host_time.py [--model benchmarks/configs/smollm2-135m]
+        [--variants none,gov,nogov] [--device cuda]
+
+The model is a config folder (random weights, cached) or a checkpoint. A random head drafts
+nothing that is accepted, so what it costs is the proposer's bookkeeping, its catch-up drafts
+and the waits its verification steps add.
+"""
+
+import argparse
+import collections
+import functools
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pagoda_spec_eagle.proposer as ep
+import torch
+from pagoda_spec_eagle.checkpoint import llama_head_config, random_head_weights, write_head
+
+import pagoda.spec_decode.hidden as hd
+import pagoda.spec_decode.verify as vf
+import pagoda.worker.model_runner as mr
+import pagoda.worker.step_output as so_mod
+from pagoda import LLM, SamplingParams
+from pagoda.bench.random_weights import ensure_random_weights
+
+T = collections.defaultdict(float)
+N = collections.Counter()
+
+
+def wrap(owner, name, label):
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def w(*a, **k):
+        t = time.perf_counter()
+        try:
+            r = f(*a, **k)
+            if label == "must_read_last" and r:
+                N["must_read_true"] += 1
+            return r
+        finally:
+            T[label] += time.perf_counter() - t
+            N[label] += 1
+
+    setattr(owner, name, w)
+
+
+wrap(vf, "propose", "verify.propose")
+wrap(mr, "must_read_last", "must_read_last")
+wrap(mr, "propose_for_slots", "propose_for_slots")
+wrap(mr, "fill_draft_slots", "fill_draft_slots")
+wrap(hd.HiddenFeed, "record", "hidden.record")
+wrap(hd.HiddenFeed, "hold", "hidden.hold")
+wrap(hd.HiddenFeed, "take", "hidden.take")
+wrap(ep.EagleProposer, "propose", "eagle.propose")
+wrap(ep.EagleProposer, "draft_after_verify", "eagle.draft_after_verify")
+wrap(mr.ModelRunner, "launch", "runner.launch")
+wrap(mr.ModelRunner, "_read_unread", "runner.read_unread")
+wrap(so_mod.StepOutput, "get", "step.get")
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "smollm2-135m"))
+ap.add_argument("--variants", default="none,gov,nogov")
+ap.add_argument("--device", default="cuda")
+args = ap.parse_args()
+dev = torch.device(args.device)
+if (Path(args.model) / "config.json").exists() and not any(Path(args.model).glob("*.safetensors")):
+    folder, _ = ensure_random_weights(Path(args.model), 0, dev)
+else:
+    folder = args.model
+cfg = json.loads((Path(folder) / "config.json").read_text())
+hdir = Path(tempfile.mkdtemp())
+rnd = llama_head_config(
+    "eagle3",
+    cfg["hidden_size"],
+    cfg["intermediate_size"],
+    cfg["num_attention_heads"],
+    cfg["num_key_value_heads"],
+    cfg["vocab_size"],
+    draft_vocab_size=min(8192, cfg["vocab_size"] // 2),
+)
+write_head(hdir, rnd, random_head_weights(rnd, seed=1))
+base = dict(
+    model=str(folder),
+    dtype="bfloat16" if dev.type == "cuda" else "float32",
+    device=args.device,
+    max_model_len=min(1024, cfg.get("max_position_embeddings", 1024)),
+    max_num_seqs=4,
+    kv_cache_memory_bytes=1 << 30,
+    enable_prefix_caching=False,
+)
+spec = {"method": "eagle3", "num_speculative_tokens": 4, "model": str(hdir)}
+variants = args.variants.split(",")
+specs = {"none": None, "gov": spec, "nogov": {**spec, "adaptive": False}, "gov_nobehind": spec}
+engines = {}
+for v in variants:
+    kw = dict(base)
+    if specs[v]:
+        kw["speculative_config"] = specs[v]
+    engines[v] = LLM(**kw)
+    if v == "gov_nobehind":
+        engines[v].engine.engine_core.executor.worker.model_runner.proposer.draft_behind = False
+rng = np.random.default_rng(0)
+prompts = [
+    {"prompt_token_ids": rng.integers(10, min(40000, cfg["vocab_size"]), 300).tolist()}
+    for _ in range(10)
+]
+params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+for llm in engines.values():
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+secs = collections.Counter()
+stats = {}
+for v, llm in engines.items():
+    T.clear()
+    N.clear()
+    sched = llm.engine.engine_core.scheduler
+    st = sched.spec_stats_total
+    d0 = st.num_drafts
+    t0 = time.perf_counter()
+    for p in prompts:
+        llm.generate([p], params, use_tqdm=False)
+    secs[v] = time.perf_counter() - t0
+    gov = sched.spec_governor
+    epochs = gov.epochs if gov else None
+    print(f"{v:14s} {1600 / secs[v]:7.0f} tok/s  drafts {st.num_drafts - d0}  epochs {epochs}")
+    for k in sorted(T, key=lambda k: -T[k]):
+        per = T[k] / max(N[k], 1) * 1e6
+        print(f"    {k:28s} {T[k] * 1e3:8.1f} ms  calls {N[k]:6d}  per call {per:7.1f} us")
+    if N["must_read_true"]:
+        print("    must_read_last true:", N["must_read_true"])
+print({v: round(secs["none"] / secs[v], 3) for v in secs})
