@@ -3,8 +3,10 @@
 The model (benchmarks/configs/tiny-llama) computes almost nothing, so the time per step is mostly
 what the host does for every request: scheduling, preparing the batch, sampling bookkeeping,
 detokenizing and building outputs. On a GPU this work overlaps the device's step; once it takes
-longer than the device, it sets the pace (small models at large batches). ``--compare`` also runs
-the Python detokenizer window in place of tokenizers' ``DecodeStream``.
+longer than the device, it sets the pace (small models at large batches). Each row also says how
+long the garbage collector ran a step; the ``gc_tuned`` row runs with the collector tuned as the
+engine-core process runs it (``pagoda.engine.gc_tuning``). ``--compare`` also runs the Python
+detokenizer window in place of tokenizers' ``DecodeStream``.
 
     python benchmarks/host_overhead.py [--requests 256] [--output-len 64] [--compare]
 """
@@ -12,6 +14,7 @@ the Python detokenizer window in place of tokenizers' ``DecodeStream``.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from pathlib import Path
 
@@ -22,18 +25,42 @@ import pagoda.engine.detokenizer as detokenizer
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
+from pagoda.engine.gc_tuning import tuned_gc
 
 CONFIG = Path(__file__).parent / "configs" / "tiny-llama"
 
 
-def _ms_per_step(llm: LLM, prompts: list[dict], params: SamplingParams, repeats: int) -> float:
+class _GCClock:
+    """Seconds inside the garbage collector (its start and stop callbacks) and collections."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.collections += 1
+
+
+def _ms_per_step(
+    llm: LLM, prompts: list[dict], params: SamplingParams, repeats: int
+) -> tuple[float, float, float]:
+    """Best wall time a step, and the collector's time and collections a step (all runs)."""
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        best = min(best, time.perf_counter() - start)
-    return best / params.max_tokens * 1e3
+    clock = _GCClock()
+    gc.callbacks.append(clock)
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        gc.callbacks.remove(clock)
+    steps = params.max_tokens * repeats
+    return best / params.max_tokens * 1e3, clock.seconds / steps * 1e3, clock.collections / steps
 
 
 def main() -> None:
@@ -61,6 +88,8 @@ def main() -> None:
     ]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     rows = {"decode_stream": _ms_per_step(llm, prompts, params, args.repeats)}
+    with tuned_gc():  # as the engine-core process of `pagoda serve` runs
+        rows["decode_stream_gc_tuned"] = _ms_per_step(llm, prompts, params, args.repeats)
     if args.compare:
         stream = detokenizer.DecodeStream
         detokenizer.DecodeStream = None  # new requests decode their window in Python
@@ -77,13 +106,18 @@ def main() -> None:
         "output_len": args.output_len,
         "hardware": hardware(torch.device("cpu")),
         "commit": commit(),
-        "ms_per_step": {k: round(v, 3) for k, v in rows.items()},
+        "ms_per_step": {k: round(v[0], 3) for k, v in rows.items()},
+        "gc_ms_per_step": {k: round(v[1], 3) for k, v in rows.items()},
+        "gc_collections_per_step": {k: round(v[2], 2) for k, v in rows.items()},
     }
     name = f"host-overhead-r{args.requests}-cpu-{report['commit']}"
     path = save_report(report, name, args.output_json)
     print(f"{args.requests} requests on a tiny model, {report['hardware']}:")
-    for name, ms in rows.items():
-        print(f"  {name:<14}{ms:8.2f} ms a step (best of {args.repeats})")
+    for name, (ms, gc_ms, n) in rows.items():
+        print(
+            f"  {name:<24}{ms:8.2f} ms a step (best of {args.repeats}), in the collector"
+            f" {gc_ms:.2f} ms a step ({n:.1f} collections)"
+        )
     print(f"results: {path}")
 
 

@@ -56,6 +56,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     encoder = wire.Encoder()
     try:
         from pagoda.engine.core import EngineCore
+        from pagoda.engine.gc_tuning import tune_gc
         from pagoda.engine.model_info import ModelInfo
 
         info = ModelInfo.from_config(config)
@@ -63,6 +64,7 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
         stats = _StatsTracker()
         register_plugin(stats, "pagoda-engine-stats")
         core = EngineCore(config, info)
+        tune_gc()  # this process runs the engine for the rest of its life
     except Exception:
         out_sock.send(encoder.encode(wire.EngineFailed(traceback.format_exc())))
         ctx.destroy(linger=5000)
