@@ -132,6 +132,9 @@ class WorkerProc:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
+        from pagoda.engine.gc_tuning import tune_gc
+
+        tune_gc()  # the last step of start-up; this process serves one engine to its end
 
     def startup_times(self) -> dict[str, float]:
         return dict(self.worker.model_runner.startup_times)

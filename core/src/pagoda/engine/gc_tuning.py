@@ -8,7 +8,7 @@ sets the pace for a small model (`benchmarks/host_overhead.py`: 256 requests on 
 10.9 - 13.7 ms a step with the collector as Python sets it, 8.1 - 8.9 ms tuned).
 
 :func:`tune_gc` is for a process that runs one engine for the rest of its life (the engine-core
-process of ``pagoda serve`` and ``AsyncLLM``): it collects once, freezes what is alive (the
+process of ``pagoda serve`` and ``AsyncLLM``, a tensor-parallel worker process): it collects once, freezes what is alive (the
 collector never walks it again) and lets the youngest generation grow to ``gen0`` objects before
 it is collected. :func:`tuned_gc` does the same for a while and undoes it, for a process that
 goes on to other work (a benchmark). An engine built by ``LLM(...)`` in a user's process leaves
