@@ -19,10 +19,9 @@ back when a probe overturns it, so a workload that changes is followed and a set
 little for probing. A probe of the losing mode costs what that mode loses, so probes are also
 spaced far enough apart that their cost stays within ``probe_budget`` of the time (a probe of a
 mode that loses 40% waits some 30 epochs; one of a near tie, a few), once each mode has been
-measured twice. While drafting is off, it
-is probed again as soon as the batch has turned over (as many requests admitted as are
-running): a new workload may draft well. Those probes
-back off too: each that finds drafting still losing doubles the turnovers the next one waits for
+measured twice. While drafting is off, it is probed again as soon as the batch has turned over
+(as many requests admitted as are running): a new workload may draft well. Those probes back
+off too: each that finds drafting still losing doubles the turnovers the next one waits for
 (up to ``max_turnovers``); one that finds it winning brings it back to every turnover. At batch 1
 every request is a turnover, and a proposer that never pays (a random draft head) would
 otherwise pay a drafting epoch on every request.

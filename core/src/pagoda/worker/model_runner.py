@@ -468,9 +468,10 @@ class ModelRunner:
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None and (not self._propose_in_launch or so.alternate_drafts):
-            # NOTE: with drafting off (the governor), a proposer that reads only token history
-            # is not asked: its drafts would not be scheduled. A step that alternates
-            # (``inflight.alternate_from``) proposes here even where slots are filled at launch.
+            # NOTE: with drafting off (the governor) the proposer is not asked: its drafts would
+            # not be scheduled; one that reads hidden states has them kept for its next call. A
+            # step that alternates (``inflight.alternate_from``) proposes here even where slots
+            # are filled at launch.
             if so.propose_drafts or self.proposer.needs_hidden_states:
                 out.on_output = self._propose if so.propose_drafts else self._hold_hidden
         self._last_step = out
