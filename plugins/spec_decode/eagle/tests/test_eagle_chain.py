@@ -53,7 +53,8 @@ def test_fixed_shape_draft_matches_the_eager_draft(tmp_path: Path) -> None:
         rng = np.random.default_rng(0)
         hist = [rng.integers(0, 512, n).tolist() for n in (40, 17, 90)]
         rows = [4, 0, 7]
-        # A prompt each (eager on both), then decoding steps of 1 to k + 1 new rows.
+        # A prompt each (on the fast one: its older rows eagerly, the last k + 1 and the draft
+        # in the fixed shape), then decoding steps of 1 to k + 1 new rows.
         first = _batch(hist, rows, [len(h) - 1 for h in hist], width, k)
         assert np.array_equal(fast.propose(first).token_ids, eager.propose(first).token_ids)
         # (Two steps: random drafts miss, and a third miss in a row would pause the requests.)
@@ -62,4 +63,34 @@ def test_fixed_shape_draft_matches_the_eager_draft(tmp_path: Path) -> None:
             batch = _batch(hist, rows, m, width, k)
             got, want = fast.propose(batch).token_ids, eager.propose(batch).token_ids
             assert np.array_equal(got, want), (kind, step, got, want)
-        assert fast.chain.runs == 2 and (eager.chain is None)
+        assert fast.chain.runs == 3 and (eager.chain is None)
+
+
+def test_a_catch_up_longer_than_the_chain_drafts_as_the_eager_draft(tmp_path: Path) -> None:
+    """After a pause a request catches up on more rows than the fixed shape holds: the older
+    ones are written eagerly, the rest drafts in the fixed shape, and the drafts are the eager
+    path's, for requests with short and long catch-ups in one batch."""
+    k = 3
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 512, draft_vocab=256, std=0.5)
+    cfg = SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=k)
+    proposers = []
+    for _ in range(2):
+        ctx = make_context(cfg)
+        p = Eagle3Proposer(ctx)
+        p.bind_target(tiny_target(ctx))
+        proposers.append(p)
+    fast, eager = proposers
+    eager.chain = None
+    width = 64 * len(fast.hidden_state_layers)
+    rng = np.random.default_rng(1)
+    hist = [rng.integers(0, 512, n).tolist() for n in (30, 12, 55)]
+    rows = [2, 5, 1]
+    first = _batch(hist, rows, [len(h) - 1 for h in hist], width, k)
+    assert np.array_equal(fast.propose(first).token_ids, eager.propose(first).token_ids)
+    m = [9, 1, 14]  # more than k + 1 = 4 rows for two of the three
+    hist = [h + rng.integers(0, 512, n).tolist() for h, n in zip(hist, m)]
+    batch = _batch(hist, rows, m, width, k)
+    got, want = fast.propose(batch).token_ids, eager.propose(batch).token_ids
+    assert np.array_equal(got, want), (got, want)
+    assert (got >= 0).all()  # every request drafted k tokens
+    assert fast.chain.runs == 2

@@ -285,6 +285,33 @@ class EagleProposer(SpeculativeProposer):
         for j, i in enumerate(keep):
             self._ahead[batch.req_ids[i]] = (host, j, int(first[j]))
 
+    def _catch_up_head(
+        self,
+        tables: np.ndarray,
+        first: np.ndarray,
+        m: np.ndarray,
+        tail: np.ndarray,
+        qsl: np.ndarray,
+        positions: np.ndarray,
+        ids: np.ndarray,
+        target_hidden: torch.Tensor,
+    ) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """Write the head's keys and values for each request's rows but its last ``tail``
+        (one eager forward over them); the last rows' ``(ids, first, target_hidden)``."""
+        head = m - tail
+        row = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], m)  # index within its request
+        in_head = row < np.repeat(head, m)
+        h_idx, t_idx = np.flatnonzero(in_head), np.flatnonzero(~in_head)
+        some = np.flatnonzero(head)
+        h_qsl = np.zeros(len(some) + 1, dtype=np.int64)
+        np.cumsum(head[some], out=h_qsl[1:])
+        hidden = self.head.combine(target_hidden[self._put(h_idx)].to(self.ctx.dtype))
+        self._run(
+            tables[some], positions[h_idx], h_qsl, first[some] + head[some],
+            self._put(ids[h_idx]), hidden,
+        )  # fmt: skip
+        return ids[t_idx], first + head, target_hidden[self._put(t_idx)]
+
     def _draft(
         self,
         batch: ProposalBatch,
@@ -306,9 +333,18 @@ class EagleProposer(SpeculativeProposer):
         # Catch-up positions, then chain positions num_tokens - 1 .. num_tokens + steps - 3.
         tables = self._tables(rows, int(num_tokens.max()) + steps)
         chain = self.chain
-        if chain is not None and steps == self.k and chain.fits(len(sel), m_sel, tables.shape[1]):
-            b = chain.load(tables, first, m_sel, ids, target_hidden)
-            return chain.run(b)[: len(sel)].cpu().numpy()
+        if chain is not None and steps == self.k:
+            # NOTE: a catch-up longer than the chain takes (a prompt, a pause) writes its older
+            # rows' keys and values eagerly, then the fixed-shape draft takes the last q rows
+            # and drafts: one eager forward and one replay, not k eager forwards.
+            tail = np.minimum(m_sel, chain.q)
+            if chain.fits(len(sel), tail, tables.shape[1]):
+                if (tail < m_sel).any():
+                    ids, first, target_hidden = self._catch_up_head(
+                        tables, first, m_sel, tail, qsl, positions, ids, target_hidden
+                    )
+                b = chain.load(tables, first, tail, ids, target_hidden)
+                return chain.run(b)[: len(sel)].cpu().numpy()
         hidden = self.head.combine(target_hidden.to(self.ctx.dtype))
         tokens = self._put(ids)
         h, lm_in = self._run(tables, positions, qsl, num_tokens - 1, tokens, hidden)
