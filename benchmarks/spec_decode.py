@@ -334,6 +334,17 @@ def main() -> None:
                 }
                 for b, st in sorted(gov.buckets.items())
             },
+            # Each epoch measured: its bucket's batch sizes, mode, rate, median step.
+            "history": [
+                {
+                    "batch": f"{1 << (b - 1)}-{(1 << b) - 1}",
+                    "drafting": on,
+                    "tok_s_per_request": round(rate, 1),
+                    "median_step_ms": round(median * 1e3, 3),
+                    "steps": n,
+                }
+                for b, on, rate, median, n in gov.history
+            ],
         }
     model, where = report_slugs(report, runner)
     name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"

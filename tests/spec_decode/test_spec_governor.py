@@ -66,6 +66,11 @@ def test_drafting_turns_off_where_it_does_not_pay_and_probes_ever_less() -> None
     late = modes[500:]
     assert sum(late) / len(late) < 0.05, sum(late)
     assert gov.buckets[gov.bucket_of(64)].explore_every == gov.max_explore
+    # Each epoch is on record: bucket, mode, rate a request, median step, steps measured.
+    first, second = list(gov.history)[:2]
+    b = gov.bucket_of(64)
+    assert first == (b, True, pytest.approx(70 / 64 / 1.2e-3), pytest.approx(1.2e-3), 8)
+    assert second == (b, False, pytest.approx(1 / 1e-3), pytest.approx(1e-3), 8)
 
 
 def _loses_much(on: bool) -> tuple[float, float]:

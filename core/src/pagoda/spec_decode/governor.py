@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -131,6 +132,9 @@ class SpeculationGovernor:
         self._running = 0
         # Epochs run in each mode (for reports and tests).
         self.epochs = {True: 0, False: 0}
+        # The last epochs measured, oldest first: (bucket, drafting, tokens/s a request, median
+        # step seconds, steps kept), for reports (``benchmarks/spec_decode.py``).
+        self.history: deque[tuple[int, bool, float, float, int]] = deque(maxlen=512)
 
     @staticmethod
     def bucket_of(num_running: int) -> int:
@@ -205,6 +209,8 @@ class SpeculationGovernor:
     def _end(self, epoch: _Epoch) -> None:
         bucket = self._bucket(epoch.bucket)
         rate = epoch.rate(self.stall)
+        median = sorted(dt for dt, _, _ in epoch.samples)[len(epoch.samples) // 2]
+        self.history.append((epoch.bucket, epoch.on, rate, median, len(epoch.samples)))
         old = bucket.rate.get(epoch.on)
         bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
         bucket.epochs[epoch.on] = bucket.epochs.get(epoch.on, 0) + 1
