@@ -35,20 +35,27 @@ def _batch(histories: list[list[int]], rows: list[int], m: list[int], width: int
     )
 
 
+def _fast_and_eager(path: Path, kind: str, cls: type, k: int) -> tuple:
+    """Two proposers of one random head on one tiny target: the first drafts in the fixed
+    shape, the second eagerly."""
+    head = write_random_head(path, kind, 64, 512, draft_vocab=256, std=0.5)
+    cfg = SpeculativeConfig(method=kind, model=str(head), num_speculative_tokens=k)
+    proposers = []
+    for _ in range(2):
+        ctx = make_context(cfg)
+        p = cls(ctx)
+        p.bind_target(tiny_target(ctx))
+        proposers.append(p)
+    fast, eager = proposers
+    assert fast.chain is not None
+    eager.chain = None
+    return fast, eager
+
+
 def test_fixed_shape_draft_matches_the_eager_draft(tmp_path: Path) -> None:
     k = 3
     for kind, cls in (("eagle3", Eagle3Proposer), ("eagle", EagleProposer)):
-        head = write_random_head(tmp_path / kind, kind, 64, 512, draft_vocab=256, std=0.5)
-        cfg = SpeculativeConfig(method=kind, model=str(head), num_speculative_tokens=k)
-        proposers = []
-        for _ in range(2):
-            ctx = make_context(cfg)
-            p = cls(ctx)
-            p.bind_target(tiny_target(ctx))
-            proposers.append(p)
-        fast, eager = proposers
-        assert fast.chain is not None
-        eager.chain = None
+        fast, eager = _fast_and_eager(tmp_path / kind, kind, cls, k)
         width = 64 * max(1, len(fast.hidden_state_layers))
         rng = np.random.default_rng(0)
         hist = [rng.integers(0, 512, n).tolist() for n in (40, 17, 90)]
@@ -71,16 +78,7 @@ def test_a_catch_up_longer_than_the_chain_drafts_as_the_eager_draft(tmp_path: Pa
     ones are written eagerly, the rest drafts in the fixed shape, and the drafts are the eager
     path's, for requests with short and long catch-ups in one batch."""
     k = 3
-    head = write_random_head(tmp_path / "h", "eagle3", 64, 512, draft_vocab=256, std=0.5)
-    cfg = SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=k)
-    proposers = []
-    for _ in range(2):
-        ctx = make_context(cfg)
-        p = Eagle3Proposer(ctx)
-        p.bind_target(tiny_target(ctx))
-        proposers.append(p)
-    fast, eager = proposers
-    eager.chain = None
+    fast, eager = _fast_and_eager(tmp_path / "h", "eagle3", Eagle3Proposer, k)
     width = 64 * len(fast.hidden_state_layers)
     rng = np.random.default_rng(1)
     hist = [rng.integers(0, 512, n).tolist() for n in (30, 12, 55)]
