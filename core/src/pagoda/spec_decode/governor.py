@@ -76,11 +76,14 @@ class _Epoch:
     # Each measured step: (seconds, tokens emitted, requests running).
     samples: list[tuple[float, int, int]] = field(default_factory=list)
 
-    def rate(self, stall: float) -> float:
+    def median_step(self) -> float:
+        return sorted(dt for dt, _, _ in self.samples)[len(self.samples) // 2]
+
+    def rate(self, stall: float, median: float) -> float:
         """Tokens per second a running request, leaving out stalls: steps slower than ``stall``
-        times the median step (another process, a collector pause), which say nothing about
+        times the ``median`` step (another process, a collector pause), which say nothing about
         either mode."""
-        limit = stall * sorted(dt for dt, _, _ in self.samples)[len(self.samples) // 2]
+        limit = stall * median
         kept = [(dt, n, r) for dt, n, r in self.samples if dt <= limit]
         seconds = sum(dt * r for dt, _, r in kept)
         return sum(n for _, n, _ in kept) / seconds if seconds > 0 else 0.0
@@ -208,8 +211,8 @@ class SpeculationGovernor:
 
     def _end(self, epoch: _Epoch) -> None:
         bucket = self._bucket(epoch.bucket)
-        rate = epoch.rate(self.stall)
-        median = sorted(dt for dt, _, _ in epoch.samples)[len(epoch.samples) // 2]
+        median = epoch.median_step()
+        rate = epoch.rate(self.stall, median)
         self.history.append((epoch.bucket, epoch.on, rate, median, len(epoch.samples)))
         old = bucket.rate.get(epoch.on)
         bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
