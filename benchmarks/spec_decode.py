@@ -342,8 +342,9 @@ def main() -> None:
                     "tok_s_per_request": round(rate, 1),
                     "median_step_ms": round(median * 1e3, 3),
                     "steps": n,
+                    "tokens_per_forward": None if gain is None else round(gain, 3),
                 }
-                for b, on, rate, median, n in gov.history
+                for b, on, rate, median, n, gain in gov.history
             ],
         }
     model, where = report_slugs(report, runner)

@@ -556,6 +556,7 @@ class Scheduler:
         proposed = model_runner_output.draft_token_ids
         outputs: list[EngineCoreOutput] = []
         any_finished = False
+        accepted = 0  # draft tokens accepted this step (for the speculation governor)
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -570,6 +571,7 @@ class Scheduler:
             elif drafts:
                 filled = model_runner_output.draft_counts.get(req_id, len(drafts))
                 self._apply_drafts(req, len(drafts), filled, len(tokens) - 1)
+                accepted += max(len(tokens) - 1, 0)
             for token in tokens:
                 req.output_token_ids.append(token)
                 new_token_ids.append(token)
@@ -616,7 +618,7 @@ class Scheduler:
                 len(scheduler_output.scheduled_new_reqs),
             )
             emitted = sum(len(o.new_token_ids) for o in outputs)
-            self.spec_governor.observe(emitted, len(self.running), clean)
+            self.spec_governor.observe(emitted, len(self.running), clean, accepted)
         return outputs
 
     def _apply_drafts(

@@ -57,6 +57,9 @@ class _Bucket:
     """What is known about one batch-size bucket."""
 
     rate: dict[bool, float] = field(default_factory=dict)  # mode -> tokens/s a request (EMA)
+    # Drafting's tokens per forward a request ran in (EMA; 1 + accepted drafts per verification,
+    # as the epoch measured it): the most drafting could gain on plain steps.
+    gain: float | None = None
     epochs: dict[bool, int] = field(default_factory=dict)  # mode -> epochs measured
     best: bool = True  # drafting on until measured otherwise: the user asked for it
     explore_every: int = 0  # exploit epochs between probes of the other mode
@@ -75,6 +78,13 @@ class _Epoch:
     measured: int = 0
     # Each measured step: (seconds, tokens emitted, requests running).
     samples: list[tuple[float, int, int]] = field(default_factory=list)
+    accepted: int = 0  # draft tokens accepted in the measured steps
+
+    def gain(self) -> float | None:
+        """Tokens emitted per forward a request ran in (see ``SpeculationGovernor.observe``);
+        None when no request ran one."""
+        emitted = sum(n for _, n, _ in self.samples)
+        return emitted / (emitted - self.accepted) if emitted > self.accepted else None
 
     def median_step(self) -> float:
         return sorted(dt for dt, _, _ in self.samples)[len(self.samples) // 2]
@@ -136,8 +146,9 @@ class SpeculationGovernor:
         # Epochs run in each mode (for reports and tests).
         self.epochs = {True: 0, False: 0}
         # The last epochs measured, oldest first: (bucket, drafting, tokens/s a request, median
-        # step seconds, steps kept), for reports (``benchmarks/spec_decode.py``).
-        self.history: deque[tuple[int, bool, float, float, int]] = deque(maxlen=512)
+        # step seconds, steps kept, drafting's tokens per forward or None), for reports
+        # (``benchmarks/spec_decode.py``).
+        self.history: deque[tuple[int, bool, float, float, int, float | None]] = deque(maxlen=512)
 
     @staticmethod
     def bucket_of(num_running: int) -> int:
@@ -155,9 +166,13 @@ class SpeculationGovernor:
             self._begin(b, self._start(b))
         return self.epoch.on
 
-    def observe(self, num_tokens: int, num_running: int, clean: bool = True) -> None:
-        """A step ended, having emitted ``num_tokens`` with ``num_running`` requests running;
-        ``clean``: it was pure decoding (no prompt tokens), so its time is comparable."""
+    def observe(
+        self, num_tokens: int, num_running: int, clean: bool = True, accepted: int = 0
+    ) -> None:
+        """A step ended, having emitted ``num_tokens`` with ``num_running`` requests running,
+        ``accepted`` of them draft tokens the verification accepted (each request that ran in
+        the step emitted one token besides those); ``clean``: it was pure decoding (no prompt
+        tokens), so its time is comparable."""
         now = self.clock()
         last, self._last_end = self._last_end, now
         epoch = self.epoch
@@ -172,6 +187,7 @@ class SpeculationGovernor:
         epoch.measured += 1
         self._running = num_running
         epoch.samples.append((now - last, num_tokens, num_running))
+        epoch.accepted += accepted
         if epoch.measured >= self.epoch_steps:
             self._end(epoch)
 
@@ -213,9 +229,13 @@ class SpeculationGovernor:
         bucket = self._bucket(epoch.bucket)
         median = epoch.median_step()
         rate = epoch.rate(self.stall, median)
-        self.history.append((epoch.bucket, epoch.on, rate, median, len(epoch.samples)))
+        gain = epoch.gain() if epoch.on else None
+        self.history.append((epoch.bucket, epoch.on, rate, median, len(epoch.samples), gain))
         old = bucket.rate.get(epoch.on)
         bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
+        if gain is not None:
+            old = bucket.gain
+            bucket.gain = gain if old is None else old + self.alpha * (gain - old)
         bucket.epochs[epoch.on] = bucket.epochs.get(epoch.on, 0) + 1
         probed = epoch.on != bucket.best
         winner = self._winner(bucket)
@@ -252,9 +272,12 @@ class SpeculationGovernor:
         steps included, at the losing mode's rate) stays within ``probe_budget`` of the time.
         Only once each mode was measured twice: one epoch that ran slow for reasons of its own
         (the host busy elsewhere) must not hold a wrong choice for dozens of epochs."""
+        if self._futile(bucket):  # a probe can only find that the workload changed
+            return self.max_explore
         if min(bucket.epochs.get(True, 0), bucket.epochs.get(False, 0)) < 2:
             return self.min_explore
-        best, other = bucket.rate[bucket.best], bucket.rate[not bucket.best]
+        rates = self._rates(bucket)
+        best, other = rates[bucket.best], rates[not bucket.best]
         if best <= 0:
             return self.min_explore
         loss = max(0.0, 1.0 - other / best)  # the fraction of a probe's time it loses
@@ -262,12 +285,32 @@ class SpeculationGovernor:
         epochs = math.ceil(probe * loss / self.probe_budget)
         return min(self.max_explore, max(self.min_explore, epochs))
 
+    def _futile(self, bucket: _Bucket) -> bool:
+        """Drafting accepted too little to pay, whatever its epochs measured: each request's
+        forward in a verification step costs at least a plain step's and emitted ``gain`` tokens
+        (a step a request sits out emits none), so drafting is at most ``gain`` times as fast as
+        plain steps. Below ``1 + margin`` (a draft head or workload whose drafts are rejected,
+        or a proposer backing off on its own) plain steps win any tie the clock would show."""
+        return bucket.gain is not None and bucket.gain <= 1 + self.margin
+
     def _winner(self, bucket: _Bucket) -> bool:
         """The mode with the higher rate; the current choice keeps ties within ``margin``."""
         best, other = bucket.best, not bucket.best
         if other not in bucket.rate or best not in bucket.rate:
             return best
-        return other if bucket.rate[other] > bucket.rate[best] * (1 + self.margin) else best
+        if self._futile(bucket):
+            return False
+        rates = self._rates(bucket)
+        return other if rates[other] > rates[best] * (1 + self.margin) else best
+
+    @staticmethod
+    def _rates(bucket: _Bucket) -> dict[bool, float]:
+        """Each mode's rate, drafting's capped at ``gain`` times plain's (see ``_futile``): a
+        drafting epoch that measured more ran while the host or device sped up."""
+        rates = dict(bucket.rate)
+        if bucket.gain is not None and False in rates and True in rates:
+            rates[True] = min(rates[True], rates[False] * bucket.gain)
+        return rates
 
 
 def is_decode_step(num_scheduled: dict[str, int], drafts: dict[str, list[int]], new: int) -> bool:
