@@ -3,7 +3,12 @@ random EAGLE-3 head (nothing accepted), governed and not, and the host seconds s
 speculation path's functions (wrapped timers, no profiler, so the steps keep their pace).
 
     python benchmarks/eagle_host_time.py [--model benchmarks/configs/smollm2-135m]
-        [--variants none,gov,nogov] [--device cuda]
+        [--variants none,gov,nogov] [--device cuda] [--rounds 3] [--output-json PATH]
+
+Variants: ``none`` (no speculation), ``gov`` (the head, governed), ``nogov`` (the head, drafting
+whenever its own back-off lets it), ``off`` (the head loaded, drafting never: what its
+bookkeeping costs plain steps). The variants take turns, ``--rounds`` times over the prompts
+(a host that slows down for a while slows each alike); each ratio to ``none`` is of the medians.
 
 The model is a config folder (random weights, cached) or a checkpoint. A random head drafts
 nothing that is accepted, so what it costs is the proposer's bookkeeping, its catch-up drafts
@@ -14,6 +19,8 @@ import argparse
 import collections
 import functools
 import json
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +36,8 @@ import pagoda.worker.model_runner as mr
 import pagoda.worker.step_output as so_mod
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.bench.report import commit, hardware, save_report
+from pagoda.engine.gc_tuning import tuned_gc
 
 T = collections.defaultdict(float)
 N = collections.Counter()
@@ -69,6 +78,8 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "smollm2-135m"))
 ap.add_argument("--variants", default="none,gov,nogov")
 ap.add_argument("--device", default="cuda")
+ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--output-json", default=None)
 args = ap.parse_args()
 dev = torch.device(args.device)
 if (Path(args.model) / "config.json").exists() and not any(Path(args.model).glob("*.safetensors")):
@@ -98,41 +109,88 @@ base = dict(
 )
 spec = {"method": "eagle3", "num_speculative_tokens": 4, "model": str(hdir)}
 variants = args.variants.split(",")
-specs = {"none": None, "gov": spec, "nogov": {**spec, "adaptive": False}, "gov_nobehind": spec}
+specs = {"none": None, "gov": spec, "off": spec, "nogov": {**spec, "adaptive": False}}
+
+
+class _Never:
+    """A governor that never drafts (variant ``off``)."""
+
+    fixed = False
+
+    def drafting(self, num_running: int) -> bool:
+        return False
+
+    def observe(self, *args, **kwargs) -> None: ...
+
+    def admit(self, num_requests: int) -> None: ...
+
+    def idle(self) -> None: ...
+
+
 engines = {}
 for v in variants:
     kw = dict(base)
     if specs[v]:
         kw["speculative_config"] = specs[v]
     engines[v] = LLM(**kw)
-    if v == "gov_nobehind":
-        engines[v].engine.engine_core.executor.worker.model_runner.proposer.draft_behind = False
+    if v == "off":
+        engines[v].engine.engine_core.scheduler.spec_governor = _Never()
 rng = np.random.default_rng(0)
 prompts = [
     {"prompt_token_ids": rng.integers(10, min(40000, cfg["vocab_size"]), 300).tolist()}
     for _ in range(10)
 ]
 params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+tokens = len(prompts) * params.max_tokens
 for llm in engines.values():
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
-secs = collections.Counter()
-stats = {}
+secs: dict[str, list[float]] = {v: [] for v in variants}
+timers: dict[str, dict[str, tuple[float, int]]] = {v: {} for v in variants}
+drafts = collections.Counter()
+with tuned_gc():  # as the engine-core process runs (pagoda.engine.gc_tuning)
+    for _ in range(args.rounds):
+        for v, llm in engines.items():
+            T.clear()
+            N.clear()
+            st = llm.engine.engine_core.scheduler.spec_stats_total
+            d0 = st.num_drafts
+            t0 = time.perf_counter()
+            for p in prompts:
+                llm.generate([p], params, use_tqdm=False)
+            secs[v].append(time.perf_counter() - t0)
+            drafts[v] += st.num_drafts - d0
+            for k in T:
+                t, n = timers[v].get(k, (0.0, 0))
+                timers[v][k] = (t + T[k], n + N[k])
+median = {v: statistics.median(s) for v, s in secs.items()}
 for v, llm in engines.items():
-    T.clear()
-    N.clear()
-    sched = llm.engine.engine_core.scheduler
-    st = sched.spec_stats_total
-    d0 = st.num_drafts
-    t0 = time.perf_counter()
-    for p in prompts:
-        llm.generate([p], params, use_tqdm=False)
-    secs[v] = time.perf_counter() - t0
-    gov = sched.spec_governor
-    epochs = gov.epochs if gov else None
-    print(f"{v:14s} {1600 / secs[v]:7.0f} tok/s  drafts {st.num_drafts - d0}  epochs {epochs}")
-    for k in sorted(T, key=lambda k: -T[k]):
-        per = T[k] / max(N[k], 1) * 1e6
-        print(f"    {k:28s} {T[k] * 1e3:8.1f} ms  calls {N[k]:6d}  per call {per:7.1f} us")
-    if N["must_read_true"]:
-        print("    must_read_last true:", N["must_read_true"])
-print({v: round(secs["none"] / secs[v], 3) for v in secs})
+    gov = llm.engine.engine_core.scheduler.spec_governor
+    epochs = getattr(gov, "epochs", None)
+    tps = [round(tokens / s) for s in secs[v]]
+    print(f"{v:6s} tok/s {tps}  drafts {drafts[v]}  governor epochs {epochs}")
+    for k, (t, n) in sorted(timers[v].items(), key=lambda kv: -kv[1][0]):
+        print(f"    {k:28s} {t / n * 1e6 if n else 0:8.1f} us a call  {n / args.rounds:8.0f} calls")
+ratios = {v: round(median["none"] / median[v], 3) for v in variants if "none" in median}
+print(ratios)
+runner = engines[variants[0]].engine.engine_core.executor.worker.model_runner
+report = {
+    "benchmark": "eagle_host_time",
+    "command": "python " + " ".join(sys.argv),
+    "workload": f"batch 1, {len(prompts)} random prompts of 300 tokens, {params.max_tokens} out",
+    "model": f"{args.model} (random weights), random EAGLE-3 head",
+    "hardware": hardware(runner.device),
+    "commit": commit(),
+    "dtype": str(runner.dtype),
+    "rounds": args.rounds,
+    "tokens_per_s": {v: [round(tokens / s, 1) for s in secs[v]] for v in variants},
+    "ratio_to_none": ratios,
+    "drafts": dict(drafts),
+    "host_us_per_call": {
+        v: {k: round(t / n * 1e6, 1) for k, (t, n) in timers[v].items() if n} for v in variants
+    },
+}
+where = "cpu"
+if runner.device.type == "cuda":
+    where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
+path = save_report(report, f"eagle-host-time-b1-{where}-{report['commit']}", args.output_json)
+print("results:", path)
