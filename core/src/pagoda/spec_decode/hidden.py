@@ -10,6 +10,7 @@ them (``ProposalBatch.new_hidden_states``).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -65,10 +66,15 @@ class HiddenFeed:
         self.layers = tuple(proposer.hidden_state_layers)
         self.device = runner.device
         self._as_device = runner._as_device
+        self._row_of = runner.input_batch.row_of
+        self._max_model_len = runner.max_model_len
         h = runner.arch.hidden_size
         self.buf: torch.Tensor | None = None
         # req_id -> (first position, row blocks, their row count): joined when taken
-        self.pending: dict[str, tuple[int, list[torch.Tensor], int]] = {}
+        self._pending: dict[str, tuple[int, list[torch.Tensor], int]] = {}
+        # Steps read while drafting was off, oldest first (``defer``): held when next needed.
+        self._deferred: deque[StepOutput] = deque(maxlen=self.max_hold)
+        self._gone: set[str] = set()  # requests removed while steps were deferred
         if not self.layers:
             return
         decoder, norm = _decoder_layers(runner.model)
@@ -120,6 +126,7 @@ class HiddenFeed:
         out.hidden_feed = (rows, qsl.copy(), starts.copy())
         if len(sample_idx) == len(req_ids):  # every request sampled (decoding)
             return
+        self._flush()
         sampled = np.zeros(len(req_ids), dtype=bool)
         sampled[sample_idx] = True
         for i in np.flatnonzero(~sampled).tolist():  # chunks of prompts still prefilling
@@ -129,16 +136,16 @@ class HiddenFeed:
     def _keep(self, req_id: str, start: int, chunk: torch.Tensor) -> None:
         """Keep ``chunk`` (from position ``start``) after the request's pending rows, or
         instead of them when they do not meet."""
-        first, kept, n = self.pending.get(req_id, (start, [], 0))
+        first, kept, n = self._pending.get(req_id, (start, [], 0))
         if first + n != start:
             first, kept, n = start, [], 0
-        self.pending[req_id] = (first, [*kept, chunk], n + len(chunk))
+        self._pending[req_id] = (first, [*kept, chunk], n + len(chunk))
 
     def _join(self, req_id: str, start: int, chunk: torch.Tensor) -> torch.Tensor:
         """The request's pending rows followed by ``chunk`` (from position ``start``), or
         ``chunk`` alone when they do not meet; none pend after."""
         self._keep(req_id, start, chunk)
-        _, kept, _ = self.pending.pop(req_id)
+        _, kept, _ = self._pending.pop(req_id)
         return kept[0] if len(kept) == 1 else torch.cat(kept)
 
     def take(
@@ -146,6 +153,7 @@ class HiddenFeed:
     ) -> tuple[torch.Tensor, np.ndarray]:
         """The rows of the sampling requests ``step.sample_idx[keep]``, which now know
         ``num_tokens`` tokens: ``(new_hidden_states, hidden_loc)`` of ``ProposalBatch``."""
+        self._flush()
         rows, qsl, starts = step.hidden_feed
         idx = step.sample_idx[keep]
         first = starts[idx]
@@ -153,7 +161,7 @@ class HiddenFeed:
         m = np.clip(num_tokens - 1 - first, 0, np.diff(qsl)[idx])
         loc = np.zeros(len(idx) + 1, dtype=np.int64)
         ids = [step.req_ids[i] for i in idx.tolist()]
-        if not any(r in self.pending for r in ids):
+        if not any(r in self._pending for r in ids):
             np.cumsum(m, out=loc[1:])
             flat = np.repeat(qsl[idx] - loc[:-1], m) + np.arange(int(loc[-1]))
             if not len(flat) or flat[-1] - flat[0] + 1 == len(flat):  # a run of rows (decode)
@@ -176,6 +184,12 @@ class HiddenFeed:
         """Keep the rows of the sampling requests ``step.sample_idx[keep]`` (which now know
         ``num_tokens`` tokens) for a later ``take``: their proposer was not asked this step.
         ``bounded``: at most the last ``max_hold`` positions of each request stay."""
+        self._flush()
+        self._hold(step, keep, num_tokens, bounded)
+
+    def _hold(
+        self, step: StepOutput, keep: np.ndarray, num_tokens: np.ndarray, bounded: bool
+    ) -> None:
         rows, qsl, starts = step.hidden_feed
         for i, n in zip(step.sample_idx[keep].tolist(), num_tokens.tolist()):
             lo, first = int(qsl[i]), int(starts[i])
@@ -187,7 +201,7 @@ class HiddenFeed:
 
     def _trim(self, req_id: str) -> None:
         """Drop a request's oldest pending rows beyond ``max_hold``."""
-        first, kept, n = self.pending[req_id]
+        first, kept, n = self._pending[req_id]
         excess = n - self.max_hold
         if excess <= 0:
             return
@@ -198,8 +212,44 @@ class HiddenFeed:
         if excess:
             kept = [kept[0][excess:], *kept[1:]]
             first, n = first + excess, n - excess
-        self.pending[req_id] = (first, kept, n)
+        self._pending[req_id] = (first, kept, n)
+
+    def defer(self, step: StepOutput) -> None:
+        """A step read while drafting is off: its sampling requests' rows are held as
+        ``hold(bounded=True)`` would, when the feed is next used (a catch-up, a prompt chunk, a
+        look at ``pending``). One append a step instead of a request's bookkeeping each: a long
+        stretch of plain steps costs the host nothing per request, and at most the last
+        ``max_hold`` steps are kept."""
+        self._deferred.append(step)
+
+    def _flush(self) -> None:
+        """Hold the deferred steps' rows, oldest first, for the requests that still own the
+        row they sampled in (and can still draft: fewer tokens than the model's length)."""
+        if not self._deferred:
+            return
+        row_of, gone, room = self._row_of, self._gone, self._max_model_len
+        while self._deferred:
+            step = self._deferred.popleft()
+            n_tok = step.sample_pos + step.num_emitted
+            ids = [step.req_ids[i] for i in step.sample_idx.tolist()]
+            ok = [
+                n < room and r not in gone and row_of.get(r, -1) == row
+                for r, row, n in zip(ids, step.sample_rows.tolist(), n_tok.tolist())
+            ]
+            if any(ok):
+                keep = np.flatnonzero(ok)
+                self._hold(step, keep, n_tok[keep], bounded=True)
+        gone.clear()
+
+    @property
+    def pending(self) -> dict[str, tuple[int, list[torch.Tensor], int]]:
+        """Request id -> (first position, row blocks, their row count) of the rows waiting for
+        the proposer's next call."""
+        self._flush()
+        return self._pending
 
     def remove(self, req_ids) -> None:
         for req_id in req_ids:
-            self.pending.pop(req_id, None)
+            self._pending.pop(req_id, None)
+        if self._deferred:
+            self._gone.update(req_ids)

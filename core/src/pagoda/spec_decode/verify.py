@@ -284,6 +284,11 @@ def propose(
     ib = runner.input_batch
     if proposer is None or step.num_emitted is None or not len(step.sample_idx):
         return
+    feed = runner.hidden_feed if step.hidden_feed is not None else None
+    if not draft:
+        if feed is not None:
+            feed.defer(step)
+        return
     # NOTE: plain Python over the step's sampling requests: this runs after every step, and
     # at a small batch a dozen numpy calls on arrays of one element cost more than the loop.
     req_ids = [step.req_ids[i] for i in step.sample_idx.tolist()]
@@ -295,12 +300,6 @@ def propose(
         m = min(k, room - n) if slots is None else min(k, room - n, slots.get(r, 0))
         most.append(m)
         ok_l.append(m >= 1 and row_of.get(r, -1) == row)
-    feed = runner.hidden_feed if step.hidden_feed is not None else None
-    if not draft:
-        if feed is not None and any(ok_l):
-            keep = np.flatnonzero(ok_l)
-            feed.hold(step, keep, np.asarray(n_tok)[keep], bounded=True)
-        return
     resume = getattr(proposer, "resume_at", None)
     if resume:  # requests that draft nothing yet are not asked; their hidden states wait
         waiting = [o and n < resume.get(r, 0) for o, r, n in zip(ok_l, req_ids, n_tok)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from eagle_helpers import TINY_LLAMA, write_random_head
 from pagoda_spec_eagle.proposer import EagleProposer
@@ -56,15 +57,81 @@ def test_a_head_is_not_asked_while_drafting_is_off(tmp_path: Path, monkeypatch) 
         return propose(self, batch)
 
     monkeypatch.setattr(EagleProposer, "propose", spy_propose)
-    hold = feed.hold
+    defer = feed.defer
 
-    def spy_hold(*args, **kwargs) -> None:
-        hold(*args, **kwargs)
+    def spy_defer(*args, **kwargs) -> None:
+        defer(*args, **kwargs)
+        # (``pending`` holds what was deferred, as the head's next catch-up would)
         held.append(max((n for _, _, n in feed.pending.values()), default=0))
 
-    feed.hold = spy_hold
+    feed.defer = spy_defer
     got = llm.generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert asked and max(asked) <= 32, asked  # asked while drafting was on (a step's lag)
     assert len(held) > 150 and max(held) == feed.max_hold  # bounded while off
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
+
+
+class _Phases(_Switch):
+    """Drafting on for ``on`` steps, off for ``off``, then on again."""
+
+    def __init__(self, on: int, off: int) -> None:
+        super().__init__(on)
+        self.off = off
+
+    def drafting(self, num_running: int) -> bool:
+        self.steps += 1
+        return not self.on < self.steps <= self.on + self.off
+
+
+def _catch_ups(folder: Path, head: Path, monkeypatch, eager: bool) -> tuple[list, dict]:
+    """The head's calls once drafting is back on (request ids, first positions, rows), and what
+    the feed holds when the requests are done; ``eager``: each deferred step is held at once."""
+    from pagoda.spec_decode.hidden import HiddenFeed
+
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    engine = {**ENGINE, "max_num_seqs": 2}
+    llm = LLM(model=str(folder), **engine, speculative_config=spec)
+    core = llm.engine.engine_core
+    core.scheduler.spec_governor = gov = _Phases(on=12, off=40)
+    feed = core.executor.worker.model_runner.hidden_feed
+    if eager:
+        monkeypatch.setattr(
+            feed, "defer", lambda step: (HiddenFeed.defer(feed, step), feed._flush())
+        )
+    calls = []
+    propose = EagleProposer.propose
+
+    def spy(self, batch):
+        if gov.steps > gov.on + gov.off and batch.new_hidden_states is not None:
+            m = np.diff(batch.hidden_loc)
+            first = batch.num_tokens - 1 - m
+            calls.append((list(batch.req_ids), first.tolist(), batch.new_hidden_states.clone()))
+        return propose(self, batch)
+
+    monkeypatch.setattr(EagleProposer, "propose", spy)
+    prompts = [{"prompt_token_ids": list(range(20, 60))}, {"prompt_token_ids": list(range(7, 30))}]
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(EagleProposer, "propose", propose)
+    return calls, {r: (first, n) for r, (first, _, n) in feed.pending.items()}
+
+
+def test_deferred_steps_feed_the_catch_up_what_holding_each_step_would(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """While drafting is off, a step's rows are only deferred (one append), and held when the
+    feed is next used: the head's catch-up gets the same rows, from the same positions, as if
+    each step had been held when it was read, and what waits at the end is the same."""
+    folder, _ = ensure_random_weights(TINY_LLAMA, 0, torch.device("cpu"))
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
+    lazy, lazy_left = _catch_ups(folder, head, monkeypatch, eager=False)
+    eager, eager_left = _catch_ups(folder, head, monkeypatch, eager=True)
+    assert lazy and len(lazy) == len(eager)
+    first_ids, first_pos, first_rows = lazy[0]
+    # The first call back catches up on the stretch drafting was off (40 steps, under max_hold).
+    assert first_rows.shape[0] >= 2 * 40, first_rows.shape
+    for (ids, pos, rows), (ids_e, pos_e, rows_e) in zip(lazy, eager, strict=True):
+        assert ids == ids_e and pos == pos_e
+        torch.testing.assert_close(rows, rows_e, rtol=0, atol=0)
+    assert lazy_left == eager_left
