@@ -173,11 +173,21 @@ for v, llm in engines.items():
 ratios = {v: round(median["none"] / median[v], 3) for v in variants if "none" in median}
 print(ratios)
 runner = engines[variants[0]].engine.engine_core.executor.worker.model_runner
+
+
+def _shown(model: str) -> str:
+    """The model as the report shows it: relative to the repository when inside it."""
+    try:
+        return str(Path(model).resolve().relative_to(Path(__file__).resolve().parents[1]))
+    except ValueError:
+        return model
+
+
 report = {
     "benchmark": "eagle_host_time",
     "command": "python " + " ".join(sys.argv),
     "workload": f"batch 1, {len(prompts)} random prompts of 300 tokens, {params.max_tokens} out",
-    "model": f"{args.model} (random weights), random EAGLE-3 head",
+    "model": f"{_shown(args.model)} (random weights), random EAGLE-3 head",
     "hardware": hardware(runner.device),
     "commit": commit(),
     "dtype": str(runner.dtype),
