@@ -83,20 +83,23 @@ def _loses_much(on: bool) -> tuple[float, float]:
 
 
 def test_probes_of_a_mode_that_loses_much_are_spaced_by_their_cost() -> None:
-    """Drafting at 60% of plain: each probe of it loses 40% of an epoch and a half, so once both
-    modes were measured twice the next probe waits some 30 epochs (2% of the time); a near tie
-    is probed far sooner."""
+    """Drafting at 60% of plain: each probe of it loses 40% of an epoch and a half (45% with what
+    a switch to drafting costs beyond its epoch, ``draft_margin``), so once both modes were
+    measured twice the next probe waits some 30 epochs (2% of the time); a near tie is probed
+    far sooner."""
     clock = FakeClock()
     gov = SpeculationGovernor(clock=clock)
     modes = _run(gov, clock, 450, 64, _loses_much)
     # A drafting epoch (4 settling steps + 8), a plain probe (2 + 8), three plain epochs, a
-    # drafting probe that confirms the choice, then 30 plain epochs.
+    # drafting probe that confirms the choice, then 32 plain epochs (the cap, ``max_explore``).
     assert all(modes[:12]) and not any(modes[12:52]) and all(modes[52:64])
-    assert not any(modes[64:360]) and any(modes[360:380]), modes.index(True, 64)
+    assert not any(modes[64:384]) and any(modes[384:400]), modes.index(True, 64)
     assert gov.buckets[gov.bucket_of(64)].explore_every >= 30
     # Spaced by the fixed interval alone, drafting came back within a few epochs.
     eager = SpeculationGovernor(clock=FakeClock(), probe_budget=1.0)
     assert any(_run(eager, eager.clock, 450, 64, _loses_much)[64:200])
+    without = SpeculationGovernor(clock=FakeClock(), draft_margin=0.0)  # 40%: 30 epochs
+    assert any(_run(without, without.clock, 450, 64, _loses_much)[360:380])
     near = SpeculationGovernor(clock=FakeClock())
     tie = _run(near, near.clock, 450, 64, lambda on: (1.32e-3, 1.3) if on else (1e-3, 1.0))
     assert any(tie[64:200])
@@ -397,3 +400,29 @@ def test_a_drafting_rate_beyond_its_gain_is_capped_at_it() -> None:
     # not 40%): its cost does not space probes out (confirmations alone do).
     assert bucket.best and sum(modes[-200:]) > 0.9 * 200
     assert gov._spacing(bucket) == 4  # 1.5 epochs x 5% / 2%; 32 for the measured 43% loss
+
+
+def test_drafting_must_measure_clearly_faster_to_replace_plain_steps() -> None:
+    """What a switch to drafting costs beyond its epoch is not measured (its settling steps, a
+    batch left uneven): from plain steps, drafting needs ``draft_margin`` (10%) more tokens a
+    second to be chosen; 5% more keeps plain steps. Once chosen, drafting keeps a near tie."""
+
+    def five_percent(on: bool) -> tuple[float, float]:
+        return (1.2e-3, 1.26) if on else (1e-3, 1.0)  # drafting 1.05x plain
+
+    def fifteen_percent(on: bool) -> tuple[float, float]:
+        return (1.2e-3, 1.38) if on else (1e-3, 1.0)  # 1.15x
+
+    for cost, drafts in ((five_percent, False), (fifteen_percent, True)):
+        clock = FakeClock()
+        gov = SpeculationGovernor(clock=clock)
+        gov.buckets[gov.bucket_of(64)] = gov._bucket(gov.bucket_of(64))
+        gov.buckets[gov.bucket_of(64)].best = False  # plain steps first
+        modes = _run(gov, clock, 1500, 64, cost)
+        assert gov.buckets[gov.bucket_of(64)].best is drafts
+        assert (sum(modes[500:]) > 0.9 * 1000) is drafts, sum(modes[500:])
+    # Drafting chosen first (a fresh bucket drafts) keeps 5%: plain needs 2% to replace it.
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    modes = _run(gov, clock, 1500, 64, five_percent)
+    assert gov.buckets[gov.bucket_of(64)].best and sum(modes[500:]) > 0.9 * 1000
