@@ -52,6 +52,17 @@ class ModelInfo:
                 f"scheduler.max_num_batched_tokens={budget} is smaller than max_model_len="
                 f"{max_model_len} with chunked prefill off: long prompts could never run"
             )
+        sp = config.speculative
+        if sp.method is not None and sp.num_speculative_tokens + 1 > min(budget, max_model_len):
+            which = (
+                f"scheduler.max_num_batched_tokens={budget}"
+                if budget < max_model_len
+                else f"model.max_model_len={max_model_len}"
+            )
+            raise ValueError(
+                f"speculative.num_speculative_tokens={sp.num_speculative_tokens} does not fit "
+                f"{which}: a verification step scores the drafts and one more token a request"
+            )
         return cls(
             name=resolved.name,
             hf_dir=str(resolved.hf_dir),
