@@ -13,6 +13,11 @@ running request (so that epochs of one batch-size bucket compare fairly as reque
 go), kept as an exponential moving average per mode and per bucket of running requests (powers of
 two). After a switch to drafting the first ``settle_steps`` are not measured (with alternating
 drafts the pipeline needs a few steps to fill), after a switch to plain steps the first two.
+The scheduler also reports the draft tokens each step accepted: a verification forward never
+costs less than a plain step, so drafting's rate is capped at plain's times the tokens a request
+emits per forward (1 + accepted drafts), and drafting that accepts (almost) nothing loses every
+tie whatever the clock showed. From plain steps, drafting must measure ``draft_margin`` faster to
+be chosen: what a switch to it costs (its settling steps, a batch left uneven) is not measured.
 The mode with the higher rate is exploited; the other is probed for one epoch now and then, at
 intervals that double while a probe confirms the choice (up to ``max_explore`` epochs) and shrink
 back when a probe overturns it, so a workload that changes is followed and a settled one pays
