@@ -74,7 +74,6 @@ class HiddenFeed:
         self._pending: dict[str, tuple[int, list[torch.Tensor], int]] = {}
         # Steps read while drafting was off, oldest first (``defer``): held when next needed.
         self._deferred: deque[StepOutput] = deque(maxlen=self.max_hold)
-        self._gone: set[str] = set()  # requests removed while steps were deferred
         if not self.layers:
             return
         decoder, norm = _decoder_layers(runner.model)
@@ -227,19 +226,18 @@ class HiddenFeed:
         row they sampled in (and can still draft: fewer tokens than the model's length)."""
         if not self._deferred:
             return
-        row_of, gone, room = self._row_of, self._gone, self._max_model_len
+        row_of, room = self._row_of, self._max_model_len
         while self._deferred:
             step = self._deferred.popleft()
             n_tok = step.sample_pos + step.num_emitted
             ids = [step.req_ids[i] for i in step.sample_idx.tolist()]
             ok = [
-                n < room and r not in gone and row_of.get(r, -1) == row
+                n < room and row_of.get(r, -1) == row
                 for r, row, n in zip(ids, step.sample_rows.tolist(), n_tok.tolist())
             ]
             if any(ok):
                 keep = np.flatnonzero(ok)
                 self._hold(step, keep, n_tok[keep], bounded=True)
-        gone.clear()
 
     @property
     def pending(self) -> dict[str, tuple[int, list[torch.Tensor], int]]:
@@ -249,7 +247,7 @@ class HiddenFeed:
         return self._pending
 
     def remove(self, req_ids) -> None:
+        # NOTE: deferred steps are held first: a preempted request comes back under its id.
+        self._flush()
         for req_id in req_ids:
             self._pending.pop(req_id, None)
-        if self._deferred:
-            self._gone.update(req_ids)
