@@ -135,3 +135,48 @@ def test_deferred_steps_feed_the_catch_up_what_holding_each_step_would(
         assert ids == ids_e and pos == pos_e
         torch.testing.assert_close(rows, rows_e, rtol=0, atol=0)
     assert lazy_left == eager_left
+
+
+class _Flip(_Switch):
+    """Drafting on and off in turns of ``every`` steps."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__(0)
+        self.every = every
+
+    def drafting(self, num_running: int) -> bool:
+        self.steps += 1
+        return (self.steps // self.every) % 2 == 1
+
+
+def test_preemption_while_steps_are_deferred_keeps_greedy_output(tmp_path: Path) -> None:
+    """A KV cache too small for the batch preempts requests while drafting is off and their
+    steps wait, deferred, in the feed: a preempted request comes back under its id and
+    recomputes; output is unchanged, and no rows wait for a request that ended."""
+    folder, _ = ensure_random_weights(TINY_LLAMA, 0, torch.device("cpu"))
+    rng = np.random.default_rng(5)
+    lengths = (30, 9, 50, 21)
+    prompts = [{"prompt_token_ids": rng.integers(10, 300, n).tolist()} for n in lengths]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    engine = {**ENGINE, "max_model_len": 128, "max_num_seqs": 4, "num_gpu_blocks_override": 10}
+    plain = LLM(model=str(folder), **engine)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    llm = LLM(model=str(folder), **engine, speculative_config=spec)
+    core = llm.engine.engine_core
+    core.scheduler.spec_governor = _Flip(every=9)
+    preempt, preempted = core.scheduler._preempt, []
+
+    def counting_preempt(req, step):
+        preempted.append(req.request_id)
+        return preempt(req, step)
+
+    core.scheduler._preempt = counting_preempt
+    feed = core.executor.worker.model_runner.hidden_feed
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert preempted, "the cache was meant to be too small for the batch"
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # ends the first batch
+    assert not {o.request_id for o in outs} & set(feed.pending)
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
