@@ -276,6 +276,7 @@ def main() -> None:
     seconds = {"off": 0.0, "ngram": 0.0}
     tokens = {"off": 0, "ngram": 0}
     same = True
+    batch_ratios: list[float] = []  # each batch's speculation ratio, in the order run
     batches = [
         prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)
     ] * args.repeats
@@ -283,10 +284,15 @@ def main() -> None:
         for b, batch in enumerate(batches):
             order = ("off", "ngram") if b % 2 == 0 else ("ngram", "off")
             outs = {}
+            took = {}
             for name in order:
                 dt, outs[name] = _timed(engines[name], batch, params)
                 seconds[name] += dt
                 tokens[name] += sum(len(o) for o in outs[name])
+                took[name] = dt
+            # (tokens alike on both engines with ignore_eos; otherwise the ratio of rates)
+            n = {k: sum(len(o) for o in v) for k, v in outs.items()}
+            batch_ratios.append(round(n["ngram"] / took["ngram"] / (n["off"] / took["off"]), 3))
             same &= outs["off"] == outs["ngram"]
             so_far = {k: tokens[k] / seconds[k] for k in seconds}
             print(f"batch {b}: tok/s so far {so_far}", file=sys.stderr)
@@ -309,6 +315,7 @@ def main() -> None:
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
         "speedup": round(tps["ngram"] / tps["off"], 3),
+        "speedup_by_batch": batch_ratios,
         "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
         "drafts": drafts,
