@@ -224,8 +224,6 @@ class HiddenFeed:
     def _flush(self) -> None:
         """Hold the deferred steps' rows, oldest first, for the requests that still own the
         row they sampled in (and can still draft: fewer tokens than the model's length)."""
-        if not self._deferred:
-            return
         row_of, room = self._row_of, self._max_model_len
         while self._deferred:
             step = self._deferred.popleft()

@@ -190,10 +190,11 @@ def _draft_after_verify(
     rows_t, qsl, starts = out.hidden_feed
     ib = runner.input_batch
     req_ids = out.req_ids
+    pending = feed.pending  # (a property: deferred steps are held once, here)
     pick = [
         j
         for j, (i, row) in enumerate(zip(out.sample_idx.tolist(), out.sample_rows.tolist()))
-        if nd[j] and ib.row_of.get(req_ids[i]) == row and req_ids[i] not in feed.pending
+        if nd[j] and ib.row_of.get(req_ids[i]) == row and req_ids[i] not in pending
     ]
     if not pick:
         return
