@@ -340,7 +340,8 @@ def main() -> None:
                 }
                 for b, st in sorted(gov.buckets.items())
             },
-            # Each epoch measured: its bucket's batch sizes, mode, rate, median step.
+            # Each epoch measured: its bucket's batch sizes, mode, rate, median step; counted:
+            # false for one left out as disturbed (every step slowed).
             "history": [
                 {
                     "batch": f"{1 << (b - 1)}-{(1 << b) - 1}",
@@ -349,8 +350,9 @@ def main() -> None:
                     "median_step_ms": round(median * 1e3, 3),
                     "steps": n,
                     "tokens_per_forward": None if gain is None else round(gain, 3),
+                    "counted": counted,
                 }
-                for b, on, rate, median, n, gain in gov.history
+                for b, on, rate, median, n, gain, counted in gov.history
             ],
         }
     model, where = report_slugs(report, runner)

@@ -6,6 +6,7 @@ same); it follows a workload that changes, ignores prompt steps and idle gaps, a
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -69,12 +70,12 @@ def test_drafting_turns_off_where_it_does_not_pay_and_probes_ever_less() -> None
     assert sum(late) / len(late) < 0.05, sum(late)
     assert gov.buckets[gov.bucket_of(64)].explore_every == gov.max_explore
     # Each epoch is on record: bucket, mode, rate a request, median step, steps measured and,
-    # drafting, tokens per forward a request ran in.
+    # drafting, tokens per forward a request ran in; whether it counted.
     first, second = list(gov.history)[:2]
     b = gov.bucket_of(64)
     rate = pytest.approx(70 / 64 / 1.2e-3)
-    assert first == (b, True, rate, pytest.approx(1.2e-3), 8, pytest.approx(70 / 64))
-    assert second == (b, False, pytest.approx(1 / 1e-3), pytest.approx(1e-3), 8, None)
+    assert first == (b, True, rate, pytest.approx(1.2e-3), 8, pytest.approx(70 / 64), True)
+    assert second == (b, False, pytest.approx(1 / 1e-3), pytest.approx(1e-3), 8, None, True)
 
 
 def _loses_much(on: bool) -> tuple[float, float]:
@@ -170,6 +171,66 @@ def test_a_batch_draining_from_where_drafting_lost_does_not_draft_by_default() -
     # Without a larger bucket's measurement, an unmeasured bucket drafts from its first step.
     fresh = SpeculationGovernor(clock=FakeClock())
     assert all(_run(fresh, fresh.clock, 12, 40, _host_bound))
+
+
+def _slowed(cost: Cost, start: int, steps: int, factor: float) -> Cost:
+    """``cost`` with steps ``start`` to ``start + steps - 1`` (counting from 0) ``factor`` times
+    slower."""
+    seen = {"n": 0}
+
+    def slowed(on: bool) -> tuple[float, float]:
+        n, seen["n"] = seen["n"], seen["n"] + 1
+        seconds, tokens = cost(on)
+        return (seconds * factor if start <= n < start + steps else seconds), tokens
+
+    return slowed
+
+
+def _to_a_plain_epoch(gov: SpeculationGovernor, clock: FakeClock, cost: Cost) -> None:
+    """Runs steps of batch 64 until the next one starts an epoch of plain steps."""
+    for _ in range(1000):
+        if gov.epoch is not None and gov.epoch.steps == 0 and not gov.epoch.on:
+            return
+        _run(gov, clock, 1, 64, cost)
+    raise AssertionError("no plain epoch began")
+
+
+def test_an_epoch_whose_every_step_slowed_is_measured_again() -> None:
+    """Drafting yields 14% less than plain steps; after both modes were measured twice, every step
+    of one plain epoch runs four times slower (the host busy elsewhere). Without the check that
+    epoch turns drafting on; with it the epoch is left out, measured again, and plain steps
+    keep running (drafting only in a probe). Slowed for two epochs in a row, the slowdown
+    counts."""
+
+    def cost(on: bool) -> tuple[float, float]:
+        return (1.4e-3, 1.2) if on else (1.0e-3, 1.0)
+
+    clock = FakeClock()
+    gov = SpeculationGovernor(clock=clock)
+    warm = _run(gov, clock, 200, 64, cost)
+    b = gov.bucket_of(64)
+    assert not any(warm[100:]) and min(gov.buckets[b].epochs.values()) >= 2
+    _to_a_plain_epoch(gov, clock, cost)
+    epochs = len(gov.history)
+    # The epoch's 10 steps (2 settling, 8 measured) run slow.
+    after = _run(gov, clock, 200, 64, _slowed(cost, 0, 10, 4.0))
+    assert not gov.buckets[b].best and sum(after) <= 12, after  # at most one probe of drafting
+    dropped = [e for e in list(gov.history)[epochs:] if not e[6]]
+    assert len(dropped) == 1 and not dropped[0][1], dropped
+    assert gov.buckets[b].rate[False] == pytest.approx(1 / 1e-3)
+
+    unchecked = SpeculationGovernor(clock=FakeClock(), disturbance=math.inf)
+    _run(unchecked, unchecked.clock, 200, 64, cost)
+    _to_a_plain_epoch(unchecked, unchecked.clock, cost)
+    assert sum(_run(unchecked, unchecked.clock, 200, 64, _slowed(cost, 0, 10, 4.0))) > 24
+
+    # Two slow epochs in a row: the second counts.
+    again = SpeculationGovernor(clock=FakeClock())
+    _run(again, again.clock, 200, 64, cost)
+    _to_a_plain_epoch(again, again.clock, cost)
+    _run(again, again.clock, 20, 64, _slowed(cost, 0, 20, 4.0))
+    assert [e[6] for e in list(again.history)[-2:]] == [False, True]
+    assert again.buckets[b].rate[False] < 0.7 / 1e-3
 
 
 def test_prompt_steps_and_idle_gaps_are_not_measured() -> None:

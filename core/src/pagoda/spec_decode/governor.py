@@ -38,7 +38,10 @@ last requests are the ones that decide when the batch ends; drafting by default 
 alternating drafts sitting each drafting request out a step, added steps to the batch's end.)
 
 Steps that are not pure decoding (a prompt chunk, an idle gap) are not measured, nor are stalls
-(a step more than ``stall`` times an epoch's median). Turning drafting
+(a step more than ``stall`` times an epoch's median), nor a disturbed epoch: one whose median
+step is more than ``disturbance`` times what that mode's steps took in the bucket before (each
+step of it slowed, by the host busy elsewhere, not a few): it is measured again in the same mode,
+and counts only if the next one is as slow (then the workload changed). Turning drafting
 off never changes what is sampled: the output is the same either way (lossless), only sooner or
 later. ``speculative.disable_by_batch_size`` (vLLM's knob) turns drafting off outright from that
 many running requests on, unmeasured.
@@ -72,6 +75,8 @@ class _Bucket:
     admitted_at_probe: int = 0  # the governor's ``admitted`` when drafting was last measured
     turnovers: int = 1  # batch turnovers before drafting is probed again (see the module's note)
     inherited: bool = False  # plain from a larger bucket: drafting's first probe waits its turn
+    step: dict[bool, float] = field(default_factory=dict)  # mode -> median step seconds (EMA)
+    disturbed: bool = False  # its last epoch was left out as disturbed (see the module's note)
 
 
 @dataclass(slots=True)
@@ -123,6 +128,7 @@ class SpeculationGovernor:
         draft_margin: float = 0.1,
         alpha: float = 0.5,
         stall: float = 3.0,
+        disturbance: float = 2.0,
         disable_by_batch_size: int | None = None,
         fixed: bool = False,
     ) -> None:
@@ -141,6 +147,7 @@ class SpeculationGovernor:
         self.draft_margin = draft_margin
         self.alpha = alpha
         self.stall = stall
+        self.disturbance = disturbance
         self.disable_by_batch_size = disable_by_batch_size
         # Fixed: only ``disable_by_batch_size`` decides; nothing is measured.
         self.fixed = fixed
@@ -153,9 +160,11 @@ class SpeculationGovernor:
         # Epochs run in each mode (for reports and tests).
         self.epochs = {True: 0, False: 0}
         # The last epochs measured, oldest first: (bucket, drafting, tokens/s a request, median
-        # step seconds, steps kept, drafting's tokens per forward or None), for reports
-        # (``benchmarks/spec_decode.py``).
-        self.history: deque[tuple[int, bool, float, float, int, float | None]] = deque(maxlen=512)
+        # step seconds, steps kept, drafting's tokens per forward or None, counted: False for a
+        # disturbed epoch left out), for reports (``benchmarks/spec_decode.py``).
+        self.history: deque[tuple[int, bool, float, float, int, float | None, bool]] = deque(
+            maxlen=512
+        )
 
     @staticmethod
     def bucket_of(num_running: int) -> int:
@@ -237,7 +246,17 @@ class SpeculationGovernor:
         median = epoch.median_step()
         rate = epoch.rate(self.stall, median)
         gain = epoch.gain() if epoch.on else None
-        self.history.append((epoch.bucket, epoch.on, rate, median, len(epoch.samples), gain))
+        disturbed = self._disturbed(bucket, epoch.on, median)
+        self.history.append(
+            (epoch.bucket, epoch.on, rate, median, len(epoch.samples), gain, not disturbed)
+        )
+        if disturbed:  # measure the same mode again (see the module's note)
+            bucket.disturbed = True
+            self._begin(epoch.bucket, epoch.on, epoch.turnover)
+            return
+        bucket.disturbed = False
+        old = bucket.step.get(epoch.on)
+        bucket.step[epoch.on] = median if old is None else old + self.alpha * (median - old)
         old = bucket.rate.get(epoch.on)
         bucket.rate[epoch.on] = rate if old is None else old + self.alpha * (rate - old)
         if gain is not None:
@@ -273,6 +292,20 @@ class SpeculationGovernor:
         )
         by_turnover = not probe and other and turned_over and bucket.since_probe >= 1
         self._begin(epoch.bucket, other if probe or by_turnover else bucket.best, by_turnover)
+
+    def _disturbed(self, bucket: _Bucket, on: bool, median: float) -> bool:
+        """Whether an epoch whose median step took ``median`` seconds is left out: its mode was
+        measured twice in the bucket, its steps took more than ``disturbance`` times as long as
+        there, and the bucket's epoch before was not itself left out. (Random Qwen3-0.6B at batch
+        64 on an H100: one epoch of plain steps at 9.7 ms among dozens at 2.5 - 3.9 ms turned
+        drafting on for the rest of the run, which ended at 0.70 of plain steps' throughput.)"""
+        known = bucket.step.get(on)
+        return (
+            known is not None
+            and bucket.epochs.get(on, 0) >= 2
+            and not bucket.disturbed
+            and median > self.disturbance * known
+        )
 
     def _spacing(self, bucket: _Bucket) -> int:
         """The fewest exploit epochs between probes for which a probe's cost (its epoch, settling
