@@ -35,6 +35,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.bench.report import commit, hardware, save_report
 from pagoda.engine.gc_tuning import tuned_gc
+from pagoda.spec_decode.governor import build_governor
 
 # (module, attribute or None for the module's docstring)
 _SOURCES = [
@@ -263,8 +264,15 @@ def main() -> None:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, ignore_eos=bool(args.random_weights)
     )
-    for llm in engines.values():  # warm-up: first-call costs (allocations, graphs) out of the way
-        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    # Warm-up: first-call costs (allocations, kernel launch caches, host buffers) at the batch
+    # size measured out of the way. What the speculation governor learned in it is forgotten:
+    # the measured passes pay its exploration from the start.
+    warm = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for llm in engines.values():
+        llm.generate(prompts[: args.batch_size], warm, use_tqdm=False)
+    core = engines["ngram"].engine.engine_core
+    if core.scheduler.spec_governor is not None:
+        core.scheduler.spec_governor = build_governor(core.config.speculative)
     stats = engines["ngram"].engine.engine_core.scheduler.spec_stats_total
     drafts0, draft_tokens0, accepted0 = (
         stats.num_drafts,
