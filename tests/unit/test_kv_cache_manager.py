@@ -252,3 +252,23 @@ def test_allocate_slots_rejects_tokens_beyond_max_model_len() -> None:
     manager = KVCacheManager(num_blocks=20, block_size=BS, max_model_len=8)
     with pytest.raises(ValueError, match="max_model_len=8"):
         manager.allocate_slots(_req("a", list(range(9))), 9)
+
+
+def test_a_step_within_held_blocks_takes_none_and_still_offers_filled_blocks_to_the_cache() -> (
+    None
+):
+    """Accepted drafts fill blocks the request reserved as lookahead: the next allocation needs
+    no block (and takes none from the pool), yet the blocks now full and computed enter the
+    prefix cache then, as they would with a block taken."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=64)
+    req = _req("a", [1, 2, 3, 4, 5])
+    _run(kv, req)  # 5 computed: blocks 0 (full) and 1
+    assert kv.allocate_slots(req, 1, num_lookahead_tokens=6) is not None  # slots to 12: 3 blocks
+    held, free = kv.get_block_ids("a"), kv.block_pool.get_num_free_blocks()
+    req.output_token_ids += [6, 7, 8, 9, 10]
+    req.num_computed_tokens = 10  # the step's token and 4 accepted drafts: block 1 full
+    assert kv.allocate_slots(req, 1) == []
+    assert kv.get_block_ids("a") == held and kv.block_pool.get_num_free_blocks() == free
+    other = _req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    blocks, num_hit = kv.get_computed_blocks(other)
+    assert num_hit == 2 * BS and [b.block_id for b in blocks] == held[:2]

@@ -138,6 +138,10 @@ class KVCacheManager:
             )
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_new_blocks = cdiv(num_slots, self.block_size) - len(held) - len(new_computed_blocks)
+        if num_new_blocks <= 0 and not new_computed_blocks and request.num_computed_tokens:
+            # A decoding request within the blocks it holds (most calls): nothing to take.
+            self._cache_computed_blocks(request, num_computed)
+            return []
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable > self.block_pool.get_num_free_blocks():
             return None
