@@ -186,3 +186,31 @@ def test_abort_returns_every_block(llm: LLM) -> None:
     engine.step()  # the runner learns of the aborts
     assert not engine.has_unfinished_requests()
     assert _all_blocks_free(llm)
+
+
+def test_final_only_steps_return_finished_requests_whole(llm: LLM) -> None:
+    """``LLMEngine.step(final_only=True)`` (what ``LLM.generate`` reads) builds no output for a
+    request still running, and the finished one it returns is whole: the same tokens and text as
+    the last output of the same request stepped with every output built."""
+    engine = llm.engine
+    prompts = {"a": "The capital of France is", "b": "Once upon a time"}
+    params = {"a": SamplingParams(max_tokens=3, temperature=0.0), "b": GREEDY}
+
+    def run(tag: str, final_only: bool) -> dict[str, list]:
+        seen: dict[str, list] = {f"{tag}{k}": [] for k in prompts}
+        for k, prompt in prompts.items():
+            engine.add_request(f"{tag}{k}", prompt, params[k])
+        while engine.has_unfinished_requests():
+            for out in engine.step(final_only=final_only):
+                seen[out.request_id].append(out)
+        return seen
+
+    final, every = run("final-", True), run("every-", False)
+    assert [len(v) for v in final.values()] == [1, 1]
+    assert all(v[0].finished for v in final.values())
+    # Built every step: one output for each step that added a token, the last one finished.
+    assert [len(o.outputs[0].token_ids) for o in every["every-a"]] == [1, 2, 3]
+    for k in prompts:
+        got, ref = final[f"final-{k}"][0].outputs[0], every[f"every-{k}"][-1].outputs[0]
+        assert got.token_ids == ref.token_ids and got.text == ref.text
+        assert got.finish_reason == ref.finish_reason == "length"

@@ -124,9 +124,11 @@ class LLMEngine:
             seq_ids += self.output_processor.abort(rid)
         self.engine_core.abort_requests(seq_ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step: the outputs of the requests it changed (``final_only``: of those
+        it finished)."""
         core_outputs = self.engine_core.step()
-        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs, final_only)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         return outputs

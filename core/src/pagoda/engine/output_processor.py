@@ -101,10 +101,12 @@ class OutputProcessor:
         return [] if state is None else [k for k, s in self._seqs.items() if s.parent is state]
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self, outputs: list[EngineCoreOutput], final_only: bool = False
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the request outputs that changed, and the core sequences to abort because a
-        stop string ended them here."""
+        stop string ended them here. ``final_only``: outputs of finished requests only (a
+        caller that reads nothing else, as ``LLM.generate``; vLLM's ``FINAL_ONLY`` output kind):
+        an output copies every token and logprob so far, at every step it is built."""
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -157,9 +159,11 @@ class OutputProcessor:
             changed[seq.parent.request_id] = seq.parent
         results = []
         for rid, state in changed.items():
-            results.append(state.output())
             if state.finished:
+                results.append(state.output())
                 del self._requests[rid]
+            elif not final_only:
+                results.append(state.output())
         return results, to_abort
 
     def _positions(self, arrays: LogprobsArrays) -> list[PositionLogprobs]:

@@ -105,7 +105,7 @@ class LLM:
             while len(finished) < len(request_ids):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests unfinished")
-                for out in self.engine.step():
+                for out in self.engine.step(final_only=True):  # NOTE: it reads no other
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
