@@ -1,6 +1,6 @@
 """Host time of the output processor for a batch of decoding requests, building every
 request's ``RequestOutput`` each step (what a streaming caller reads) and only finished ones
-(``final_only``, what ``LLM.generate`` reads).
+(requests added ``final_only``, as ``LLM.generate`` and non-streaming server requests are).
 
 The requests (tiny random model's tokenizer, 16-token prompts) each get one token a step for
 ``--output-len`` steps, then finish; the figure is milliseconds a step, best of ``--repeats``,
@@ -38,7 +38,7 @@ def _time(tokenizer, requests: int, steps: int, final_only: bool) -> float:
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     for i in range(requests):
         prompt = rng.integers(10, vocab, 16).tolist()
-        proc.add_request(f"r{i}", None, prompt, [(f"r{i}", params)])
+        proc.add_request(f"r{i}", None, prompt, [(f"r{i}", params)], final_only)
     tokens = rng.integers(10, vocab, (steps, requests)).tolist()
     seconds, built = 0.0, 0
     for s in range(steps):
@@ -48,7 +48,7 @@ def _time(tokenizer, requests: int, steps: int, final_only: bool) -> float:
             for i in range(requests)
         ]
         t0 = time.perf_counter()
-        results, _ = proc.process_outputs(outs, final_only)
+        results, _ = proc.process_outputs(outs)
         seconds += time.perf_counter() - t0
         built += len(results)
     assert built == (requests if final_only else requests * steps)

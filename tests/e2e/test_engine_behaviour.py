@@ -189,9 +189,9 @@ def test_abort_returns_every_block(llm: LLM) -> None:
 
 
 def test_final_only_steps_return_finished_requests_whole(llm: LLM) -> None:
-    """``LLMEngine.step(final_only=True)`` (what ``LLM.generate`` reads) builds no output for a
-    request still running, and the finished one it returns is whole: the same tokens and text as
-    the last output of the same request stepped with every output built."""
+    """A request added with ``final_only`` (as ``LLM.generate`` and the server's non-streaming
+    requests add theirs) gets no output while it runs, and the finished one is whole: the same
+    tokens and text as the last output of the same request with every output built."""
     engine = llm.engine
     prompts = {"a": "The capital of France is", "b": "Once upon a time"}
     params = {"a": SamplingParams(max_tokens=3, temperature=0.0), "b": GREEDY}
@@ -199,9 +199,9 @@ def test_final_only_steps_return_finished_requests_whole(llm: LLM) -> None:
     def run(tag: str, final_only: bool) -> dict[str, list]:
         seen: dict[str, list] = {f"{tag}{k}": [] for k in prompts}
         for k, prompt in prompts.items():
-            engine.add_request(f"{tag}{k}", prompt, params[k])
+            engine.add_request(f"{tag}{k}", prompt, params[k], final_only=final_only)
         while engine.has_unfinished_requests():
-            for out in engine.step(final_only=final_only):
+            for out in engine.step():
                 seen[out.request_id].append(out)
         return seen
 

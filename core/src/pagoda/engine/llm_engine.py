@@ -48,10 +48,13 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         priority: int = 0,
+        final_only: bool = False,
     ) -> None:
+        """Submit a request; ``final_only``: ``step`` returns its output once, when it finishes
+        (none before)."""
         processed = self.input_processor.process(prompt)
         self.add_processed(
-            request_id, processed.prompt, processed.prompt_token_ids, params, priority
+            request_id, processed.prompt, processed.prompt_token_ids, params, priority, final_only
         )
 
     def add_processed(
@@ -61,6 +64,7 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        final_only: bool = False,
     ) -> None:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
@@ -85,7 +89,9 @@ class LLMEngine:
             child = child.resolve(self.tokenizer, vocab, eos_ids)
             seqs.append((request_id if params.n == 1 else f"{i}_{request_id}", child))
         try:
-            self.output_processor.add_request(request_id, prompt, prompt_token_ids, seqs)
+            self.output_processor.add_request(
+                request_id, prompt, prompt_token_ids, seqs, final_only
+            )
             for i, (seq_id, child) in enumerate(seqs):
                 self.engine_core.add_request(
                     Request(
@@ -124,11 +130,9 @@ class LLMEngine:
             seq_ids += self.output_processor.abort(rid)
         self.engine_core.abort_requests(seq_ids)
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One engine step: the outputs of the requests it changed (``final_only``: of those
-        it finished)."""
+    def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.step()
-        outputs, to_abort = self.output_processor.process_outputs(core_outputs, final_only)
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
         return outputs

@@ -48,6 +48,10 @@ class _RequestState:
     seqs: list[_SeqState] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Its caller reads only the finished output (``LLM.generate``, a non-streaming server
+    # request; vLLM's ``FINAL_ONLY`` output kind): none is built before. An output copies every
+    # token and logprob so far, at every step it is built.
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -78,8 +82,9 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         seq_ids_and_params: list[tuple[str, SamplingParams]],
+        final_only: bool = False,
     ) -> None:
-        state = _RequestState(request_id, prompt, prompt_token_ids)
+        state = _RequestState(request_id, prompt, prompt_token_ids, final_only=final_only)
         for index, (seq_id, params) in enumerate(seq_ids_and_params):
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
@@ -101,12 +106,10 @@ class OutputProcessor:
         return [] if state is None else [k for k, s in self._seqs.items() if s.parent is state]
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput], final_only: bool = False
+        self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the request outputs that changed, and the core sequences to abort because a
-        stop string ended them here. ``final_only``: outputs of finished requests only (a
-        caller that reads nothing else, as ``LLM.generate``; vLLM's ``FINAL_ONLY`` output kind):
-        an output copies every token and logprob so far, at every step it is built."""
+        """Returns the request outputs that changed (of a ``final_only`` request, only the
+        finished one), and the core sequences to abort because a stop string ended them here."""
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -162,7 +165,7 @@ class OutputProcessor:
             if state.finished:
                 results.append(state.output())
                 del self._requests[rid]
-            elif not final_only:
+            elif not state.final_only:
                 results.append(state.output())
         return results, to_abort
 

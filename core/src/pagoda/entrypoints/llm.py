@@ -75,9 +75,9 @@ class LLM:
         try:
             for i, (p, sp) in enumerate(zip(processed, params)):
                 rid = self.engine.new_request_id()
-                self.engine.add_processed(
-                    rid, p.prompt, p.prompt_token_ids, sp, 0 if priority is None else priority[i]
-                )
+                prio = 0 if priority is None else priority[i]
+                # NOTE: only finished outputs are read (``_run``): none is built before.
+                self.engine.add_processed(rid, p.prompt, p.prompt_token_ids, sp, prio, True)
                 ids.append(rid)
         except BaseException:
             # A request the engine refused (an admission rule, say) takes the batch with it.
@@ -105,7 +105,7 @@ class LLM:
             while len(finished) < len(request_ids):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests unfinished")
-                for out in self.engine.step(final_only=True):  # NOTE: it reads no other
+                for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)
