@@ -116,9 +116,13 @@ class AsyncLLM:
         stream = RequestStream(OutputKind(output_kind), holdback)
         arrival = time.monotonic()
         # NOTE: a request it refuses leaves nothing registered or sent behind.
-        final_only = stream.kind is OutputKind.FINAL_ONLY  # no output is built before the last
         self.engine.add_processed(
-            request_id, processed.prompt, processed.prompt_token_ids, params, priority, final_only
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            priority,
+            final_only=stream.kind is OutputKind.FINAL_ONLY,  # no output is built before the last
         )
         self._streams[request_id] = stream
         seq_ids = self.engine.output_processor.seq_ids(request_id)

@@ -76,8 +76,10 @@ class LLM:
             for i, (p, sp) in enumerate(zip(processed, params)):
                 rid = self.engine.new_request_id()
                 prio = 0 if priority is None else priority[i]
-                # NOTE: only finished outputs are read (``_run``): none is built before.
-                self.engine.add_processed(rid, p.prompt, p.prompt_token_ids, sp, prio, True)
+                # ``_run`` reads only finished outputs: none is built before.
+                self.engine.add_processed(
+                    rid, p.prompt, p.prompt_token_ids, sp, prio, final_only=True
+                )
                 ids.append(rid)
         except BaseException:
             # A request the engine refused (an admission rule, say) takes the batch with it.
