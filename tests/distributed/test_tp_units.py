@@ -4,16 +4,20 @@ does not divide the model, and the step messages' round trip without pickle."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from pagoda import LLM
 from pagoda.attention.torch_native import TorchNativeBackend
 from pagoda.distributed import messages as m
 from pagoda.distributed import parallel_state, tp_shape
+from pagoda.distributed.executor import WorkerFailedError, WorkerGroupExecutor
 from pagoda.loader import ModelArchConfig, load_hf_config
 from pagoda.loader.sharded import iter_safetensors_slices
 from pagoda.loader.weights import iter_safetensors
@@ -136,3 +140,60 @@ def test_executor_names_auto_and_vllms() -> None:
     assert name() == "uniproc" and name(tensor_parallel_size=2) == "multiproc"
     assert name(tensor_parallel_size=2, distributed_executor_backend="mp") == "multiproc"
     assert name(tensor_parallel_size=2, executor="ray") == "ray"
+
+
+class _NoWorkers(WorkerGroupExecutor):
+    """The engine side of a group alone: its sockets, with no worker started."""
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        self.world_size = world_size
+        self.failed = None
+        self._timeout_s = timeout_s
+        self._last_seen = [time.monotonic() + 3600.0] * world_size
+        self._encoder = m.encoder()
+        self._open_sockets()
+
+    def start_workers(self, specs) -> None:
+        raise AssertionError("no workers here")
+
+    def dead_worker(self) -> str | None:
+        return None
+
+    def stop_workers(self, timeout_s: float) -> None:
+        pass
+
+    def dist_init_method(self) -> str:
+        return "tcp://127.0.0.1:1"
+
+
+def test_a_call_waits_for_a_rank_whose_inbox_connects_late() -> None:
+    # A rank's hello can arrive before its inbox is connected; the first call must reach it.
+    ex = _NoWorkers(2, timeout_s=30.0)
+    ctx = zmq.Context()
+    inboxes = [ctx.socket(zmq.PULL) for _ in range(2)]
+    try:
+        inboxes[0].connect(ex._connect_addrs[0])
+        later = threading.Timer(0.5, inboxes[1].connect, (ex._connect_addrs[1],))
+        later.start()
+        ex._broadcast(m.Call(7, "load_model", []))
+        later.join()
+        decoder = m.worker_decoder()
+        for sock in inboxes:
+            assert sock.poll(5000), "a rank got no message"
+            assert decoder.decode(sock.recv()) == m.Call(7, "load_model", [])
+        assert ex.failed is None
+    finally:
+        ex.shutdown()
+        ctx.destroy(linger=0)
+
+
+def test_a_rank_that_never_connects_fails_the_call_naming_it() -> None:
+    ex = _NoWorkers(2, timeout_s=0.5)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    try:
+        inbox.connect(ex._connect_addrs[0])
+        with pytest.raises(WorkerFailedError, match="rank 1 does not take its messages"):
+            ex._broadcast(m.Call(0, "load_model", []))
+    finally:
+        ctx.destroy(linger=0)

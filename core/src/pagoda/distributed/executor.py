@@ -157,12 +157,26 @@ class WorkerGroupExecutor(Executor):
 
     def _broadcast(self, msg: Any) -> None:
         data = self._encoder.encode(msg)
-        for sock in self._inboxes:
-            try:
-                sock.send(data, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self._check_workers()
-                raise self._fail("a worker does not take its messages") from None
+        for rank, sock in enumerate(self._inboxes):
+            deadline = None
+            while True:
+                try:
+                    sock.send(data, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    # NOTE: a worker's hello comes back on the results socket, whose handshake
+                    # can finish before that of its inbox (a loaded machine, slow actors): the
+                    # first call may find no peer yet. Wait for one, as long as a silent worker
+                    # may take, watching that none died.
+                    now = time.monotonic()
+                    deadline = deadline if deadline is not None else now + self._timeout_s
+                    self._check_workers()
+                    if now >= deadline:
+                        raise self._fail(
+                            f"tensor-parallel worker rank {rank} does not take its messages "
+                            f"(waited {self._timeout_s:.0f} s); the engine stops"
+                        ) from None
+                    sock.poll(_POLL_MS, zmq.POLLOUT)
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         """Call ``WorkerProc.<method>(*args)`` on every rank; the results in rank order."""
