@@ -13,12 +13,19 @@ bookkeeping costs plain steps). The variants take turns, ``--rounds`` times over
 The model is a config folder (random weights, cached) or a checkpoint. A random head drafts
 nothing that is accepted, so what it costs is the proposer's bookkeeping, its catch-up drafts
 and the waits its verification steps add.
+
+``--accept-all``: the other end, every draft accepted. The target's and the head's final norms
+are zeroed, so both always pick token 0 (greedy ties go to the lowest id): each verification
+emits k + 1 tokens, and the ratio to ``none`` is what a step with drafts costs against a plain
+one, at the most a head can accept. ``--model benchmarks/configs/tiny-llama --device cpu`` makes
+a step's compute small, so the timers show mostly the host's work.
 """
 
 import argparse
 import collections
 import functools
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -26,9 +33,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pagoda_spec_eagle.chain as ec
 import pagoda_spec_eagle.proposer as ep
 import torch
 from pagoda_spec_eagle.checkpoint import llama_head_config, random_head_weights, write_head
+from safetensors.torch import load_file, save_file
 
 import pagoda.spec_decode.hidden as hd
 import pagoda.spec_decode.verify as vf
@@ -38,6 +47,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
 from pagoda.engine.gc_tuning import tuned_gc
+from pagoda.models.llama import LlamaForCausalLM
 
 T = collections.defaultdict(float)
 N = collections.Counter()
@@ -73,6 +83,11 @@ wrap(ep.EagleProposer, "draft_after_verify", "eagle.draft_after_verify")
 wrap(mr.ModelRunner, "launch", "runner.launch")
 wrap(mr.ModelRunner, "_read_unread", "runner.read_unread")
 wrap(so_mod.StepOutput, "get", "step.get")
+wrap(so_mod.StepOutput, "_build", "step._build")
+wrap(mr, "verify_drafts", "verify_drafts")
+wrap(ec.DenseChain, "load_verified", "chain.load_verified")
+wrap(ec.DenseChain, "run", "chain.run")  # on a CPU: the head's compute
+wrap(LlamaForCausalLM, "forward", "model.forward")  # eager steps only: the target's compute
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "smollm2-135m"))
@@ -80,6 +95,9 @@ ap.add_argument("--variants", default="none,gov,nogov")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--output-json", default=None)
+ap.add_argument("--accept-all", action="store_true", help="every draft accepted (see above)")
+ap.add_argument("--num-prompts", type=int, default=10)
+ap.add_argument("--max-tokens", type=int, default=160)
 args = ap.parse_args()
 dev = torch.device(args.device)
 if (Path(args.model) / "config.json").exists() and not any(Path(args.model).glob("*.safetensors")):
@@ -87,6 +105,17 @@ if (Path(args.model) / "config.json").exists() and not any(Path(args.model).glob
 else:
     folder = args.model
 cfg = json.loads((Path(folder) / "config.json").read_text())
+if args.accept_all:  # a copy whose final norm is zero: every logit 0, greedy picks token 0
+    zeroed = Path(tempfile.mkdtemp())
+    for f in Path(folder).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, zeroed / f.name)
+            continue
+        w = load_file(f)
+        if "model.norm.weight" in w:
+            w["model.norm.weight"] = torch.zeros_like(w["model.norm.weight"])
+        save_file(w, zeroed / f.name, metadata={"format": "pt"})
+    folder = zeroed
 hdir = Path(tempfile.mkdtemp())
 rnd = llama_head_config(
     "eagle3",
@@ -97,7 +126,10 @@ rnd = llama_head_config(
     cfg["vocab_size"],
     draft_vocab_size=min(8192, cfg["vocab_size"] // 2),
 )
-write_head(hdir, rnd, random_head_weights(rnd, seed=1))
+head_weights = random_head_weights(rnd, seed=1)
+if args.accept_all:
+    head_weights["norm.weight"] = torch.zeros_like(head_weights["norm.weight"])
+write_head(hdir, rnd, head_weights)
 base = dict(
     model=str(folder),
     dtype="bfloat16" if dev.type == "cuda" else "float32",
@@ -138,27 +170,29 @@ for v in variants:
 rng = np.random.default_rng(0)
 prompts = [
     {"prompt_token_ids": rng.integers(10, min(40000, cfg["vocab_size"]), 300).tolist()}
-    for _ in range(10)
+    for _ in range(args.num_prompts)
 ]
-params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 tokens = len(prompts) * params.max_tokens
 for llm in engines.values():
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
 secs: dict[str, list[float]] = {v: [] for v in variants}
 timers: dict[str, dict[str, tuple[float, int]]] = {v: {} for v in variants}
 drafts = collections.Counter()
+accepted = collections.Counter()
 with tuned_gc():  # as the engine-core process runs (pagoda.engine.gc_tuning)
     for _ in range(args.rounds):
         for v, llm in engines.items():
             T.clear()
             N.clear()
             st = llm.engine.engine_core.scheduler.spec_stats_total
-            d0 = st.num_drafts
+            d0, a0 = st.num_drafts, st.num_accepted_tokens
             t0 = time.perf_counter()
             for p in prompts:
                 llm.generate([p], params, use_tqdm=False)
             secs[v].append(time.perf_counter() - t0)
             drafts[v] += st.num_drafts - d0
+            accepted[v] += st.num_accepted_tokens - a0
             for k in T:
                 t, n = timers[v].get(k, (0.0, 0))
                 timers[v][k] = (t + T[k], n + N[k])
@@ -167,11 +201,22 @@ for v, llm in engines.items():
     gov = llm.engine.engine_core.scheduler.spec_governor
     epochs = getattr(gov, "epochs", None)
     tps = [round(tokens / s) for s in secs[v]]
-    print(f"{v:6s} tok/s {tps}  drafts {drafts[v]}  governor epochs {epochs}")
+    print(
+        f"{v:6s} tok/s {tps}  drafts {drafts[v]}  accepted {accepted[v]}  governor epochs {epochs}"
+    )
     for k, (t, n) in sorted(timers[v].items(), key=lambda kv: -kv[1][0]):
         print(f"    {k:28s} {t / n * 1e6 if n else 0:8.1f} us a call  {n / args.rounds:8.0f} calls")
 ratios = {v: round(median["none"] / median[v], 3) for v in variants if "none" in median}
 print(ratios)
+# The steps' time less the target's and the head's eager compute (all of a CPU step's compute;
+# on a GPU, graph replays are not counted as compute, and the host waits inside ``get``).
+per_step = {}
+for v in variants:
+    t = timers[v]
+    launches = t["runner.launch"][1] or 1
+    compute = t.get("model.forward", (0.0, 0))[0] + t.get("chain.run", (0.0, 0))[0]
+    per_step[v] = round((sum(secs[v]) - compute) / launches * 1e6, 1)
+print("us a step, eager compute excluded:", per_step)
 runner = engines[variants[0]].engine.engine_core.executor.worker.model_runner
 
 
@@ -187,7 +232,9 @@ report = {
     "benchmark": "eagle_host_time",
     "command": "python " + " ".join(sys.argv),
     "workload": f"batch 1, {len(prompts)} random prompts of 300 tokens, {params.max_tokens} out",
-    "model": f"{_shown(args.model)} (random weights), random EAGLE-3 head",
+    "model": f"{_shown(args.model)} (random weights), random EAGLE-3 head"
+    + (", both final norms zeroed: every draft accepted" if args.accept_all else ""),
+    "accept_all": args.accept_all,
     "hardware": hardware(runner.device),
     "commit": commit(),
     "dtype": str(runner.dtype),
@@ -195,6 +242,8 @@ report = {
     "tokens_per_s": {v: [round(tokens / s, 1) for s in secs[v]] for v in variants},
     "ratio_to_none": ratios,
     "drafts": dict(drafts),
+    "us_per_step_excluding_eager_compute": per_step,
+    "accepted_tokens": dict(accepted),
     "host_us_per_call": {
         v: {k: round(t / n * 1e6, 1) for k, (t, n) in timers[v].items() if n} for v in variants
     },
