@@ -115,7 +115,7 @@ class HiddenFeed:
         total = int(qsl[-1])
         if self.buf is None:
             rows = hidden[:total].clone()
-        elif padded_q is None:
+        elif padded_q is None or total == (len(qsl) - 1) * padded_q:  # no padding in the buffer
             rows = self.buf[:total].clone()
         else:
             counts = np.diff(qsl)

@@ -316,6 +316,8 @@ def propose(
     max_drafts = np.asarray(most, dtype=np.int64)
     rows = step.sample_rows[keep]
     hidden = step.proposer_hidden
+    if hidden is not None and len(keep) < len(hidden):  # (all kept: the rows as they are)
+        hidden = hidden[runner._as_device(keep)]
     new_hidden = loc = None
     if feed is not None:
         new_hidden, loc = feed.take(step, keep, num_tokens[keep])
@@ -326,7 +328,7 @@ def propose(
         num_tokens=num_tokens[keep],
         num_prompt_tokens=ib.num_prompt[rows],
         max_num_drafts=max_drafts[keep],
-        hidden_states=None if hidden is None else hidden[runner._as_device(keep)],
+        hidden_states=hidden,
         new_hidden_states=new_hidden,
         hidden_loc=loc,
     )

@@ -46,12 +46,16 @@ class DenseChain:
         self.device = device
         self.max_batch = max(b for b in BUCKETS if b * width * block_size <= MAX_GATHERED or b == 1)
         b, q = self.max_batch, self.q
-        # NOTE: the integer inputs are views of one buffer, filled by one copy a call.
-        self.sizes = [b * q, b * q, b * q, b, b * width]
+        # NOTE: the integer inputs are views of one buffer, filled by one copy a call. Each
+        # request's rows to keep (``count``: its first ``count`` rows, 0 for a pad) decide which
+        # rows write the cache and which one drafts, inside the computation: a call fills one
+        # number a request, not masks.
+        self.sizes = [b * q, b * q, b, b * width]
         self.ints = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
-        tokens, positions, valid, last, table = self.ints.split(self.sizes)
+        tokens, positions, count, table = self.ints.split(self.sizes)
         self.tokens, self.positions = tokens.view(b, q), positions.view(b, q)
-        self.valid, self.last, self.table = valid.view(b, q), last, table.view(b, width)
+        self.count, self.table = count, table.view(b, width)
+        self.cols = torch.arange(q, device=device)
         self.hidden = torch.zeros(b, q, hidden_in, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -104,15 +108,18 @@ class DenseChain:
         """Drafts [b, k] for the first ``b`` rows of the input buffers."""
         head, q = self.head, self.q
         pos = self.positions[:b]
-        valid = self.valid[:b] != 0
+        count = self.count[:b]
+        valid = self.cols[None, :] < count[:, None]
+        last = (count - 1).clamp(min=0)
         attend = self._attend(b, q, pos, self._slots(b, pos, valid))
         hidden = head.combine(self.hidden[:b].reshape(b * q, -1))
-        h, lm_in = head(pos.reshape(-1), self.embed(self.tokens[:b].reshape(-1)), hidden, attend)
-        pick = torch.arange(b, device=self.device) * q + self.last[:b]
+        tokens = self.tokens[:b].reshape(-1).clamp(min=0)  # -1 pads a verified step's tokens
+        h, lm_in = head(pos.reshape(-1), self.embed(tokens), hidden, attend)
+        pick = torch.arange(b, device=self.device) * q + last
         h = h[pick]
         draft = self.logits_to_ids(lm_in[pick])
         drafts = [draft]
-        base = pos.gather(1, self.last[:b, None])  # [b, 1]: the last caught-up position
+        base = pos.gather(1, last[:, None])  # [b, 1]: the last caught-up position
         ones = torch.ones(b, 1, dtype=torch.bool, device=self.device)
         for s in range(1, self.k):
             p = base + s
@@ -151,10 +158,8 @@ class DenseChain:
         ``tokens`` [n, <= q] (-1 padded) are their input ids."""
         b = self._load(tables, first, m, hidden, None)
         n, w = tokens.shape
-        self.tokens[:n, :w] = tokens.clamp(min=0)
-        cols = torch.arange(self.q, device=self.device)
-        self.valid[:n] = (cols[None, :] < num_emitted[:, None]).to(torch.int64)
-        self.last[:n] = num_emitted - 1
+        self.tokens[:n, :w] = tokens
+        self.count[:n] = num_emitted
         return b
 
     def _load(
@@ -171,13 +176,12 @@ class DenseChain:
             np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
         )
         host = np.zeros(sum(self.sizes), dtype=np.int64)
-        tok, pos, valid, last, table = np.split(host, np.cumsum(self.sizes)[:-1])
+        tok, pos, count, table = np.split(host, np.cumsum(self.sizes)[:-1])
         if tokens is not None:
             tok[idx] = tokens
         pos = pos.reshape(-1, q)
         pos[:n] = first[:, None] + np.minimum(np.arange(q)[None, :], (m - 1)[:, None])
-        valid[idx] = 1
-        last[:n] = m - 1
+        count[:n] = m
         table = table.reshape(-1, self.width)
         table[:] = self.trash
         table[:n, : tables.shape[1]] = tables
