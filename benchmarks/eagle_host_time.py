@@ -19,6 +19,12 @@ are zeroed, so both always pick token 0 (greedy ties go to the lowest id): each 
 emits k + 1 tokens, and the ratio to ``none`` is what a step with drafts costs against a plain
 one, at the most a head can accept. ``--model benchmarks/configs/tiny-llama --device cpu`` makes
 a step's compute small, so the timers show mostly the host's work.
+
+``--trace`` (after the timed rounds): one prompt per variant under the torch profiler, with the
+time a step's kernels keep the device busy against the step's wall time. Where a step's wall time
+is far above its busy time the device waits for the host (on the step's critical path: at batch
+1 with draft slots a launch waits for the step before it); the profiler slows the host a little,
+so the waiting it shows is an upper bound.
 """
 
 import argparse
@@ -98,6 +104,11 @@ ap.add_argument("--output-json", default=None)
 ap.add_argument("--accept-all", action="store_true", help="every draft accepted (see above)")
 ap.add_argument("--num-prompts", type=int, default=10)
 ap.add_argument("--max-tokens", type=int, default=160)
+ap.add_argument(
+    "--trace",
+    action="store_true",
+    help="then profile one prompt per variant: the device's busy time a step, its kernels",
+)
 args = ap.parse_args()
 dev = torch.device(args.device)
 if (Path(args.model) / "config.json").exists() and not any(Path(args.model).glob("*.safetensors")):
@@ -248,6 +259,55 @@ report = {
         v: {k: round(t / n * 1e6, 1) for k, (t, n) in timers[v].items() if n} for v in variants
     },
 }
+
+
+def _trace(llm) -> dict:
+    """One prompt under the torch profiler: wall time a step, the time a step's kernels keep the
+    device busy (the union of their intervals; what is left is the device waiting for the
+    host), and the kernels that take longest."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and runner.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts):  # the profiler's own start-up, not timed
+        llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    n0 = N["runner.launch"]
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        llm.generate([prompts[0]], params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    steps = max(N["runner.launch"] - n0, 1)
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    for e in kernels:
+        per_kernel[e.name[:80]] += e.time_range.end - e.time_range.start
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "steps": steps,
+        "wall_us_per_step": round(wall / steps * 1e6, 1),
+        "device_busy_us_per_step": round(busy / steps, 1) if cuda else None,
+        "kernels_per_step": round(len(kernels) / steps, 1) if cuda else None,
+        "top_kernels_us_per_step": {k: round(v / steps, 1) for k, v in top},
+    }
+
+
+if args.trace:
+    report["trace"] = {}
+    for v, llm in engines.items():
+        report["trace"][v] = tr = _trace(llm)
+        busy = tr["device_busy_us_per_step"]
+        print(f"trace {v:6s} {tr['wall_us_per_step']:8.1f} us a step, device busy {busy} us")
+        for k, us in tr["top_kernels_us_per_step"].items():
+            print(f"    {us:8.1f} us  {k}")
 where = "cpu"
 if runner.device.type == "cuda":
     where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
