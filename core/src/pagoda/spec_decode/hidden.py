@@ -155,20 +155,34 @@ class HiddenFeed:
         self._flush()
         rows, qsl, starts = step.hidden_feed
         idx = step.sample_idx[keep]
-        first = starts[idx]
-        # Positions first .. num_tokens - 2 of the step are known to be followed by a token.
-        m = np.clip(num_tokens - 1 - first, 0, np.diff(qsl)[idx])
-        loc = np.zeros(len(idx) + 1, dtype=np.int64)
-        ids = [step.req_ids[i] for i in idx.tolist()]
+        idx_l = idx.tolist()
+        ids = [step.req_ids[i] for i in idx_l]
         if not any(r in self._pending for r in ids):
-            np.cumsum(m, out=loc[1:])
-            flat = np.repeat(qsl[idx] - loc[:-1], m) + np.arange(int(loc[-1]))
-            if not len(flat) or flat[-1] - flat[0] + 1 == len(flat):  # a run of rows (decode)
-                lo = int(flat[0]) if len(flat) else 0
-                return rows[lo : lo + len(flat)], loc
+            # NOTE: plain Python: this runs every step that drafts, mostly for a few requests.
+            # Positions first .. num_tokens - 2 of the step are known to be followed by a token.
+            qsl_l, starts_l = qsl.tolist(), starts.tolist()
+            loc_l, lo, end, run = [0], 0, -1, True  # run: the rows are one slice (decoding)
+            for i, n in zip(idx_l, num_tokens.tolist()):
+                q0 = qsl_l[i]
+                m = min(max(n - 1 - starts_l[i], 0), qsl_l[i + 1] - q0)
+                if m:
+                    if end < 0:
+                        lo = q0
+                    elif q0 != end:
+                        run = False
+                    end = q0 + m
+                loc_l.append(loc_l[-1] + m)
+            loc = np.asarray(loc_l, dtype=np.int64)
+            if run:
+                return rows[lo : lo + loc_l[-1]], loc
+            m = np.diff(loc)
+            flat = np.repeat(qsl[idx] - loc[:-1], m) + np.arange(loc_l[-1])
             # NOTE: pinned and non-blocking: a blocking copy would wait for the step launched
             # since (the host would lose its lead over the device every step).
             return rows[self._as_device(flat)], loc
+        first = starts[idx]
+        m = np.clip(num_tokens - 1 - first, 0, np.diff(qsl)[idx])
+        loc = np.zeros(len(idx) + 1, dtype=np.int64)
         parts = []
         for j, req_id in enumerate(ids):
             own = rows[qsl[idx[j]] : qsl[idx[j]] + m[j]]

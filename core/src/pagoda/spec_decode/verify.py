@@ -200,23 +200,28 @@ def _draft_after_verify(
         return
     sel = np.asarray(pick, dtype=np.int64)
     idx = out.sample_idx[sel]
-    count = np.diff(qsl)[idx]
+    # NOTE: plain Python over the picked requests (a few, mostly): their rows, and whether
+    # they are one slice of the step's rows (every request of the step verified drafts).
+    qsl_l, idx_l = qsl.tolist(), idx.tolist()
+    count_l = [qsl_l[i + 1] - qsl_l[i] for i in idx_l]
+    run = all(qsl_l[a + 1] == qsl_l[b] for a, b in zip(idx_l, idx_l[1:]))
+    count = np.asarray(count_l, dtype=np.int64)
     loc = np.zeros(len(sel) + 1, dtype=np.int64)
     np.cumsum(count, out=loc[1:])
-    flat = np.repeat(qsl[idx] - loc[:-1], count) + np.arange(int(loc[-1]))
+    if run:
+        new_hidden = rows_t[qsl_l[idx_l[0]] : qsl_l[idx_l[0]] + int(loc[-1])]
+    else:
+        flat = np.repeat(qsl[idx] - loc[:-1], count) + np.arange(int(loc[-1]))
+        new_hidden = rows_t[runner._as_device(flat)]
     everyone = len(sel) == len(nd)
     batch = VerifiedBatch(
-        req_ids=[req_ids[i] for i in idx.tolist()],
+        req_ids=[req_ids[i] for i in idx_l],
         rows=out.sample_rows[sel],
         first=starts[idx],
         num_rows=count,
         tokens=tokens if everyone else tokens[runner._as_device(sel)],
         num_emitted=num_emitted if everyone else num_emitted[runner._as_device(sel)],
-        new_hidden_states=(
-            rows_t[int(flat[0]) : int(flat[0]) + len(flat)]
-            if flat[-1] - flat[0] + 1 == len(flat)
-            else rows_t[runner._as_device(flat)]
-        ),
+        new_hidden_states=new_hidden,
         hidden_loc=loc,
     )
     runner.proposer.draft_after_verify(batch)
