@@ -177,13 +177,18 @@ class StepOutput:
             sub._write_back(tokens[plain, 0])
         drafted = np.flatnonzero(self.drafted if void is None else self.drafted & ~void)
         rows = self.sample_rows[drafted]
-        owned = np.array(
-            [
-                ib.row_of.get(self.req_ids[i]) == r
-                for i, r in zip(self.sample_idx[drafted].tolist(), rows.tolist())
-            ],
-            dtype=bool,
-        )
+        owned = [
+            ib.row_of.get(self.req_ids[i]) == r
+            for i, r in zip(self.sample_idx[drafted].tolist(), rows.tolist())
+        ]
+        if len(drafted) <= 4 and all(owned):
+            # NOTE: a few requests (batch 1, say): a slice each, not a dozen numpy calls.
+            for j, row in zip(drafted.tolist(), rows.tolist()):
+                n, pos = int(self.num_emitted[j]), int(self.sample_pos[j])
+                ib.token_ids[row, pos : pos + n] = tokens[j, :n]
+                ib.num_tokens[row] = pos + n
+            return
+        owned = np.asarray(owned, dtype=bool)
         drafted, rows = drafted[owned], rows[owned]
         n = self.num_emitted[drafted]
         pos = self.sample_pos[drafted]
