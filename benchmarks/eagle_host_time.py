@@ -101,6 +101,7 @@ ap.add_argument("--variants", default="none,gov,nogov")
 ap.add_argument("--device", default="cuda")
 ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--output-json", default=None)
+ap.add_argument("--attention-backend", default=None, help="attention.backend (default: auto)")
 ap.add_argument("--accept-all", action="store_true", help="every draft accepted (see above)")
 ap.add_argument("--num-prompts", type=int, default=10)
 ap.add_argument("--max-tokens", type=int, default=160)
@@ -150,6 +151,8 @@ base = dict(
     kv_cache_memory_bytes=1 << 30,
     enable_prefix_caching=False,
 )
+if args.attention_backend:
+    base["attention_backend"] = args.attention_backend
 spec = {"method": "eagle3", "num_speculative_tokens": 4, "model": str(hdir)}
 variants = args.variants.split(",")
 specs = {"none": None, "gov": spec, "off": spec, "nogov": {**spec, "adaptive": False}}
@@ -246,6 +249,7 @@ report = {
     "model": f"{_shown(args.model)} (random weights), random EAGLE-3 head"
     + (", both final norms zeroed: every draft accepted" if args.accept_all else ""),
     "accept_all": args.accept_all,
+    "attention_backend": args.attention_backend or "auto",
     "hardware": hardware(runner.device),
     "commit": commit(),
     "dtype": str(runner.dtype),
