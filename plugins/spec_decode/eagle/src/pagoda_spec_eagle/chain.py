@@ -56,6 +56,8 @@ class DenseChain:
         self.tokens, self.positions = tokens.view(b, q), positions.view(b, q)
         self.count, self.table = count, table.view(b, width)
         self.cols = torch.arange(q, device=device)
+        self._offsets = np.cumsum(self.sizes)[:-1].tolist()  # where each input starts, on the host
+        self._steps = np.arange(q)[None, :]
         self.hidden = torch.zeros(b, q, hidden_in, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -172,22 +174,30 @@ class DenseChain:
     ) -> int:
         n, q = len(m), self.q
         b = self.bucket(n)
-        idx = np.repeat(np.arange(n) * q, m) + (
-            np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
-        )
+        full = n == b and int(m.min()) == q  # every row of the bucket holds a request's row
         host = np.zeros(sum(self.sizes), dtype=np.int64)
-        tok, pos, count, table = np.split(host, np.cumsum(self.sizes)[:-1])
-        if tokens is not None:
-            tok[idx] = tokens
-        pos = pos.reshape(-1, q)
-        pos[:n] = first[:, None] + np.minimum(np.arange(q)[None, :], (m - 1)[:, None])
+        o = self._offsets
+        tok, count = host[: o[0]], host[o[1] : o[2]]
+        pos = host[o[0] : o[1]].reshape(-1, q)
+        table = host[o[2] :].reshape(-1, self.width)
+        if full:
+            idx = None
+            if tokens is not None:
+                tok[: n * q] = tokens
+            pos[:n] = first[:, None] + self._steps
+        else:
+            idx = np.repeat(np.arange(n) * q, m) + (
+                np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+            )
+            if tokens is not None:
+                tok[idx] = tokens
+            pos[:n] = first[:, None] + np.minimum(self._steps, (m - 1)[:, None])
         count[:n] = m
-        table = table.reshape(-1, self.width)
         table[:] = self.trash
         table[:n, : tables.shape[1]] = tables
         self.ints.copy_(self._pinned(host), non_blocking=True)
         rows = self.hidden[:b].view(b * q, -1)
-        if len(idx) == b * q:
+        if full:
             rows.copy_(hidden)
         else:
             rows.zero_()
