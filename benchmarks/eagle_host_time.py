@@ -52,25 +52,35 @@ import pagoda.worker.step_output as so_mod
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
+from pagoda.engine.core import EngineCore
 from pagoda.engine.gc_tuning import tuned_gc
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.scheduler.scheduler import Scheduler
 
 T = collections.defaultdict(float)
 N = collections.Counter()
+LABELS: set[str] = set()
+TRACING = [False]  # under ``--trace``: each wrapped call is a profiler range too
 
 
 def wrap(owner, name, label):
     f = getattr(owner, name)
+    LABELS.add(label)
 
     @functools.wraps(f)
     def w(*a, **k):
         t = time.perf_counter()
+        rf = torch.profiler.record_function(label) if TRACING[0] else None
+        if rf is not None:
+            rf.__enter__()
         try:
             r = f(*a, **k)
             if label == "must_read_last" and r:
                 N["must_read_true"] += 1
             return r
         finally:
+            if rf is not None:
+                rf.__exit__(None, None, None)
             T[label] += time.perf_counter() - t
             N[label] += 1
 
@@ -94,6 +104,12 @@ wrap(mr, "verify_drafts", "verify_drafts")
 wrap(ec.DenseChain, "load_verified", "chain.load_verified")
 wrap(ec.DenseChain, "run", "chain.run")  # on a CPU: the head's compute
 wrap(LlamaForCausalLM, "forward", "model.forward")  # eager steps only: the target's compute
+wrap(mr, "run_verify_graph", "run_verify_graph")
+wrap(mr.ModelRunner, "_update_states", "runner.update_states")
+wrap(mr, "propose_after", "propose_after")
+wrap(Scheduler, "schedule", "scheduler.schedule")
+wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
+wrap(EngineCore, "step", "engine.step")
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "smollm2-135m"))
@@ -265,6 +281,50 @@ report = {
 }
 
 
+def _idle_by_phase(spans: list, ranges: list) -> dict[str, float]:
+    """The device's idle time between its first and last kernel, by what the host was doing
+    meanwhile: the innermost wrapped function running (``engine.step`` when none inside it is,
+    ``(outside)`` between engine steps). The wrapped calls run on one thread, so they nest."""
+    gaps, end = [], None
+    for a, b in spans:
+        if end is not None and a > end:
+            gaps.append((end, a))
+        end = b if end is None else max(end, b)
+    # The host's timeline as segments (from, to, innermost function), by a sweep over the
+    # calls' starts and ends (an end before a start at the same moment).
+    marks = sorted(
+        [(r[0], 1, i) for i, r in enumerate(ranges)] + [(r[1], 0, i) for i, r in enumerate(ranges)]
+    )
+    segments, stack, prev = [], [], None
+    for t, is_start, i in marks:
+        if prev is not None and t > prev:
+            segments.append((prev, t, ranges[stack[-1]][2] if stack else "(outside)"))
+        if is_start:
+            stack.append(i)
+        elif i in stack:
+            stack.remove(i)
+        prev = t
+    out: dict[str, float] = collections.defaultdict(float)
+    j = 0
+    for a, b in gaps:
+        while j < len(segments) and segments[j][1] <= a:
+            j += 1
+        x, k = a, j
+        while x < b:
+            if k >= len(segments) or segments[k][0] >= b:
+                out["(outside)"] += b - x
+                break
+            s0, s1, name = segments[k]
+            if s0 > x:
+                out["(outside)"] += min(s0, b) - x
+                x = min(s0, b)
+                continue
+            y = min(s1, b)
+            out[name] += y - x
+            x, k = y, k + 1
+    return dict(out)
+
+
 def _trace(llm) -> dict:
     """One prompt under the torch profiler: wall time a step, the time a step's kernels keep the
     device busy (the union of their intervals; what is left is the device waiting for the
@@ -278,10 +338,14 @@ def _trace(llm) -> dict:
         llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     n0 = N["runner.launch"]
     t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        llm.generate([prompts[0]], params, use_tqdm=False)
-        if cuda:
-            torch.cuda.synchronize()
+    TRACING[0] = True
+    try:
+        with profile(activities=acts) as prof:
+            llm.generate([prompts[0]], params, use_tqdm=False)
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        TRACING[0] = False
     wall = time.perf_counter() - t0
     steps = max(N["runner.launch"] - n0, 1)
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
@@ -295,9 +359,18 @@ def _trace(llm) -> dict:
     for e in kernels:
         per_kernel[e.name[:80]] += e.time_range.end - e.time_range.start
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    ranges = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type != DeviceType.CUDA and e.name in LABELS
+    ]
+    idle = _idle_by_phase(spans, ranges) if cuda else {}
     return {
         "steps": steps,
         "wall_us_per_step": round(wall / steps * 1e6, 1),
+        "device_idle_us_per_step_by_host_phase": {
+            k: round(v / steps, 1) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])
+        },
         "device_busy_us_per_step": round(busy / steps, 1) if cuda else None,
         "kernels_per_step": round(len(kernels) / steps, 1) if cuda else None,
         "top_kernels_us_per_step": {k: round(v / steps, 1) for k, v in top},
@@ -310,6 +383,8 @@ if args.trace:
         report["trace"][v] = tr = _trace(llm)
         busy = tr["device_busy_us_per_step"]
         print(f"trace {v:6s} {tr['wall_us_per_step']:8.1f} us a step, device busy {busy} us")
+        for k, us in list(tr["device_idle_us_per_step_by_host_phase"].items())[:12]:
+            print(f"    {us:8.1f} us idle in {k}")
         for k, us in tr["top_kernels_us_per_step"].items():
             print(f"    {us:8.1f} us  {k}")
 where = "cpu"
