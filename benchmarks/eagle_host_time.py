@@ -348,7 +348,10 @@ def _trace(llm) -> dict:
         TRACING[0] = False
     wall = time.perf_counter() - t0
     steps = max(N["runner.launch"] - n0, 1)
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    # NOTE: under --trace the wrapped calls show on the device too (annotations), not as kernels.
+    kernels = [
+        e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name not in LABELS
+    ]
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, float("-inf")
     for a, b in spans:
