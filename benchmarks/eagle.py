@@ -57,6 +57,10 @@ def _profile(engines: dict, prompt: list[int], params: SamplingParams, out_dir: 
         (out_dir / f"eagle3-b1-profile-{name}.txt").write_text(text.getvalue())
 
 
+def _runner(llm: LLM):
+    return llm.engine.engine_core.executor.worker.model_runner
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dir")
@@ -70,6 +74,12 @@ def main() -> None:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="attention.backend for every engine (default: auto); with triton a verification "
+        "is launched before the step in flight is read (pagoda.spec_decode.ahead)",
+    )
     p.add_argument("--training-json", default=None, help="the training command's figures")
     p.add_argument(
         "--slots",
@@ -97,6 +107,8 @@ def main() -> None:
         "kv_cache_memory_bytes": 1 << 30 if device.type == "cuda" else 64 << 20,
         "enable_prefix_caching": False,
     }
+    if args.attention_backend:
+        base["attention_backend"] = args.attention_backend
     k = args.num_speculative_tokens
     random_dir = _random_head(args.head, Path(tempfile.mkdtemp(prefix="eagle3-random-head-")))
     spec = {"method": "eagle3", "num_speculative_tokens": k}
@@ -160,6 +172,7 @@ def main() -> None:
         "speedup_trained": tps["eagle3"] / tps["none"],
         "speedup_random": tps["eagle3_random"] / tps["none"],
         "speculative_config": spec,
+        "attention_backend": args.attention_backend or "auto",
         "greedy_identical": {name: outputs[name] == outputs["none"] for name in drafting},
     }
     if args.slots:
@@ -177,6 +190,7 @@ def main() -> None:
                 a / st.num_drafts if st.num_drafts else 0.0 for a in st.accepted_per_pos
             ],
             "num_drafts": st.num_drafts,
+            "verifications_launched_ahead": _runner(engines[name]).ahead_launches,
         }
     if args.profile:  # after the figures: the profile's steps count in no statistic
         _profile(engines, prompts[0], params, out_dir)

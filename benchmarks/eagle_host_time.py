@@ -238,6 +238,13 @@ for v, llm in engines.items():
         print(f"    {k:28s} {t / n * 1e6 if n else 0:8.1f} us a call  {n / args.rounds:8.0f} calls")
 ratios = {v: round(median["none"] / median[v], 3) for v in variants if "none" in median}
 print(ratios)
+print(
+    "verifications launched ahead:",
+    {
+        v: e.engine.engine_core.executor.worker.model_runner.ahead_launches
+        for v, e in engines.items()
+    },
+)
 # The steps' time less the target's and the head's eager compute (all of a CPU step's compute;
 # on a GPU, graph replays are not counted as compute, and the host waits inside ``get``).
 per_step = {}
@@ -275,6 +282,10 @@ report = {
     "drafts": dict(drafts),
     "us_per_step_excluding_eager_compute": per_step,
     "accepted_tokens": dict(accepted),
+    "verifications_launched_ahead": {
+        v: llm.engine.engine_core.executor.worker.model_runner.ahead_launches
+        for v, llm in engines.items()
+    },
     "host_us_per_call": {
         v: {k: round(t / n * 1e6, 1) for k, (t, n) in timers[v].items() if n} for v in variants
     },

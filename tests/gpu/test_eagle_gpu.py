@@ -84,3 +84,49 @@ def _check(on, off, prompts, ids, want) -> None:
     for p, g, w in zip(prompts[:2], single, want[:2]):
         check_same_or_near_tie(off, p, w, g)
     assert chain.replays > replays
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2])
+def test_verifications_launched_ahead_build_the_inputs_the_host_would(
+    qwen3_dir: Path, tmp_path, monkeypatch, num_prompts
+):
+    """With the Triton backend the next verification's inputs are built on the device and its
+    graph replays before the step in flight is read (``pagoda.spec_decode.ahead``). Both final
+    norms are zero, so target and head pick token 0; the head's drafts turn wrong from a point
+    that moves each draft (0 to 4 accepted, by turns). The runner checks each such step's
+    inputs (ids, positions, slots, lengths) against those the host builds after the read."""
+    from pagoda_spec_eagle.chain import DenseChain
+
+    calls = [0]
+    run = DenseChain.run
+
+    def some_wrong(self, b):
+        out = run(self, b).clone()
+        out[:, calls[0] % 5 :] = 7
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(DenseChain, "run", some_wrong)
+    cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    head_cfg = eagle.llama_head_config("eagle3", h, 3 * h, 16, 8, vocab, head_dim=128,
+                                       draft_vocab_size=32000)  # fmt: skip
+    d2t = torch.zeros(32000, dtype=torch.int64)  # draft id d is target id d
+    eagle.write_head(tmp_path / "h", head_cfg, eagle.random_head_weights(head_cfg, 0, d2t))
+    spec = {"method": "eagle3", "model": str(tmp_path / "h"), "num_speculative_tokens": 4,
+            "adaptive": False}  # fmt: skip
+    on = LLM(model=str(qwen3_dir), **COMMON, attention_backend="triton", speculative_config=spec)
+    try:
+        runner = on.engine.engine_core.executor.worker.model_runner
+        runner.check_ahead = True
+        with torch.no_grad():
+            runner.model.model.norm.weight.zero_()
+            runner.proposer.head.norm.weight.zero_()
+        ids = [{"prompt_token_ids": p} for p in _prompts()[:num_prompts]]
+        got = [o.outputs[0].token_ids for o in on.generate(ids, PARAMS, use_tqdm=False)]
+        assert got == [[0] * PARAMS.max_tokens] * num_prompts
+        stats = on.engine.engine_core.scheduler.spec_stats_total
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert runner.ahead_launches >= 3
+    finally:
+        on.engine.shutdown()

@@ -24,7 +24,8 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
 class EagerVerifyGraphs(DecodeGraphs):
-    """DecodeGraphs whose 'replay' runs the model eagerly on the padded persistent buffers."""
+    """DecodeGraphs whose 'replay' runs the model eagerly on the padded persistent buffers
+    (sequence lengths included: ``_pad`` writes the padding's)."""
 
     def capture(self) -> float:
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.int32)
@@ -44,7 +45,9 @@ class EagerVerifyGraphs(DecodeGraphs):
             block_table=r.block_table[:b],
             slot_mapping=r.slot_mapping[: b * q],
             query_start_loc_cpu=np.arange(b + 1) * q,
-            seq_lens_cpu=np.concatenate([common.seq_lens_cpu, np.full(b - n, q)]),
+            # NOTE: a captured graph reads the lengths on the device (a verification launched
+            # ahead has only a bound of them on the host).
+            seq_lens_cpu=r.seq_lens[:b].numpy().astype(np.int64),
             block_size=r.block_size,
         )
         with set_forward_context(r.attn_backend.build_metadata(padded)):

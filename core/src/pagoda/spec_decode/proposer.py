@@ -224,6 +224,20 @@ class SpeculativeProposer(ABC):
         ``propose`` must still return them (it gets the same requests' rows again when the
         step is read). Returns nothing."""
 
+    def drafts_ahead(
+        self, req_ids: list[str], num_tokens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional, for a proposer that drafts in ``draft_after_verify``: the drafts that the
+        next ``propose`` is sure to return, all ``k`` of them, for the requests ``req_ids`` of
+        the step in flight (whose ``draft_after_verify`` ran, in its launch), before that step
+        is read and whatever it accepts. ``num_tokens`` [n]: each request's tokens before
+        that step, a lower bound of what ``propose`` will see. Returns ``(on_device, on_host)``,
+        both [n, k] int64 (the host copy may be in flight until the step's output is read), or
+        None where any request's drafts could differ (then the runner waits for the step).
+        With it the runner launches the next verification before reading the step in flight
+        (``pagoda.spec_decode.ahead``). Default None."""
+        return None
+
     def remove(self, req_ids: Iterable[str]) -> None:  # noqa: B027 (optional to override)
         """Forget the requests ``req_ids``: finished, aborted or preempted (their ids may come
         back later, as a resumed request, with the same history). Returns nothing."""

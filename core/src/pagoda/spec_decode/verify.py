@@ -164,6 +164,7 @@ def verify_drafts(
     runner._prev_index[:] = -1
     runner._prev_index[sample_rows] = np.arange(n)
     out.sampled = tokens.to("cpu", non_blocking=True)
+    out.verified = (tokens, num_emitted)
     if raw_logprobs is not None:
         req_of_row = runner._as_device(np.repeat(np.arange(n), width))
         row_tokens = tokens[req_of_row, runner._as_device(offsets)].clamp(min=0)

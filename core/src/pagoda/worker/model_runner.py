@@ -31,6 +31,7 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.spec_decode.ahead import check_ahead, launch_ahead, take_drafts
 from pagoda.spec_decode.chain import chain_drafts, plan_chain, propose_chain, write_chain_drafts
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
 from pagoda.spec_decode.inflight import (
@@ -152,6 +153,8 @@ class ModelRunner:
         self._unread: list[StepOutput] = []
         self._prev_sampled = torch.zeros(r, dtype=torch.int64, device=d)
         self._prev_index = np.full(r, -1, dtype=np.int64)
+        self.ahead_launches = 0  # verifications launched before the step in flight was read
+        self.check_ahead = False  # (tests) compare their inputs with the host's, waiting
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -360,21 +363,30 @@ class ModelRunner:
         if self._chain and spec:
             self._settle()  # every step before the one in flight is read: bets are settled
             plans = plan_chain(self, self._unread[-1] if self._unread else None, so)
+        ahead = None
         if plans is not None:
             propose_chain(self, plans, spec)  # the step in flight stays unread
         else:
-            if self._unread and must_read_last(self._unread[-1], so, self):
+            if spec and self.proposer is not None and self.proposer.needs_hidden_states:
+                # The verification graph replays behind the step in flight, which is read
+                # next (``pagoda.spec_decode.ahead``).
+                ahead = launch_ahead(self, so)
+            if ahead is not None or (self._unread and must_read_last(self._unread[-1], so, self)):
                 # NOTE: rows with drafts learn their length only there, and draft slots are
                 # filled with the drafts proposed there.
                 self._read_unread()
             if spec and self._propose_in_launch:
                 propose_for_slots(self, spec)
         self._settle()
-        if self._stage is not None:
-            self._stage.next_launch()
-        if so.kv_transfers is not None and self.kv_offload is not None:
-            self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait for it
-        req_ids, starts = self._update_states(so)
+        if ahead is not None:  # (its launch took the staging region and the new blocks)
+            req_ids, starts = ahead.req_ids, ahead.starts
+            take_drafts(self, ahead)
+        else:
+            if self._stage is not None:
+                self._stage.next_launch()
+            if so.kv_transfers is not None and self.kv_offload is not None:
+                self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait
+            req_ids, starts = self._update_states(so)
         ib = self.input_batch
         if so.total_num_scheduled_tokens == 0:
             return StepOutput(ib, [], kv_offload=self.kv_offload)
@@ -416,7 +428,11 @@ class ModelRunner:
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
         verified = None
-        if bucket is None and self.verify_graphs is not None:
+        if ahead is not None and (counts == self.verify_graphs.query_len).all():
+            verified = ahead.hidden  # these inputs, built on the device, replayed already
+            if self.check_ahead:
+                check_ahead(self, input_ids, positions, slots, seq_lens)
+        elif bucket is None and self.verify_graphs is not None:
             # NOTE: a verification graph copies its own (padded) inputs: none are copied here.
             step = (counts, starts, qsl, input_ids, positions, slots, rows)
             verified = run_verify_graph(self, *step, unknown, token_rows[unknown])

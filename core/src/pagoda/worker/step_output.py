@@ -72,6 +72,10 @@ class StepOutput:
     premise_step: StepOutput | None = None
     premise: np.ndarray | None = None
     premise_drafts: np.ndarray | None = None
+    # A step that verified drafts: its outcome on the device, (tokens [n, k + 1] with -1 past
+    # each row's ``num_emitted``, num_emitted [n]), for a verification launched before this
+    # step is read (``pagoda.spec_decode.ahead``).
+    verified: tuple[torch.Tensor, torch.Tensor] | None = None
     _void: np.ndarray | None = None
     _output: ModelRunnerOutput | None = None
 

@@ -70,6 +70,8 @@ class EagleProposer(SpeculativeProposer):
         # req_id -> (drafts [n, k] copied to the host behind a step, row, first position):
         # drafted on the device right after that step's verification (draft_after_verify)
         self._ahead: dict[str, tuple[torch.Tensor, int, int]] = {}
+        # The last draft_after_verify's drafts: (on the device, the host copy, request order).
+        self._behind: tuple[torch.Tensor, torch.Tensor, list[str]] | None = None
         self.num_drafted_behind = 0  # requests' drafts that came from draft_after_verify
 
     def kv_cache_block_bytes(self, block_size: int) -> int:
@@ -251,6 +253,8 @@ class EagleProposer(SpeculativeProposer):
                 self.start_pause = 1 if st.misses == 0 else min(st.pause, _MAX_PAUSE)
             self.resume_at.pop(req_id, None)
             self._ahead.pop(req_id, None)
+            if self._behind is not None and req_id in self._behind[2]:
+                self._behind = None
 
     @torch.inference_mode()
     def draft_after_verify(self, batch: VerifiedBatch) -> None:
@@ -258,6 +262,7 @@ class EagleProposer(SpeculativeProposer):
         chain over the step's rows and its outcome): ``propose`` returns these drafts when the
         step is read, without a draft of its own or a wait."""
         chain = self.chain
+        self._behind = None
         if not self.draft_behind or chain is None or self.head is None:
             return
         keep = [
@@ -284,6 +289,24 @@ class EagleProposer(SpeculativeProposer):
         host = drafts.to("cpu", non_blocking=True) if drafts.is_cuda else drafts.clone()
         for j, i in enumerate(keep):
             self._ahead[batch.req_ids[i]] = (host, j, int(first[j]))
+        self._behind = (drafts, host, [batch.req_ids[i] for i in keep])
+
+    def drafts_ahead(
+        self, req_ids: list[str], num_tokens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafts of the last ``draft_after_verify``, where it drafted for exactly
+        ``req_ids`` (in order) and ``propose`` will return them whatever the step accepts: no
+        request paused, none with a miss away from pausing."""
+        behind = self._behind
+        if behind is None or behind[2] != req_ids:
+            return None
+        for req_id, n in zip(req_ids, num_tokens.tolist()):
+            st = self._state.get(req_id)
+            if st is None or st.num_rows or req_id in self.resume_at:
+                return None
+            if st.resume > n or st.misses + 1 >= _PATIENCE:
+                return None
+        return behind[0], behind[1]
 
     def _catch_up_head(
         self,

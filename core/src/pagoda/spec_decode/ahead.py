@@ -1,0 +1,188 @@
+"""Verification launched ahead: step N + 1's verification graph replays before step N is read.
+
+With draft slots (``pagoda.spec_decode.inflight``) a request whose step N verified drafts is
+scheduled for step N + 1 as if all were accepted, and the runner reads N before building N + 1:
+N's accepted count decides where N + 1 starts, and N's last token and the drafts made behind it
+are N + 1's input ids. At batch 1 that read puts the host's whole preparation of N + 1 between two
+device steps. A proposer that drafts on the device right after verification
+(``SpeculativeProposer.draft_after_verify``) has N + 1's drafts on the device already, and N's
+outcome is there too, so the inputs of N + 1's verification can be built there:
+
+- each request starts at ``p = sample_pos_N - 1 + num_emitted_N`` (where N's last token lands),
+  its positions are ``p .. p + k``, its sequence length ``p + k + 1``;
+- its key and value slots come from its block table (the scheduler reserved blocks for the
+  case that N accepts everything, the farthest N + 1 can reach);
+- its input ids are N's last token (``tokens_N[num_emitted_N - 1]``) and the k drafts.
+
+The runner enqueues that and the graph replay behind step N, then reads N and does the rest of
+N + 1's launch (sampling, verification, the next drafts) on the host as usual, with N + 1's true
+start known by then: the device starts N + 1 as soon as N ends. Only the graph's inputs move to
+the device; everything the host keeps (rows, positions, the hidden-state feed) is computed after
+the read as before, and N + 1 verifies exactly the drafts its inputs hold, so output is what the
+ordinary path gives.
+
+It applies to steps where every request verified drafts in N, keeps its row, has all ``k`` draft
+slots (``q = k + 1`` tokens: a verification graph with no padding), and gets its drafts from
+``SpeculativeProposer.drafts_ahead``; the attention backend must read sequence lengths on the
+device (no re-planning before a replay: Triton, not FlashInfer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.spec_decode.inflight import is_slots
+from pagoda.utils import cdiv
+
+if TYPE_CHECKING:
+    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.worker.model_runner import ModelRunner
+    from pagoda.worker.step_output import StepOutput
+
+
+@dataclass
+class AheadLaunch:
+    """A verification replayed before the step in flight was read."""
+
+    req_ids: list[str]
+    starts: np.ndarray  # the scheduler's starts (``ModelRunner._update_states``)
+    rows: np.ndarray
+    drafts: torch.Tensor  # [n, k] on the host (in flight until the step before is read)
+    hidden: torch.Tensor  # [n * q, hidden]: the graph's output
+
+
+def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None:
+    """Replay ``so``'s verification graph behind the step in flight, before reading it, where
+    the step allows (see the module); None otherwise (nothing was done)."""
+    graphs = runner.verify_graphs
+    proposer = runner.proposer
+    if graphs is None or proposer is None or graphs._replans or not runner._unread:
+        return None
+    last = runner._unread[-1]
+    if not _fits(runner, last, so):
+        return None
+    ib = runner.input_batch
+    q = graphs.query_len
+    req_ids = [c.req_id for c in so.scheduled_cached_reqs]
+    n = len(req_ids)
+    # Each request's index among the step in flight's sampling rows.
+    at = {last.req_ids[i]: j for j, i in enumerate(last.sample_idx.tolist())}
+    sel = np.fromiter((at.get(r, -1) for r in req_ids), dtype=np.int64, count=n)
+    if (sel < 0).any():
+        return None
+    rows = last.sample_rows[sel]
+    if any(ib.row_of.get(r) != row for r, row in zip(req_ids, rows.tolist())):
+        return None
+    if not last.drafted[sel].all() or (last.num_drafts[sel] == 0).any():
+        return None
+    # The farthest N + 1 reaches: N accepts everything (what the scheduler reserved).
+    reach = last.sample_pos[sel] + last.num_drafts[sel] + q
+    if int(reach.max()) > runner.max_model_len:
+        return None
+    got = proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
+    if got is None:
+        return None
+    dev_drafts, host_drafts = got
+    runner._settle()  # every step before the one in flight is read (it stays unread)
+    if runner._stage is not None:
+        runner._stage.next_launch()
+    ids, starts = runner._update_states(so)  # cached requests only: their new blocks
+    bucket = graphs.bucket_for(n)
+    full = n == len(last.sample_idx) and bool((sel == np.arange(n)).all())
+    tokens, emitted = last.verified
+    if not full:
+        sel_t = runner._as_device(sel)
+        tokens, emitted = tokens[sel_t], emitted[sel_t]
+    first = emitted + runner._as_device(last.sample_pos[sel] - 1)  # [n]: N + 1's first position
+    offs = graphs._arange[:q].to(torch.int64)
+    positions = (first.unsqueeze(1) + offs).view(-1)
+    runner.positions[: n * q].copy_(positions)
+    bs = runner.block_size
+    max_blocks = min(cdiv(int(reach.max()), bs), runner.block_table.shape[1])
+    runner._to_device(runner.block_table[:n, :max_blocks], ib.block_table[rows, :max_blocks])
+    blocks = runner.block_table[:n, :max_blocks].gather(1, (positions // bs).view(n, q))
+    runner.slot_mapping[: n * q].copy_(blocks.view(-1).to(torch.int64) * bs + positions % bs)
+    runner.seq_lens[:n].copy_(first + q)
+    runner.query_start_loc[: n + 1].copy_(graphs._arange[: n + 1] * q)
+    inputs = runner.input_ids[: n * q].view(n, q)
+    inputs[:, :1].copy_(tokens.gather(1, (emitted - 1).unsqueeze(1)))
+    inputs[:, 1:].copy_(dev_drafts)
+    common = CommonAttentionMetadata(
+        num_reqs=n,
+        num_actual_tokens=n * q,
+        max_query_len=q,
+        max_seq_len=int(reach.max()),
+        query_start_loc=runner.query_start_loc[: n + 1],
+        seq_lens=runner.seq_lens[:n],
+        block_table=runner.block_table[:n],
+        slot_mapping=runner.slot_mapping[: n * q],
+        query_start_loc_cpu=np.arange(n + 1) * q,
+        seq_lens_cpu=reach,  # an upper bound (no backend here reads it: none re-plans)
+        block_size=bs,
+    )
+    hidden = graphs.run(common, bucket)
+    runner.ahead_launches += 1
+    return AheadLaunch(ids, starts, rows, host_drafts, hidden)
+
+
+def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
+    """Whether ``so`` is a step of requests that only go on (no request comes, leaves or moves
+    its KV), each with all ``k`` draft slots, right after ``last``, a verification whose
+    outcome is on the device."""
+    if last.done or last.pending is not None or last.verified is None:
+        return False
+    if last.premise is not None or last.drafted is None:
+        return False
+    if so.scheduled_new_reqs or so.finished_req_ids or so.kv_transfers is not None:
+        return False
+    if not so.scheduled_cached_reqs or runner.grammar.entries:
+        return False
+    k = runner.verify_graphs.query_len - 1
+    spec = so.scheduled_spec_decode_tokens
+    if len(spec) != len(so.scheduled_cached_reqs) or len(so.scheduled_cached_reqs) > (
+        runner.verify_graphs.max_batch
+    ):
+        return False
+    for c in so.scheduled_cached_reqs:
+        ids = spec.get(c.req_id)
+        if ids is None or len(ids) != k or not is_slots(ids):
+            return False
+        if so.num_scheduled_tokens.get(c.req_id) != k + 1:
+            return False
+    return True
+
+
+def take_drafts(runner: ModelRunner, ahead: AheadLaunch) -> None:
+    """Once the step before is read: the drafts the replayed graph verifies fill the draft
+    slots (``runner._proposals``), whatever the proposer returned when that step was read."""
+    host = ahead.drafts.numpy()
+    for i, req_id in enumerate(ahead.req_ids):
+        runner._proposals[req_id] = host[i].tolist()
+
+
+def check_ahead(
+    runner: ModelRunner,
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    slots: np.ndarray,
+    seq_lens: np.ndarray,
+) -> None:
+    """Compare the inputs built on the device with those the host built once the step before
+    was read (``ModelRunner.check_ahead``, for tests: it waits for the device)."""
+    n, total = len(seq_lens), len(positions)
+    got = {
+        "input ids": (runner.input_ids[:total], input_ids),
+        "positions": (runner.positions[:total], positions),
+        "slots": (runner.slot_mapping[:total], slots),
+        "sequence lengths": (runner.seq_lens[:n], seq_lens),
+    }
+    for what, (dev, host) in got.items():
+        dev = dev.cpu().numpy().astype(np.int64)
+        if not np.array_equal(dev, host):
+            raise RuntimeError(f"a verification launched ahead has {what} {dev}, not {host}")
+

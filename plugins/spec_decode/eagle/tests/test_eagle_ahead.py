@@ -1,0 +1,144 @@
+"""Verification launched ahead (``pagoda.spec_decode.ahead``): the next verification's inputs
+are built on the device from the outcome of the step in flight and its drafts, and the graph
+replays before that step is read. On the CPU the verification "graph" here runs the model
+eagerly over the runner's buffers (as a replay reads them), and the runner compares each such
+step's inputs with those the host builds once the step before is read."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from eagle_helpers import TINY_LLAMA, write_random_head
+
+from pagoda import LLM, SamplingParams
+from pagoda.attention.layer import set_forward_context
+from pagoda.bench.random_weights import ensure_random_weights
+
+ENGINE = {"device": "cpu", "max_model_len": 256, "max_num_seqs": 4, "enable_prefix_caching": False}
+K = 3
+
+
+class EagerVerifyGraphs:
+    """``DecodeGraphs`` for q = K + 1 tokens a request without CUDA: ``run`` reads the same
+    buffers a replay reads; sequence lengths come from the device buffer (a captured graph
+    never reads the host's)."""
+
+    _replans = False
+
+    def __init__(self, runner, max_batch: int = 4) -> None:
+        self.runner = runner
+        self.query_len = K + 1
+        self.buckets = list(range(1, max_batch + 1))
+        self._arange = torch.arange(max_batch + 1, dtype=torch.int32)
+        self.replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, n: int) -> int | None:
+        return n if n <= self.max_batch else None
+
+    def run(self, common, b: int) -> torch.Tensor:
+        r, q, n = self.runner, self.query_len, common.num_reqs
+        seq_lens = r.seq_lens[:n].numpy().astype(np.int64)
+        real = dataclasses.replace(
+            common,
+            max_seq_len=int(seq_lens.max()),
+            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=np.arange(n + 1) * q,
+        )
+        self.replays += 1
+        with set_forward_context(r.attn_backend.build_metadata(real)):
+            return r.model(r.input_ids[: n * q], r.positions[: n * q])
+
+
+def _engine(target: str, head: Path | None) -> LLM:
+    if head is None:
+        return LLM(model=target, **ENGINE)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "adaptive": False}
+    llm = LLM(model=target, **ENGINE, speculative_config=spec)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    runner.verify_graphs = EagerVerifyGraphs(runner)
+    runner.check_ahead = True
+    return llm
+
+
+def _generate(llm: LLM, prompts: list[dict], max_tokens: int = 40) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _prompts(n: int) -> list[dict]:
+    rng = np.random.default_rng(5)
+    return [{"prompt_token_ids": rng.integers(10, 300, 20 + 7 * i).tolist()} for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target() -> str:
+    folder, _ = ensure_random_weights(TINY_LLAMA, 0, torch.device("cpu"))
+    return str(folder)
+
+
+def _zero_norms(llm: LLM) -> None:
+    """Target and head pick token 0 always: every draft is accepted."""
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    with torch.no_grad():
+        runner.model.model.norm.weight.zero_()
+        runner.proposer.head.norm.weight.zero_()
+
+
+def test_every_draft_accepted_launches_each_verification_ahead(tmp_path: Path, target: str):
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
+    llm = _engine(target, head)
+    _zero_norms(llm)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    out = _generate(llm, _prompts(1))
+    assert out == [[0] * 40]
+    # 40 tokens, K + 1 a verification: after the prompt's step and the first verification,
+    # every verification but the last steps' is launched ahead (the runner checked each
+    # one's inputs against the host's).
+    assert runner.ahead_launches >= 40 // (K + 1) - 3
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2])
+def test_steps_that_accept_some_drafts_start_the_next_where_they_end(
+    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, num_prompts: int
+):
+    """The target picks token 0 always; the head's drafts are 0 up to a point that moves each
+    draft (0 to K drafts accepted, by turns), then 7: each verification ahead starts at a
+    different offset from the step before."""
+    from pagoda_spec_eagle.chain import DenseChain
+
+    calls = [0]
+    run = DenseChain.run
+
+    def some_wrong(self, b: int) -> torch.Tensor:
+        out = run(self, b).clone()
+        out[:, calls[0] % (K + 1) :] = 7
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(DenseChain, "run", some_wrong)
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
+    llm = _engine(target, head)
+    _zero_norms(llm)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    assert _generate(llm, _prompts(num_prompts)) == [[0] * 40] * num_prompts
+    stats = llm.engine.engine_core.scheduler.spec_stats_total
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert runner.ahead_launches >= 4
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_random_head_output_is_the_target_s_own(tmp_path: Path, target: str, num_prompts: int):
+    reference = _generate(_engine(target, None), _prompts(num_prompts))
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256, std=0.3)
+    llm = _engine(target, head)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    assert _generate(llm, _prompts(num_prompts)) == reference
+    assert runner.ahead_launches > 0
