@@ -10,7 +10,9 @@ What a proposer must do, whatever it proposes:
 - propose for each request from that request alone: the same history gives the same drafts
   whatever else is in the batch and in whatever row (batch invariance, so a vectorised
   implementation cannot mix rows up);
-- leave ``batch.token_ids`` unchanged, and take ``remove`` of ids it never saw.
+- leave ``batch.token_ids`` unchanged, and take ``remove`` of ids it never saw;
+- where it promises drafts ahead (``drafts_ahead``, after ``draft_after_verify``), return
+  exactly those from its next ``propose``, whatever the verification accepted.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pagoda.spec_decode import (
     ProposerContext,
     SpeculativeProposer,
     TargetModel,
+    VerifiedBatch,
 )
 
 VOCAB = 512
@@ -193,3 +196,104 @@ def check_proposer_case(
             )
     proposer.remove(["never-seen", *batch.req_ids])
     return drafts
+
+
+def check_drafts_ahead(
+    cls: type[SpeculativeProposer],
+    config: SpeculativeConfig,
+    device="cpu",
+    target: Callable[[ProposerContext], TargetModel] | None = None,
+) -> int:
+    """For a proposer that overrides ``drafts_ahead``: propose for a batch, verify the drafts
+    (request i accepts ``i % (k + 1)`` of them, a made-up token after), hand the outcome to
+    ``draft_after_verify``, take the promise, then propose from the verified histories: the
+    drafts must be the promised ones, on the host and on the device. Returns the requests
+    whose drafts were promised (0: no promise made; or the method is not overridden)."""
+    if cls.drafts_ahead is SpeculativeProposer.drafts_ahead:
+        return 0
+    ctx = make_context(config, device)
+    proposer = _build(cls, ctx)
+    if target is not None:
+        proposer.bind_target(target(ctx))
+    case = proposer_cases()[2]
+    batch = make_batch(case, ctx, proposer.hidden_state_layers)
+    k, vocab = ctx.num_speculative_tokens, ctx.vocab_size
+    drafts = proposer.propose(batch)
+    nd = drafts.counts(vocab, batch.max_num_drafts)
+    keep = np.flatnonzero(nd)
+    if not len(keep):
+        return 0
+    n = len(keep)
+    tokens = np.full((n, k + 1), -1, dtype=np.int64)
+    emitted = np.zeros(n, dtype=np.int64)
+    histories = []
+    for j, i in enumerate(keep.tolist()):
+        a = min(j % (k + 1), int(nd[i]))
+        # NOTE: the token after the accepted drafts differs from the draft it rejects.
+        bonus = (int(drafts.token_ids[i, a]) + 1) % vocab if a < nd[i] else 5
+        out = drafts.token_ids[i, :a].tolist() + [bonus]
+        tokens[j, : len(out)] = out
+        emitted[j] = len(out)
+        histories.append(case.histories[i] + out)
+    width = batch.new_hidden_states.shape[1] if batch.new_hidden_states is not None else 0
+    num_rows = 1 + nd[keep]
+    loc = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(num_rows, out=loc[1:])
+    verified_rows = [
+        _history_rows(case.histories[i] + drafts.token_ids[i, : nd[i]].tolist(), int(m), width)
+        for i, m in zip(keep.tolist(), num_rows.tolist())
+    ]
+    hidden = torch.cat(verified_rows).to(ctx.device, ctx.dtype)
+    req_ids = [batch.req_ids[i] for i in keep.tolist()]
+    rows = batch.rows[keep]
+    proposer.draft_after_verify(
+        VerifiedBatch(
+            req_ids=req_ids,
+            rows=rows,
+            first=batch.num_tokens[keep] - 1,
+            num_rows=num_rows,
+            tokens=torch.as_tensor(tokens, device=ctx.device),
+            num_emitted=torch.as_tensor(emitted, device=ctx.device),
+            new_hidden_states=hidden,
+            hidden_loc=loc,
+        )
+    )
+    promise = proposer.drafts_ahead(req_ids, batch.num_tokens[keep] + 1)
+    if promise is None:
+        return 0
+    on_device, on_host = promise
+    if tuple(on_device.shape) != (n, k) or tuple(on_host.shape) != (n, k):
+        raise AssertionError(f"drafts_ahead returned shapes {on_device.shape}, {on_host.shape}")
+    if on_device.device.type != ctx.device.type or on_host.device.type != "cpu":
+        raise AssertionError("drafts_ahead returns (on the model's device, on the host)")
+    promised_dev = on_device.cpu().numpy().copy()  # read before the proposer runs again
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    promised = on_host.numpy().copy()
+    if not np.array_equal(promised, promised_dev):
+        raise AssertionError("drafts_ahead: the host copy differs from the device's drafts")
+    token_ids = batch.token_ids.copy()
+    for row, h in zip(rows.tolist(), histories):
+        token_ids[row, : len(h)] = h
+    new_rows = torch.cat([hidden[loc[j] : loc[j] + emitted[j]] for j in range(n)])
+    new_loc = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(emitted, out=new_loc[1:])
+    after = ProposalBatch(
+        req_ids=req_ids,
+        rows=rows,
+        token_ids=token_ids,
+        num_tokens=batch.num_tokens[keep] + emitted,
+        num_prompt_tokens=batch.num_prompt_tokens[keep],
+        max_num_drafts=np.full(n, k, dtype=np.int64),
+        hidden_states=None if batch.hidden_states is None else new_rows[new_loc[1:] - 1][:, :64],
+        new_hidden_states=new_rows,
+        hidden_loc=new_loc,
+    )
+    got = proposer.propose(after)
+    check_drafts_well_formed(got, after, ctx)
+    if got.token_ids.shape[1] != k or not np.array_equal(got.token_ids, promised):
+        raise AssertionError(
+            f"drafts_ahead promised {promised.tolist()} but propose returned "
+            f"{got.token_ids.tolist()} (accepted counts {(emitted - 1).tolist()})"
+        )
+    return n

@@ -19,7 +19,12 @@ import pytest
 
 from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode import ProposerContext, SpeculativeProposer, TargetModel
-from pagoda.testing.spec_decode import ProposerCase, check_proposer_case, proposer_cases
+from pagoda.testing.spec_decode import (
+    ProposerCase,
+    check_drafts_ahead,
+    check_proposer_case,
+    proposer_cases,
+)
 
 
 class SpeculativeProposerConformance:
@@ -61,3 +66,10 @@ class SpeculativeProposerConformance:
         cls = self.proposer_class()
         drafts = check_proposer_case(cls, self.config, case, self.device, self._target())
         assert (drafts.token_ids[:, :1] >= 0).any(), "no draft for a history that repeats"
+
+    def test_drafts_promised_ahead_are_the_drafts_proposed(self) -> None:
+        cls = self.proposer_class()
+        if cls.drafts_ahead is SpeculativeProposer.drafts_ahead:
+            pytest.skip("this proposer promises no drafts ahead (drafts_ahead not overridden)")
+        n = check_drafts_ahead(cls, self.config, self.device, self._target())
+        assert n > 0, "drafts_ahead promised nothing for fresh requests whose drafts verified"
