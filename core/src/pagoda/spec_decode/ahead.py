@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.spec_decode.ahead_kernel import build_inputs
 from pagoda.spec_decode.inflight import is_slots
 from pagoda.utils import cdiv
 
@@ -98,20 +99,18 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
     if not full:
         sel_t = runner._as_device(sel)
         tokens, emitted = tokens[sel_t], emitted[sel_t]
-    first = emitted + runner._as_device(last.sample_pos[sel] - 1)  # [n]: N + 1's first position
-    offs = graphs._arange[:q].to(torch.int64)
-    positions = (first.unsqueeze(1) + offs).view(-1)
-    runner.positions[: n * q].copy_(positions)
     bs = runner.block_size
     max_blocks = min(cdiv(int(reach.max()), bs), runner.block_table.shape[1])
     runner._to_device(runner.block_table[:n, :max_blocks], ib.block_table[rows, :max_blocks])
-    blocks = runner.block_table[:n, :max_blocks].gather(1, (positions // bs).view(n, q))
-    runner.slot_mapping[: n * q].copy_(blocks.view(-1).to(torch.int64) * bs + positions % bs)
-    runner.seq_lens[:n].copy_(first + q)
-    runner.query_start_loc[: n + 1].copy_(graphs._arange[: n + 1] * q)
-    inputs = runner.input_ids[: n * q].view(n, q)
-    inputs[:, :1].copy_(tokens.gather(1, (emitted - 1).unsqueeze(1)))
-    inputs[:, 1:].copy_(dev_drafts)
+    base = runner._as_device(last.sample_pos[sel] - 1)  # each one's first position in N
+    buffers = (
+        runner.input_ids,
+        runner.positions,
+        runner.slot_mapping,
+        runner.seq_lens,
+        runner.query_start_loc,
+    )
+    build_inputs(tokens, emitted, base, dev_drafts, runner.block_table, bs, buffers)
     common = CommonAttentionMetadata(
         num_reqs=n,
         num_actual_tokens=n * q,
@@ -185,4 +184,3 @@ def check_ahead(
         dev = dev.cpu().numpy().astype(np.int64)
         if not np.array_equal(dev, host):
             raise RuntimeError(f"a verification launched ahead has {what} {dev}, not {host}")
-

@@ -297,9 +297,11 @@ class ModelRunner:
             self.startup_times["graph_capture_s"] = self.graph_capture_s
         if self.device.type == "cuda" and self.proposer is not None:
             # The greedy verification kernel compiles here, not in the first step that verifies.
-            from pagoda.spec_decode import greedy_kernel  # NOTE: imports Triton
+            from pagoda.spec_decode import ahead_kernel, greedy_kernel  # NOTE: import Triton
 
             greedy_kernel.warm(self.device, self.config.speculative.num_speculative_tokens)
+            if self.verify_graphs is not None and self.proposer.needs_hidden_states:
+                ahead_kernel.warm(self.device, self.config.speculative.num_speculative_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
 
