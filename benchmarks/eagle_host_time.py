@@ -20,6 +20,9 @@ emits k + 1 tokens, and the ratio to ``none`` is what a step with drafts costs a
 one, at the most a head can accept. ``--model benchmarks/configs/tiny-llama --device cpu`` makes
 a step's compute small, so the timers show mostly the host's work.
 
+``--profile`` (after the timed rounds): one prompt per variant under cProfile, the host's time a
+step by function (own time and total), for finding what a verification step's host work is.
+
 ``--trace`` (after the timed rounds): one prompt per variant under the torch profiler, with the
 time a step's kernels keep the device busy against the step's wall time. Where a step's wall time
 is far above its busy time the device waits for the host (on the step's critical path: at batch
@@ -125,6 +128,11 @@ ap.add_argument(
     "--trace",
     action="store_true",
     help="then profile one prompt per variant: the device's busy time a step, its kernels",
+)
+ap.add_argument(
+    "--profile",
+    action="store_true",
+    help="then profile one prompt per variant with cProfile: host us a step by function",
 )
 args = ap.parse_args()
 dev = torch.device(args.device)
@@ -390,6 +398,42 @@ def _trace(llm) -> dict:
         "top_kernels_us_per_step": {k: round(v / steps, 1) for k, v in top},
     }
 
+
+def _where(key: tuple) -> str:
+    """A function as ``folder/file.py:line(name)``, without the machine's paths."""
+    path, line, name = key
+    tail = "/".join(Path(path).parts[-2:]) if path != "~" else ""
+    return f"{tail}:{line}({name})" if tail else name
+
+
+def _cprofile(llm) -> dict:
+    """Host time a step by function for one prompt (cProfile; it slows Python calls alike, so
+    the shares are what to read): the top functions by their own time and by their total."""
+    import cProfile
+    import pstats
+
+    n0 = N["runner.launch"]
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate([prompts[0]], params, use_tqdm=False)
+    prof.disable()
+    steps = max(N["runner.launch"] - n0, 1)
+    stats = pstats.Stats(prof).stats  # key -> (calls, primitive calls, tottime, cumtime, ...)
+
+    def top(i: int, count: int) -> dict:
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][i])[:count]
+        return {_where(k): round(v[i] / steps * 1e6, 1) for k, v in rows}
+
+    return {"steps": steps, "own_us_per_step": top(2, 40), "total_us_per_step": top(3, 60)}
+
+
+if args.profile:
+    report["profile"] = {}
+    for v, llm in engines.items():
+        report["profile"][v] = pr = _cprofile(llm)
+        print(f"profile {v}: {pr['steps']} steps; own us a step:")
+        for k, us in list(pr["own_us_per_step"].items())[:15]:
+            print(f"    {us:8.1f}  {k}")
 
 if args.trace:
     report["trace"] = {}
