@@ -626,6 +626,8 @@ class ModelRunner:
         asked for ``prompt_logprobs`` (one chunk at a time under chunked prefill)."""
         ib = self.input_batch
         ks = ib.sampling.prompt_logprobs[rows]
+        if ks.max() < 0:  # (most steps: nobody asked)
+            return
         # Position p predicts prompt token p + 1; the last prompt position predicts output.
         ends = np.minimum(starts + counts, ib.num_prompt[rows] - 1)
         want = np.nonzero((ks >= 0) & (ends > starts))[0]
