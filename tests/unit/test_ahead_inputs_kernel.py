@@ -67,3 +67,20 @@ def test_kernel_matches_the_torch_reference(k: int, block_size: int) -> None:
     assert int(slots[2 * q - 1]) == int(table[1, p // block_size]) * block_size + p % block_size
     assert int(seq_lens[1]) == first + q and qsl[: n + 1].tolist() == [i * q for i in range(n + 1)]
     assert int(positions[n * q]) == -7 and int(seq_lens[n]) == -7  # nothing past the step
+
+
+def test_start_up_check_keeps_the_torch_path_when_the_kernel_differs(monkeypatch) -> None:
+    import pagoda.spec_decode.ahead_kernel as ak
+
+    monkeypatch.setattr(ak, "_failed", [])
+    monkeypatch.setattr(ak, "available", lambda device: not ak._failed)
+    ak.warm(torch.device(DEVICE), 4)
+    assert ak._failed == []  # the kernel agrees with the torch operations
+
+    def off_by_one(tokens, emitted, base, drafts, table, bs, out):
+        ak_reference(tokens, emitted, base + 1, drafts, table, bs, out)
+
+    ak_reference = ak.build_inputs_torch
+    monkeypatch.setattr(ak, "build_inputs_torch", off_by_one)
+    ak.warm(torch.device(DEVICE), 4)
+    assert ak._failed and not ak.available(torch.device(DEVICE))

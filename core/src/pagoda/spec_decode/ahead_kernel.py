@@ -155,23 +155,37 @@ def _block(q: int) -> int:
 
 
 def warm(device: torch.device, k: int) -> None:
-    """Compile the kernel for ``k`` drafts a request now (start-up), not in a step."""
+    """Compile the kernel for ``k`` drafts a request now (start-up), not in a step, and check it
+    against the torch operations on a few requests; if it fails or differs, the torch
+    operations build the inputs from then on (said once, as a warning)."""
     if not available(device):
         return
-    q = k + 1
+    q, n, bs = k + 1, 3, 4
     i64 = {"dtype": torch.int64, "device": device}
-    i32 = {"dtype": torch.int32, "device": device}
-    out = (torch.empty(q, **i64), torch.empty(q, **i64), torch.empty(q, **i64))
-    try:
-        build_inputs(
-            torch.zeros(1, q, **i64),
-            torch.ones(1, **i64),
-            torch.zeros(1, **i64),
-            torch.zeros(1, k, **i64),
-            torch.zeros(1, 4, **i32),
-            16,
-            (*out, torch.empty(1, **i32), torch.empty(2, **i32)),
+    gen = torch.Generator(device=device).manual_seed(0)
+    tokens = torch.randint(0, 1000, (n, q), generator=gen, **i64)
+    emitted = torch.arange(1, n + 1, **i64).clamp(max=q)
+    base = torch.randint(0, 50, (n,), generator=gen, **i64)
+    drafts = torch.randint(0, 1000, (n, k), generator=gen, **i64)
+    table = torch.randperm(n * 32, generator=gen, **i64).view(n, 32).to(torch.int32)
+
+    def buffers() -> tuple:
+        return (
+            torch.full((n * q,), -1, **i64),
+            torch.full((n * q,), -1, **i64),
+            torch.full((n * q,), -1, **i64),
+            torch.full((n,), -1, dtype=torch.int32, device=device),
+            torch.full((n + 1,), -1, dtype=torch.int32, device=device),
         )
+
+    got, want = buffers(), buffers()
+    try:
+        build_inputs(tokens, emitted, base, drafts, table, bs, got, kernel=True)
+        build_inputs_torch(tokens, emitted, base, drafts, table, bs, want)
+        same = all(torch.equal(g, w) for g, w in zip(got, want))
+        problem = None if same else "its inputs differ from the torch operations'"
     except Exception as e:  # noqa: BLE001 (the torch operations build the same inputs)
-        _failed.append(repr(e))
-        logger.warning("verification inputs ahead: built in torch (the kernel failed: %s)", e)
+        problem = repr(e)
+    if problem is not None:
+        _failed.append(problem)
+        logger.warning("verification inputs ahead: built in torch (the kernel: %s)", problem)
