@@ -142,3 +142,32 @@ def test_random_head_output_is_the_target_s_own(tmp_path: Path, target: str, num
     runner = llm.engine.engine_core.executor.worker.model_runner
     assert _generate(llm, _prompts(num_prompts)) == reference
     assert runner.ahead_launches > 0
+
+
+def test_requests_that_end_at_different_steps_keep_their_output(
+    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Requests of different lengths: the steps where one ends or the batch shrinks are not
+    launched ahead, and every request's output is the target's own."""
+    from pagoda_spec_eagle.chain import DenseChain
+
+    run = DenseChain.run
+
+    def first_two_right(self, b: int) -> torch.Tensor:  # drafts: 0, 0, then 7
+        out = run(self, b).clone()
+        out[:, 2:] = 7
+        return out
+
+    monkeypatch.setattr(DenseChain, "run", first_two_right)
+    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
+    llm = _engine(target, head)
+    _zero_norms(llm)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    lengths = [13, 40, 27]
+    outs = llm.generate(
+        _prompts(3),
+        [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths],
+        use_tqdm=False,
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == [[0] * m for m in lengths]
+    assert runner.ahead_launches >= 5
