@@ -59,6 +59,9 @@ class SamplingRows:
         self.presence = np.zeros(r, dtype=np.float32)
         self.frequency = np.zeros(r, dtype=np.float32)
         self.repetition = np.ones(r, dtype=np.float32)
+        # Greedy rows with no setting that acts on the logits or asks for logprobs: a step of
+        # only such rows needs no metadata but ``all_greedy``.
+        self.plain = np.ones(r, dtype=bool)
         self._counts: torch.Tensor | None = None  # [rows, vocab] float32 output token counts
         self._prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool
 
@@ -92,6 +95,15 @@ class SamplingRows:
         )
         if self.penalized[row]:
             self._reset_penalty_state(row, prompt_ids, output_ids)
+        self.plain[row] = (
+            greedy
+            and sp.logprobs is None
+            and not sp.min_tokens
+            and not sp.allowed_token_ids
+            and not bias
+            and not self.bad_words.has[row]
+            and not self.penalized[row]
+        )
 
     def _reset_penalty_state(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         if self._counts is None:
@@ -141,6 +153,8 @@ class SamplingRows:
         positions as consecutive rows, whose history (in ``token_ids``) holds the drafts before
         them.
         """
+        if self.plain[rows].all():
+            return SamplingMetadata.greedy()
         md = SamplingMetadata(all_greedy=bool(self.greedy[rows].all()), all_random=False)
         k = int(self.logprobs[rows].max())
         if k >= 0:
