@@ -189,7 +189,10 @@ class SpeculativeConfig(_Section):
         "auto",
         description="with async scheduling: alternate (a request whose step with drafts is in"
         " flight sits out the next step, so no step waits for another), slots (every step,"
-        " with draft slots filled once the step in flight is read), auto (slots while fewer"
+        " with draft slots filled once the step in flight is read; with a draft head that"
+        " drafts right behind the verification, EAGLE, and an attention backend that reads"
+        " lengths on the device, Triton, the next verification is launched before that read,"
+        " its inputs built on the device), auto (slots while fewer"
         " than 8 requests run, where a step sat out costs more than the wait; alternate from"
         " 8) or chain (every step, launched before the one in flight is read, betting that it"
         " accepts all its drafts; a lost bet voids one step; greedy requests, history-only"
