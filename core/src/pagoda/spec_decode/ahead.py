@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.spec_decode.ahead_kernel import build_inputs
 from pagoda.spec_decode.inflight import is_slots
+from pagoda.spec_decode.verify import graph_metadata
 from pagoda.utils import cdiv
 
 if TYPE_CHECKING:
@@ -111,20 +111,8 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
         runner.query_start_loc,
     )
     build_inputs(tokens, emitted, base, dev_drafts, runner.block_table, bs, buffers)
-    common = CommonAttentionMetadata(
-        num_reqs=n,
-        num_actual_tokens=n * q,
-        max_query_len=q,
-        max_seq_len=int(reach.max()),
-        query_start_loc=runner.query_start_loc[: n + 1],
-        seq_lens=runner.seq_lens[:n],
-        block_table=runner.block_table[:n],
-        slot_mapping=runner.slot_mapping[: n * q],
-        query_start_loc_cpu=np.arange(n + 1) * q,
-        seq_lens_cpu=reach,  # an upper bound (no backend here reads it: none re-plans)
-        block_size=bs,
-    )
-    hidden = graphs.run(common, bucket)
+    # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
+    hidden = graphs.run(graph_metadata(runner, n, q, reach), bucket)
     runner.ahead_launches += 1
     return AheadLaunch(ids, starts, rows, host_drafts, hidden)
 

@@ -395,7 +395,18 @@ def run_verify_graph(
     runner._to_device(runner.seq_lens[:n], seq_lens.astype(np.int32))
     table = runner.input_batch.block_table[rows, :max_blocks]
     runner._to_device(runner.block_table[:n, :max_blocks], table)
-    common = CommonAttentionMetadata(
+    hidden = graphs.run(graph_metadata(runner, n, q, seq_lens), bucket)
+    if total == n * q:  # every request has q tokens: no padding to drop
+        return hidden[:total]
+    return hidden[runner._as_device(index)]
+
+
+def graph_metadata(
+    runner: ModelRunner, n: int, q: int, seq_lens: np.ndarray
+) -> CommonAttentionMetadata:
+    """A verification graph's step of ``n`` requests of ``q`` tokens, whose inputs are in the
+    runner's buffers; ``seq_lens`` [n] on the host (an upper bound where no backend re-plans)."""
+    return CommonAttentionMetadata(
         num_reqs=n,
         num_actual_tokens=n * q,
         max_query_len=q,
@@ -404,11 +415,7 @@ def run_verify_graph(
         seq_lens=runner.seq_lens[:n],
         block_table=runner.block_table[:n],
         slot_mapping=runner.slot_mapping[: n * q],
-        query_start_loc_cpu=qsl_pad,
+        query_start_loc_cpu=runner._arange[: n + 1] * q,
         seq_lens_cpu=seq_lens,
-        block_size=bs,
+        block_size=runner.block_size,
     )
-    hidden = graphs.run(common, bucket)
-    if total == n * q:  # every request has q tokens: no padding to drop
-        return hidden[:total]
-    return hidden[runner._as_device(index)]

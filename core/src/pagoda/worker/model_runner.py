@@ -419,19 +419,20 @@ class ModelRunner:
         positions = np.repeat(starts - qsl[:-1], counts) + self._arange[:total]
         seq_lens = starts + counts
 
-        token_rows = rows[tok_req]
-        input_ids = ib.token_ids[token_rows, positions]
-        max_blocks = cdiv(int(seq_lens.max()), self.block_size)
-        block_table = ib.block_table[rows, :max_blocks]
-        bs = self.block_size
-        slots = block_table[tok_req, positions // bs].astype(np.int64) * bs + positions % bs
-
-        unknown = np.flatnonzero(input_ids < 0)
-        graphs = self.decode_graphs
-        bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
         verified = None
         if ahead is not None and (counts == self.verify_graphs.query_len).all():
             verified = ahead.hidden  # these inputs, built on the device, replayed already
+        if verified is None or self.check_ahead:
+            token_rows = rows[tok_req]
+            input_ids = ib.token_ids[token_rows, positions]
+            max_blocks = cdiv(int(seq_lens.max()), self.block_size)
+            block_table = ib.block_table[rows, :max_blocks]
+            bs = self.block_size
+            slots = block_table[tok_req, positions // bs].astype(np.int64) * bs + positions % bs
+            unknown = np.flatnonzero(input_ids < 0)
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
+        if verified is not None:
             if self.check_ahead:
                 check_ahead(self, input_ids, positions, slots, seq_lens)
         elif bucket is None and self.verify_graphs is not None:

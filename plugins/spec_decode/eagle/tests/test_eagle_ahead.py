@@ -105,13 +105,9 @@ def test_every_draft_accepted_launches_each_verification_ahead(tmp_path: Path, t
     assert runner.ahead_launches >= 40 // (K + 1) - 3
 
 
-@pytest.mark.parametrize("num_prompts", [1, 2])
-def test_steps_that_accept_some_drafts_start_the_next_where_they_end(
-    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, num_prompts: int
-):
-    """The target picks token 0 always; the head's drafts are 0 up to a point that moves each
-    draft (0 to K drafts accepted, by turns), then 7: each verification ahead starts at a
-    different offset from the step before."""
+def _accepting(tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, right) -> LLM:
+    """An engine whose target and head pick token 0 always, but whose drafts turn to 7 from
+    position ``right(call)`` on, for the head's ``call``-th draft: that many are accepted."""
     from pagoda_spec_eagle.chain import DenseChain
 
     calls = [0]
@@ -119,7 +115,7 @@ def test_steps_that_accept_some_drafts_start_the_next_where_they_end(
 
     def some_wrong(self, b: int) -> torch.Tensor:
         out = run(self, b).clone()
-        out[:, calls[0] % (K + 1) :] = 7
+        out[:, right(calls[0]) :] = 7
         calls[0] += 1
         return out
 
@@ -127,6 +123,17 @@ def test_steps_that_accept_some_drafts_start_the_next_where_they_end(
     head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
     llm = _engine(target, head)
     _zero_norms(llm)
+    return llm
+
+
+@pytest.mark.parametrize("num_prompts", [1, 2])
+def test_steps_that_accept_some_drafts_start_the_next_where_they_end(
+    tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, num_prompts: int
+):
+    """The target picks token 0 always; the head's drafts are 0 up to a point that moves each
+    draft (0 to K drafts accepted, by turns), then 7: each verification ahead starts at a
+    different offset from the step before."""
+    llm = _accepting(tmp_path, target, monkeypatch, lambda call: call % (K + 1))
     runner = llm.engine.engine_core.executor.worker.model_runner
     assert _generate(llm, _prompts(num_prompts)) == [[0] * 40] * num_prompts
     stats = llm.engine.engine_core.scheduler.spec_stats_total
@@ -149,19 +156,7 @@ def test_requests_that_end_at_different_steps_keep_their_output(
 ):
     """Requests of different lengths: the steps where one ends or the batch shrinks are not
     launched ahead, and every request's output is the target's own."""
-    from pagoda_spec_eagle.chain import DenseChain
-
-    run = DenseChain.run
-
-    def first_two_right(self, b: int) -> torch.Tensor:  # drafts: 0, 0, then 7
-        out = run(self, b).clone()
-        out[:, 2:] = 7
-        return out
-
-    monkeypatch.setattr(DenseChain, "run", first_two_right)
-    head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
-    llm = _engine(target, head)
-    _zero_norms(llm)
+    llm = _accepting(tmp_path, target, monkeypatch, lambda call: 2)  # drafts: 0, 0, then 7
     runner = llm.engine.engine_core.executor.worker.model_runner
     lengths = [13, 40, 27]
     outs = llm.generate(
