@@ -52,7 +52,6 @@ class AheadLaunch:
 
     req_ids: list[str]
     starts: np.ndarray  # the scheduler's starts (``ModelRunner._update_states``)
-    rows: np.ndarray
     drafts: torch.Tensor  # [n, k] on the host (in flight until the step before is read)
     hidden: torch.Tensor  # [n * q, hidden]: the graph's output
 
@@ -79,7 +78,7 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
     rows = last.sample_rows[sel]
     if any(ib.row_of.get(r) != row for r, row in zip(req_ids, rows.tolist())):
         return None
-    if not last.drafted[sel].all() or (last.num_drafts[sel] == 0).any():
+    if (last.num_drafts[sel] == 0).any():  # (no bets here: a drafted row verified drafts)
         return None
     # The farthest N + 1 reaches: N accepts everything (what the scheduler reserved).
     reach = last.sample_pos[sel] + last.num_drafts[sel] + q
@@ -114,7 +113,7 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
     hidden = graphs.run(graph_metadata(runner, n, q, reach), bucket)
     runner.ahead_launches += 1
-    return AheadLaunch(ids, starts, rows, host_drafts, hidden)
+    return AheadLaunch(ids, starts, host_drafts, hidden)
 
 
 def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
@@ -123,7 +122,7 @@ def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
     outcome is on the device."""
     if last.done or last.pending is not None or last.verified is None:
         return False
-    if last.premise is not None or last.drafted is None:
+    if last.premise is not None:
         return False
     if so.scheduled_new_reqs or so.finished_req_ids or so.kv_transfers is not None:
         return False
@@ -146,10 +145,10 @@ def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
 
 def take_drafts(runner: ModelRunner, ahead: AheadLaunch) -> None:
     """Once the step before is read: the drafts the replayed graph verifies fill the draft
-    slots (``runner._proposals``), whatever the proposer returned when that step was read."""
-    host = ahead.drafts.numpy()
-    for i, req_id in enumerate(ahead.req_ids):
-        runner._proposals[req_id] = host[i].tolist()
+    slots (``runner._proposals``), whatever the proposer returned when that step was read.
+    (A new dict: the one there is also that step's output.)"""
+    host = ahead.drafts.numpy().tolist()
+    runner._proposals = {**runner._proposals, **dict(zip(ahead.req_ids, host))}
 
 
 def check_ahead(

@@ -278,6 +278,7 @@ def check_drafts_ahead(
     new_rows = torch.cat([hidden[loc[j] : loc[j] + emitted[j]] for j in range(n)])
     new_loc = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(emitted, out=new_loc[1:])
+    last_rows = new_rows[new_loc[1:] - 1]
     after = ProposalBatch(
         req_ids=req_ids,
         rows=rows,
@@ -285,7 +286,7 @@ def check_drafts_ahead(
         num_tokens=batch.num_tokens[keep] + emitted,
         num_prompt_tokens=batch.num_prompt_tokens[keep],
         max_num_drafts=np.full(n, k, dtype=np.int64),
-        hidden_states=None if batch.hidden_states is None else new_rows[new_loc[1:] - 1][:, :64],
+        hidden_states=None if batch.hidden_states is None else last_rows[:, : ctx.hidden_size],
         new_hidden_states=new_rows,
         hidden_loc=new_loc,
     )
