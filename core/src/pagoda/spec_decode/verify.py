@@ -67,6 +67,17 @@ def verify_drafts(
     sample_req_ids = [req_ids[i] for i in sample_idx.tolist()]
     nd = np.array([len(drafts.get(r, ())) for r in sample_req_ids], dtype=np.int64)
     k = int(nd.max())
+    tail = runner.greedy_tail
+    if tail is not None and not plans and n == len(req_ids) and k == tail.q - 1:
+        if bool((nd == k).all()) and _plain_greedy(runner, sample_rows, sample_req_ids):
+            got = tail.run(hidden, n)
+            if got is not None:
+                base = ib.num_tokens[sample_rows]
+                _emit(runner, out, sample_idx, sample_rows, base, nd, None, got.tokens)
+                runner._prev_sampled = got.last_token
+                out.verified = (got.tokens, got.num_emitted)
+                _hand_over(runner, out, nd, got.last_hidden, got.tokens, got.num_emitted)
+                return
     width = nd + 1
     starts = np.zeros(n, dtype=np.int64)
     np.cumsum(width[:-1], out=starts[1:])
@@ -137,17 +148,7 @@ def verify_drafts(
         uniform_final=md.uniform,
     )
     ib.sampling.record_sampled(sample_rows, tokens)
-
-    # NOTE: a bet's row is appended to when the step is read, like a row with drafts.
-    drafted = nd > 0 if bet is None else (nd > 0) | bet
-    sample_pos = base.copy()
-    if (~drafted).any():
-        sample_pos[~drafted] = ib.append_placeholders(sample_rows[~drafted])
-    out.sample_idx = sample_idx
-    out.sample_rows = sample_rows
-    out.sample_pos = sample_pos
-    out.drafted = drafted
-    out.num_drafts = nd
+    _emit(runner, out, sample_idx, sample_rows, base, nd, bet, tokens)
     if bet is not None:
         out.premise_step = runner._last_step
         out.premise = np.array(
@@ -161,9 +162,6 @@ def verify_drafts(
     # takes as its first input, on the device.
     # NOTE: -1 where drafts were rejected: a bet on this row is void then, and reads id 0.
     runner._prev_sampled = tokens.gather(1, nd_t.unsqueeze(1)).squeeze(1).clamp_(min=0)
-    runner._prev_index[:] = -1
-    runner._prev_index[sample_rows] = np.arange(n)
-    out.sampled = tokens.to("cpu", non_blocking=True)
     out.verified = (tokens, num_emitted)
     if raw_logprobs is not None:
         req_of_row = runner._as_device(np.repeat(np.arange(n), width))
@@ -172,9 +170,65 @@ def verify_drafts(
         out.logprobs_ks = ib.sampling.logprobs[sample_rows]
         out.logprobs_starts = starts
     if runner.proposer is not None and runner.proposer.needs_hidden_states:
-        out.proposer_hidden = h[starts_t + num_emitted - 1]
-        if runner.hidden_feed is not None and out.hidden_feed is not None:
-            _draft_after_verify(runner, out, nd, tokens, num_emitted)
+        _hand_over(runner, out, nd, h[starts_t + num_emitted - 1], tokens, num_emitted)
+
+
+def _plain_greedy(runner: ModelRunner, rows: np.ndarray, req_ids: list[str]) -> bool:
+    """Whether the rows' verification is the argmax's alone: plain greedy rows (no setting
+    acts on their logits, no logprobs), no logits processor, no grammar, no draft
+    probabilities."""
+    if not runner.input_batch.sampling.plain[rows].all() or runner.sampler.logits_processors:
+        return False
+    grammar = getattr(runner, "grammar", None)
+    if grammar is not None and grammar.entries:
+        return False
+    kept = runner._draft_probs
+    return not kept or not any(r in kept for r in req_ids)
+
+
+def _emit(
+    runner: ModelRunner,
+    out: StepOutput,
+    sample_idx: np.ndarray,
+    sample_rows: np.ndarray,
+    base: np.ndarray,
+    nd: np.ndarray,
+    bet: np.ndarray | None,
+    tokens: torch.Tensor,
+) -> None:
+    """The step's sampling rows in ``out`` (the sampled ids in flight to the host) and in the
+    runner's record of where the next step finds them on the device."""
+    ib = runner.input_batch
+    # NOTE: a bet's row is appended to when the step is read, like a row with drafts.
+    drafted = nd > 0 if bet is None else (nd > 0) | bet
+    sample_pos = base.copy()
+    if not drafted.all():
+        sample_pos[~drafted] = ib.append_placeholders(sample_rows[~drafted])
+    out.sample_idx = sample_idx
+    out.sample_rows = sample_rows
+    out.sample_pos = sample_pos
+    out.drafted = drafted
+    out.num_drafts = nd
+    runner._prev_index[:] = -1
+    runner._prev_index[sample_rows] = np.arange(len(sample_rows))
+    out.sampled = tokens.to("cpu", non_blocking=True)
+
+
+def _hand_over(
+    runner: ModelRunner,
+    out: StepOutput,
+    nd: np.ndarray,
+    last_hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    num_emitted: torch.Tensor,
+) -> None:
+    """A proposer that reads hidden states: each request's last emitted row for its next
+    proposal, and the step's verified requests to draft for on the device right away."""
+    if runner.proposer is None or not runner.proposer.needs_hidden_states:
+        return
+    out.proposer_hidden = last_hidden
+    if runner.hidden_feed is not None and out.hidden_feed is not None:
+        _draft_after_verify(runner, out, nd, tokens, num_emitted)
 
 
 def _draft_after_verify(

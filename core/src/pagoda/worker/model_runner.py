@@ -41,6 +41,7 @@ from pagoda.spec_decode.inflight import (
     propose_for_slots,
 )
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
+from pagoda.spec_decode.tail import GreedyTail
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
 from pagoda.structured_output.runner import grammar_rows
 from pagoda.utils import cdiv
@@ -282,6 +283,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Speculative verification steps (k + 1 tokens a request) as graphs too.
         self.verify_graphs: DecodeGraphs | None = None
+        # All-greedy verifications of small batches: their sampling as graphs too.
+        self.greedy_tail: GreedyTail | None = None
         self.graph_capture_s = 0.0
         if (
             self.device.type == "cuda"
@@ -294,6 +297,9 @@ class ModelRunner:
                 k = self.config.speculative.num_speculative_tokens
                 self.verify_graphs = DecodeGraphs(self, query_len=k + 1)
                 self.graph_capture_s += self.verify_graphs.capture()
+                if self.config.parallel.tensor_parallel_size == 1:
+                    self.greedy_tail = GreedyTail(self, self.verify_graphs)
+                    self.graph_capture_s += self.greedy_tail.capture()
             self.startup_times["graph_capture_s"] = self.graph_capture_s
         if self.device.type == "cuda" and self.proposer is not None:
             # The greedy verification kernel compiles here, not in the first step that verifies.

@@ -1,0 +1,135 @@
+"""Greedy verification replayed as one CUDA graph after the verification graph.
+
+A verification step whose requests are all plain greedy (no setting acts on the logits, no
+logprobs) and each verify all ``k`` drafts needs, after the target's forward, only this: the
+logits of the ``k + 1`` scored rows, their argmax, the greedy comparison with the drafts
+(:func:`pagoda.spec_decode.rejection.rejection_sample`), each request's last token (what the next
+step takes as its first input on the device) and the hidden state of its last emitted row (for
+the proposer). Run eagerly that is about a dozen launches, each tens of microseconds of the
+host's time on a step that is host-bound at small batches. :class:`GreedyTail` captures them once
+per verification-graph bucket, over that bucket's output rows and the input ids the verification
+read (the drafts are those ids after each request's first), so such a step is two replays.
+
+The graphs hold one logits buffer of the largest bucket they cover, so they cover small
+batches only (``MAX_ROWS`` scored rows), where the host's time matters; larger steps take the
+eager path, whose outputs are identical (same operations on the same rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagoda.spec_decode.rejection import rejection_sample
+
+if TYPE_CHECKING:
+    from pagoda.worker.cuda_graph import DecodeGraphs
+    from pagoda.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+#: Scored rows (requests times k + 1) of the largest step the graphs cover.
+MAX_ROWS = 64
+
+
+@dataclass
+class TailOutput:
+    """A greedy verification's outcome on the device."""
+
+    tokens: torch.Tensor  # [n, k + 1] int64: the accepted drafts, the target's token, then -1
+    num_emitted: torch.Tensor  # [n] int64: accepted drafts + 1
+    last_token: torch.Tensor  # [n] int64: the token at k (-1 -> 0: not every draft accepted);
+    # from a graph, a view of its buffer
+    last_hidden: torch.Tensor  # [n, hidden]: the hidden state of each request's last emitted row
+
+
+class GreedyTail:
+    """Greedy verification of steps that fill a verification graph's bucket with ``n`` requests
+    of ``q = k + 1`` tokens each (no padding inside a request). ``graphs=False``: no capture,
+    the same operations run eagerly on the given rows (CPU stand-ins of the graphs, in tests)."""
+
+    def __init__(self, runner: ModelRunner, verify: DecodeGraphs, graphs: bool = True) -> None:
+        self.runner = weakref.proxy(runner)
+        self.verify = verify
+        self.q = q = verify.query_len
+        self.buckets = [b for b in verify.buckets if b * q <= MAX_ROWS]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.use_graphs = graphs
+        self.replays = 0
+        dev = runner.device
+        b = max(self.buckets, default=0)
+        self._num_drafts = torch.full((b,), q - 1, dtype=torch.int64, device=dev)
+        self._starts = torch.arange(b, dtype=torch.int64, device=dev) * q
+
+    def bucket_for(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def _compute(self, hidden: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
+        """The tail over ``b`` requests' ``b * q`` rows ``hidden`` (their input ids in the
+        runner's buffer, as the verification read them)."""
+        r, q = self.runner, self.q
+        argmax = r.model.compute_logits(hidden).argmax(dim=-1)
+        drafts = r.input_ids[: b * q].view(b, q)[:, 1:]
+        tokens, emitted = rejection_sample(
+            argmax, None, drafts, self._num_drafts[:b], self._starts[:b]
+        )
+        last_token = tokens[:, q - 1].clamp(min=0)
+        last_hidden = hidden.view(b, q, -1)[torch.arange(b, device=hidden.device), emitted - 1]
+        return tokens, emitted, last_token, last_hidden
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        if not self.use_graphs:
+            return 0.0
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            hidden = self.verify.outputs[b]
+            self._compute(hidden, b)  # warm-up: compile, tune
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._compute(hidden, b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "captured %d greedy verification CUDA graphs (batch %s) in %.1f s",
+            len(self.buckets),
+            self.buckets,
+            elapsed,
+        )
+        return elapsed
+
+    def run(self, hidden: torch.Tensor, n: int) -> TailOutput | None:
+        """Verify the step whose ``n`` requests' rows are ``hidden`` ([n * q, hidden], the
+        verification graph's output as it returned it); None where no graph covers it (then
+        the caller verifies eagerly)."""
+        b = self.bucket_for(n)
+        if b is None or hidden.shape[0] != n * self.q:
+            return None
+        if not self.use_graphs:
+            got = self._compute(hidden, n)
+            self.replays += 1
+            return TailOutput(*got)
+        if hidden.data_ptr() != self.verify.outputs[b].data_ptr():
+            return None  # not that bucket's rows as the graph left them
+        self.graphs[b].replay()
+        self.replays += 1
+        # NOTE: copies, but of the last token: the graph's buffers are overwritten by its next
+        # replay, and the tokens and hidden states go to the proposer, which may keep them. The
+        # last token is read (on the device) only by the next step's launch, before the next
+        # replay: every verification replaces the runner's copy of it.
+        tokens, emitted, last_token, last_hidden = self.outputs[b]
+        return TailOutput(
+            tokens[:n].clone(), emitted[:n].clone(), last_token[:n], last_hidden[:n].clone()
+        )

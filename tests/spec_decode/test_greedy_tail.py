@@ -1,0 +1,79 @@
+"""``GreedyTail``: a step's all-greedy verification (logits, argmax, the greedy comparison, each
+request's last token and last emitted hidden row) as the rejection sampler and the eager
+gathers give it. On the CPU it runs eagerly (the same operations a CUDA graph captures)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.spec_decode.rejection import rejection_sample
+from pagoda.spec_decode.tail import MAX_ROWS, GreedyTail
+
+HIDDEN, VOCAB = 16, 50
+
+
+class _Model:
+    def __init__(self) -> None:
+        self.w = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ self.w.T).float()
+
+
+class _Runner:
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.model = _Model()
+        self.input_ids = torch.zeros(MAX_ROWS * 2, dtype=torch.int64)
+
+
+class _VerifyGraphs:
+    def __init__(self, q: int) -> None:
+        self.query_len = q
+        self.buckets = [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_tail_is_the_rejection_sampler_and_the_gathers(k: int, n: int) -> None:
+    q = k + 1
+    runner = _Runner()
+    tail = GreedyTail(runner, _VerifyGraphs(q), graphs=False)
+    g = torch.Generator().manual_seed(n * 10 + k)
+    hidden = torch.randn(n * q, HIDDEN, generator=g)
+    argmax = runner.model.compute_logits(hidden).argmax(dim=-1).view(n, q)
+    # Request i's drafts match the target's argmax for its first i % q positions.
+    drafts = torch.randint(0, VOCAB, (n, k), generator=g)
+    for i in range(n):
+        j = i % q
+        drafts[i, :j] = argmax[i, :j]
+        if j < k:
+            drafts[i, j] = (argmax[i, j] + 1) % VOCAB
+    ids = torch.cat([torch.randint(0, VOCAB, (n, 1), generator=g), drafts], dim=1)
+    runner.input_ids[: n * q] = ids.reshape(-1)
+
+    got = tail.run(hidden, n)
+
+    starts = torch.arange(n) * q
+    tokens, emitted = rejection_sample(
+        argmax.reshape(-1), None, drafts, torch.full((n,), k), starts, kernel=False
+    )
+    assert torch.equal(got.tokens, tokens)
+    assert torch.equal(got.num_emitted, emitted)
+    assert got.num_emitted.tolist() == [i % q + 1 for i in range(n)]
+    assert torch.equal(got.last_token, tokens[:, k].clamp(min=0))
+    assert torch.equal(got.last_hidden, hidden[starts + emitted - 1])
+
+
+def test_steps_the_tail_does_not_cover_go_back_to_the_caller() -> None:
+    q = 4
+    runner = _Runner()
+    tail = GreedyTail(runner, _VerifyGraphs(q), graphs=False)
+    assert max(tail.buckets) == MAX_ROWS // q  # the largest bucket within the limit
+    too_many = max(tail.buckets) + 1
+    assert tail.run(torch.zeros(too_many * q, HIDDEN), too_many) is None
+    assert tail.run(torch.zeros(2 * q - 1, HIDDEN), 2) is None  # a request with fewer drafts
+    assert tail.run(torch.zeros(2 * q, HIDDEN), 2) is not None
+    assert tail.replays == 1
