@@ -30,12 +30,26 @@ class Head64Backend(TorchNativeBackend):
         return head_size == 64
 
 
+class NeedsLibraryBackend(TorchNativeBackend):
+    """The best backend for every model, were its kernel library installed (it imports that
+    only when it runs, as FlashInfer's does)."""
+
+    name = "needs_library"
+    priority = 1000
+    requires = ("no_such_kernel_library_for_pagoda_tests",)
+
+    @classmethod
+    def is_compiled(cls, device, dtype, head_size) -> bool:
+        raise AssertionError("asked whether a backend whose library is missing is compiled")
+
+
 class SelectionPlugin:
     PAGODA_PLUGIN_API = 1
 
     @hookimpl
     def register_attention_backends(self, register):
         register("head64", Head64Backend)
+        register("needs_library", NeedsLibraryBackend)
         register("broken", "no_such_module_for_pagoda_tests:Backend")
         register("not_a_backend", "pagoda.testing.attention:AttentionCase")
 
@@ -61,6 +75,18 @@ def test_a_named_backend_that_does_not_support_the_model_says_which_do(selection
     msg = str(info.value)
     assert "'head64' does not support device=cpu, dtype=float32, head_size=128" in msg
     assert "ones that do: " in msg and "torch_native" in msg
+
+
+def test_auto_passes_over_a_backend_whose_library_is_missing(selection_plugin) -> None:
+    assert select_attention_backend("auto", CPU, torch.float32, 64) is Head64Backend
+
+
+def test_a_named_backend_whose_library_is_missing_says_so(selection_plugin) -> None:
+    with pytest.raises(PluginSelectionError) as info:
+        select_attention_backend("needs_library", CPU, torch.float32, 64)
+    message = str(info.value)
+    assert "'no_such_kernel_library_for_pagoda_tests', which is not installed" in message
+    assert "head64" in message
 
 
 def test_a_named_backend_that_fails_to_import_raises_with_its_cause(selection_plugin) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,9 @@ def select(
 ) -> Any:
     """Return the target registered as ``name`` in registry ``kind``.
 
-    ``auto`` picks, among the targets that import and for which ``supports(target)`` is true, the
-    one with the highest ``priority`` attribute (ties: the first name in order). ``needs`` says
+    ``auto`` picks, among the targets that import, whose ``requires`` libraries (module names)
+    are installed and for which ``supports(target)`` is true, the one with the highest
+    ``priority`` attribute (ties: the first name in order). ``needs`` says
     what ``supports`` asks, for error messages (``"device=cpu, dtype=float32"``). ``check(name,
     target)`` may raise if a target is not the right kind of object.
     """
@@ -29,6 +31,13 @@ def select(
         target = registry.get(name)
         if check is not None:
             check(name, target)
+        missing = _missing(target)
+        if missing:
+            others = [n for n in _usable(registry, supports, check)[0] if n != name]
+            raise PluginSelectionError(
+                f"{registry.noun} {name!r} needs {missing}, which is not installed; ones that "
+                f"run here: {', '.join(others) or 'none'}"
+            )
         if supports is not None and not supports(target):
             others = [n for n in _usable(registry, supports, check)[0] if n != name]
             raise PluginSelectionError(
@@ -64,8 +73,25 @@ def _usable(
         except PluginError as e:
             why_not[n] = str(e).splitlines()[0]
             continue
-        if supports is None or supports(target):
+        missing = _missing(target)
+        if missing:
+            why_not[n] = f"needs {missing}, which is not installed"
+        elif supports is None or supports(target):
             usable[n] = target
         else:
             why_not[n] = "does not support it"
     return usable, why_not
+
+
+def _missing(target: Any) -> str:
+    """The libraries of ``target.requires`` (module names) that cannot be imported here, as
+    text ("" when none): a plugin may import its kernel library only when it runs."""
+    names = [m for m in getattr(target, "requires", ()) or () if not _installed(m)]
+    return ", ".join(repr(m) for m in names)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that fails, or a broken spec
+        return False
