@@ -1,7 +1,9 @@
 """On a GPU: greedy output with an EAGLE-3 or EAGLE head (random values, published layouts)
 equals greedy output without speculation on a random-weight Qwen3-0.6B in bf16 (except at
 near-ties), with the target's decode and verification CUDA graphs replayed (the head's hidden
-states are copied inside the graphs) and the head's own drafts replayed from its graphs."""
+states are copied inside the graphs), all-greedy verifications of small batches replayed from
+their graphs too (``GreedyTail``, checked against the same operations run eagerly) and the
+head's own drafts replayed from its graphs."""
 
 from __future__ import annotations
 
@@ -69,10 +71,35 @@ def test_greedy_with_an_eagle_head_matches_without_on_cuda(
         on.engine.shutdown()
 
 
+def _cross_check_tail(runner) -> list[int]:
+    """Each greedy verification replayed as a graph (``GreedyTail``) is also computed eagerly
+    on the same rows, before the replay, and must give the same tokens, counts and rows; the
+    batch sizes it verified."""
+    tail = runner.greedy_tail
+    assert tail is not None and tail.graphs
+    run, seen = tail.run, []
+
+    def checked(hidden, n):
+        eager = tail._compute(hidden, n) if hidden.shape[0] == n * tail.q else None
+        got = run(hidden, n)
+        if got is not None:
+            names = ("tokens", "num_emitted", "last_token", "last_hidden")
+            for name, a, b in zip(names, (got.tokens, got.num_emitted, got.last_token,
+                                          got.last_hidden), eager):  # fmt: skip
+                assert torch.equal(a, b), f"the greedy tail's {name} differ from eager"
+            seen.append(n)
+        return got
+
+    tail.run = checked
+    return seen
+
+
 def _check(on, off, prompts, ids, want) -> None:
     runner = on.engine.engine_core.executor.worker.model_runner
+    tail_batches = _cross_check_tail(runner)
     got = [o.outputs[0].token_ids for o in on.generate(ids, PARAMS, use_tqdm=False)]
     assert on.engine.engine_core.scheduler.spec_stats_total.num_draft_tokens > 0
+    assert tail_batches, "no greedy verification went through the tail's graphs"
     assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
     for p, g, w in zip(prompts, got, want):
         check_same_or_near_tie(off, p, w, g)
