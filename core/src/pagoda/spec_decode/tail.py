@@ -67,6 +67,12 @@ class GreedyTail:
         self._num_drafts = torch.full((b,), q - 1, dtype=torch.int64, device=dev)
         self._starts = torch.arange(b, dtype=torch.int64, device=dev) * q
 
+    @staticmethod
+    def reserve_bytes(vocab_size: int, dtype: torch.dtype) -> int:
+        """What the graphs keep on the device beyond their inputs: the logits of the largest
+        step they cover, in the model's dtype and as float32 (the KV cache leaves room)."""
+        return MAX_ROWS * vocab_size * (dtype.itemsize + 4)
+
     def bucket_for(self, n: int) -> int | None:
         for b in self.buckets:
             if b >= n:

@@ -237,6 +237,8 @@ class ModelRunner:
         graphs = 0
         if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
             graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
+            if self.proposer is not None and self.config.parallel.tensor_parallel_size == 1:
+                graphs += GreedyTail.reserve_bytes(self.arch.vocab_size, self.dtype)
         limit = total * self.config.cache.gpu_memory_utilization
         budget = int(limit - (total - free) - activations - graphs)
         self.startup_times["profile_s"] = time.perf_counter() - start
