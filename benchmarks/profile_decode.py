@@ -60,6 +60,16 @@ def main() -> None:
     p.add_argument("--config", default="llama-3.1-8b", help="folder under benchmarks/configs")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--input-len", type=int, default=640)
+    p.add_argument(
+        "--min-input-len",
+        type=int,
+        default=None,
+        help="prompt lengths uniform in [this, --input-len] (default: all --input-len)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="0.6 samples as nano's workload")
+    p.add_argument(
+        "--host-profile", action="store_true", help="also profile the host's work in the steps"
+    )
     p.add_argument("--steps", type=int, default=24, help="steady decode steps timed")
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--top", type=int, default=18, help="kernels listed")
@@ -78,9 +88,10 @@ def main() -> None:
     engine = llm.engine
     vocab = engine.info.arch.vocab_size
     rng = np.random.default_rng(0)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=args.temperature, ignore_eos=True)
+    lo = args.input_len if args.min_input_len is None else args.min_input_len
     for i in range(b):
-        ids = rng.integers(100, vocab - 100, args.input_len).tolist()
+        ids = rng.integers(100, vocab - 100, int(rng.integers(lo, args.input_len + 1))).tolist()
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     core = engine.engine_core
     # Prefill, then a few decode steps to reach the steady state.
@@ -95,6 +106,26 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    host = None
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(args.steps):
+            engine.step()
+        prof_host.disable()
+        stats = pstats.Stats(prof_host)
+        host = []
+        for (file, line, fn), (_, calls, tt, ct, _) in stats.stats.items():
+            where = f"{Path(file).name}:{line}({fn})"
+            per = {"tottime_ms": tt, "cumtime_ms": ct, "calls": calls / 1e3}
+            host.append({"fn": where, **{k: v * 1e3 / args.steps for k, v in per.items()}})
+        host.sort(key=lambda r: -r["tottime_ms"])
+        host = [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in host[:30]
+        ]
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prof_steps = 6
@@ -124,12 +155,15 @@ def main() -> None:
         "model": args.config,
         "batch": b,
         "input_len": args.input_len,
+        "min_input_len": lo,
+        "temperature": args.temperature,
         "attention_backend": args.attention_backend,
         "gpu": hardware(torch.device("cuda")),
         "commit": commit(),
         "wall_ms_per_step": round(wall_ms, 3),
         "parts_gpu_ms": {k: round(v, 3) for k, v in parts.items()},
         "kernels": table,
+        "host_profile_per_step": host,
     }
     path = save_report(report, f"profile-decode-{args.config}-b{b}", args.output_json)
     print(f"{args.config} batch {b}, context ~{args.input_len}: wall {wall_ms:.2f} ms a step")
@@ -140,6 +174,12 @@ def main() -> None:
         calls = row.get("calls_per_step")
         calls = "" if calls is None else f"{calls:7.0f}"
         print(f"{row['kernel']:<92}{row['ms_per_step']:>9.3f}{calls}")
+    if host:
+        print(f"{'host (tottime a step)':<70}{'ms':>9}{'cum ms':>9}{'calls':>7}")
+        for r in host[:15]:
+            print(
+                f"{r['fn'][:70]:<70}{r['tottime_ms']:>9.3f}{r['cumtime_ms']:>9.3f}{r['calls']:>7.0f}"
+            )
     print(f"results: {path}")
 
 

@@ -1,12 +1,15 @@
-"""Launch settings of the Triton paged-attention kernel for decode, swept at Llama-3.1-8B's heads.
+"""Launch settings of the Triton paged-attention kernel for decode, swept at a model's heads
+(Llama-3.1-8B's by default; ``--heads 16`` for Qwen3-0.6B's).
 
 Each case is a batch of decode requests whose contexts are uniform in [ctx/5, 9*ctx/5] (a
 workload's spread), over a shuffled block table. Settings: keys per loop iteration (tile_n),
-warps, pipeline stages, and the page layout: token-major pages (``[block, token, head, dim]``, the
-default cache) or head-major pages (``[block, head, token, dim]``, one head's page contiguous).
+warps, pipeline stages, context splits (``--splits``: each request's keys cut in that many
+slices merged after, as flash-decoding does, which evens out the programs' lengths), and the page
+layout: token-major pages (``[block, token, head, dim]``, the default cache) or head-major pages
+(``[block, head, token, dim]``, one head's page contiguous).
 The figure is KV bytes read per second against the measured copy bandwidth.
 
-    python benchmarks/triton_decode_tuning.py [--batch 256] [--ctx 640]
+    python benchmarks/triton_decode_tuning.py [--batch 256] [--ctx 640] [--heads 32]
 """
 
 from __future__ import annotations
@@ -48,16 +51,20 @@ def _case(batch: int, ctx: int, head_major: bool, device: torch.device):
     return kv, bt.to(device), lens.int().to(device), qsl, q, kv_bytes, int(lens.max())
 
 
-def _sweep(case: tuple, batch: int, head_major: bool, bw: float) -> list[dict]:
+def _sweep(
+    case: tuple, batch: int, head_major: bool, bw: float, splits: tuple[int, ...], quick: bool
+) -> list[dict]:
     kv, bt, lens, qsl, q, kv_bytes, max_len = case
     out = torch.empty_like(q)
     rows = []
-    for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    space = ((64, 128), (4, 8), (2, 3)) if quick else ((32, 64, 128), (2, 4, 8), (2, 3, 4))
+    for tile_n, warps, stages, ns in itertools.product(*space, splits):
         setting = {"head_major": head_major, "tile_n": tile_n, "num_warps": warps}
         setting["num_stages"] = stages
+        setting["num_splits"] = ns
         run = functools.partial(
             paged_attention,
-            q, kv[0], kv[1], out, bt, lens, qsl, batch, batch, 1, max_len, HEAD_DIM**-0.5, 1,
+            q, kv[0], kv[1], out, bt, lens, qsl, batch, batch, 1, max_len, HEAD_DIM**-0.5, ns,
             tile_n=tile_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         try:
@@ -73,38 +80,54 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--ctx", type=int, default=640)
+    p.add_argument("--heads", type=int, default=32, help="query heads (Qwen3-0.6B: 16)")
+    p.add_argument("--splits", default="1", help="context splits to try, comma-separated")
+    p.add_argument("--quick", action="store_true", help="a smaller sweep (tiles 64/128, ...)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
+    global HEADS
+    HEADS = args.heads
+    splits = tuple(int(x) for x in args.splits.split(","))
     device = torch.device("cuda")
     bw = copy_bandwidth(device, iters=20)
     rows = []
     for head_major in (False, True):
-        rows += _sweep(_case(args.batch, args.ctx, head_major, device), args.batch, head_major, bw)
+        case = _case(args.batch, args.ctx, head_major, device)
+        rows += _sweep(case, args.batch, head_major, bw, splits, args.quick)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     report = {
         "benchmark": "triton_decode_tuning",
         "batch": args.batch,
         "ctx": args.ctx,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
         "gpu": hardware(device),
         "commit": commit(),
         "copy_bandwidth_GBps": round(bw / 1e9, 1),
         "rows": rows,
     }
-    path = save_report(report, f"triton-decode-tuning-b{args.batch}-c{args.ctx}", args.output_json)
+    path = save_report(
+        report, f"triton-decode-tuning-h{HEADS}-b{args.batch}-c{args.ctx}", args.output_json
+    )
     default = [
         r
         for r in rows
         if not r["head_major"]
-        and r["tile_n"] == 64
+        and r["tile_n"] == 128
         and r["num_warps"] == 4
-        and r["num_stages"] == 3
+        and r["num_stages"] == 2
+        and r["num_splits"] == 1
     ]
     print(f"batch {args.batch}, contexts ~{args.ctx}; copy bandwidth {bw / 1e9:.0f} GB/s")
-    print(f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'us':>9}{'of copy bw':>11}")
+    print(
+        f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'splits':>7}{'us':>9}"
+        f"{'of copy bw':>11}"
+    )
     for r in default + ok[:12]:
         lay = "head-major" if r["head_major"] else "token-major"
         print(
-            f"{lay:<12}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}{r['us']:>9.1f}"
+            f"{lay:<12}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}"
+            f"{r['num_splits']:>7}{r['us']:>9.1f}"
             f"{r['of_copy_bw']:>11.3f}"
         )
     print(f"results: {path}")

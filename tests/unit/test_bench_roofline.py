@@ -83,3 +83,19 @@ def test_weight_bytes_leave_out_the_embedding_table_unless_it_is_the_lm_head(
     assert decode_weight_bytes(untied, 2) == (32 * 16 + 100 * 16) * 2
     assert decode_weight_bytes(tied, 2) == (32 * 16 + 200 * 16) * 2
     assert decode_weight_bytes(tied, 4) == (32 * 16 + 200 * 16) * 4  # at the dtype Pagoda runs
+
+
+def test_run_breakdown_charges_each_interval_to_the_step_that_ended_it() -> None:
+    from pagoda.bench.roofline import run_breakdown
+
+    steps = _steps(4, 10, 0.02)
+    b = run_breakdown(steps, 1000, 10, 1e6)
+    # The second prefill step is charged 0.5 s; the first has no step before it.
+    assert b["prefill_steps"] == 1 and b["prefill_s"] == pytest.approx(0.5)
+    assert b["prefill_scheduled_tokens"] == 150
+    # Ten decode steps of the batch and the last, smaller one.
+    assert b["decode_steps"] == 11 and b["decode_s"] == pytest.approx(0.22)
+    contexts = [4 * (60 + i) for i in range(10)] + [5000]
+    floor = sum((1000 + c * 10) / 1e6 for c in contexts)
+    assert b["decode_floor_s"] == pytest.approx(floor, abs=1e-3)
+    assert b["decode_over_floor"] == pytest.approx(0.22 / floor, rel=1e-3)

@@ -127,6 +127,37 @@ def decode_row(
     }
 
 
+def run_breakdown(
+    steps: list[Step], weight_bytes: int, kv_per_token: int, bandwidth: float
+) -> dict[str, Any]:
+    """Where a whole run's time went: the interval before each step's end charged to that step,
+    split into steps that prefill (any request scheduled more than one token) and steps where
+    every request decodes one, and the decode steps' time against the sum of their floors (the
+    run's decode at every batch size it passed through, not only the full one)."""
+    pre_s = dec_s = dec_floor_s = 0.0
+    pre_n = dec_n = 0
+    pre_tokens = 0
+    for prev, cur in zip(steps, steps[1:]):
+        dt = cur.end - prev.end
+        if cur.tokens > cur.reqs:
+            pre_s += dt
+            pre_n += 1
+            pre_tokens += cur.tokens
+        else:
+            dec_s += dt
+            dec_n += 1
+            dec_floor_s += decode_floor_s(weight_bytes, cur.context, kv_per_token, bandwidth)
+    return {
+        "prefill_steps": pre_n,
+        "prefill_s": round(pre_s, 3),
+        "prefill_scheduled_tokens": pre_tokens,
+        "decode_steps": dec_n,
+        "decode_s": round(dec_s, 3),
+        "decode_floor_s": round(dec_floor_s, 3),
+        "decode_over_floor": _sig(dec_s / dec_floor_s) if dec_floor_s else None,
+    }
+
+
 def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 

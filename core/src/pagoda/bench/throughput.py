@@ -101,7 +101,7 @@ def run_throughput(args: argparse.Namespace, config: Any) -> int:
     load_start = os.getloadavg()  # a shared machine's other work slows every engine
     run = prepare(args, config)
     wl, info, device = run.workload, run.info, run.info.device
-    pagoda, startup, decode, table = _pagoda_phase(run)
+    pagoda, startup, decode, table, breakdown = _pagoda_phase(run)
     peers.release(device)
     results: dict[str, Any] = {"pagoda": pagoda}
     n_peer = min(wl.peer_num_prompts or wl.num_prompts, wl.num_prompts)
@@ -131,6 +131,7 @@ def run_throughput(args: argparse.Namespace, config: Any) -> int:
         "startup": startup,
         "results": results,
         "decode_at_full_batch": decode,
+        "run_breakdown": breakdown,
         "roofline": None,
     }
     if table is not None:
@@ -148,9 +149,10 @@ def run_throughput(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
-    """Pagoda on the workload, its decode step at the workload's full batch, and the roofline
-    table on the same engine; the engine is shut down at the end."""
+def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any, Any]:
+    """Pagoda on the workload, its decode step at the workload's full batch, the run's prefill
+    and decode shares, and the roofline table on the same engine; the engine is shut down at the
+    end."""
     from pagoda.plugins import plugin_registered
 
     wl = run.workload
@@ -158,7 +160,7 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
     if run.weight_bytes is not None:
         floor_args = (run.weight_bytes, run.kv_per_token, run.bandwidth)
     recorder = roofline.StepRecorder()
-    decode = table = None
+    decode = table = breakdown = None
     # NOTE: registered before the engine is built: the engine core binds its seams then.
     with plugin_registered(recorder, "pagoda-bench-steps"):
         _say(f"pagoda on {wl.num_prompts} requests")
@@ -167,6 +169,7 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
             if floor_args is not None:
                 batch = min(wl.num_prompts, run.config.scheduler.max_num_seqs)
                 decode = roofline.decode_row(recorder.steps, batch, *floor_args)
+                breakdown = roofline.run_breakdown(recorder.steps, *floor_args)
             if run.roofline and floor_args is not None:
                 _say(f"roofline at batch {', '.join(map(str, wl.roofline_batches))}")
                 table = roofline.run_roofline(
@@ -180,7 +183,7 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any]:
                 )
         finally:
             llm.engine.shutdown()
-    return pagoda, startup, decode, table
+    return pagoda, startup, decode, table, breakdown
 
 
 def _run_pagoda(
@@ -273,6 +276,13 @@ def _print_summary(report: dict[str, Any], wl: Workload) -> None:
         print(
             f"decode at batch {d['batch']} in the workload: {d['step_ms']:.2f} ms a step, floor "
             f"{d['floor_ms']:.2f} ms, {d['step_over_floor']:.2f}x"
+        )
+    b = report.get("run_breakdown")
+    if b:
+        print(
+            f"the run: {b['prefill_steps']} steps with prefill took {b['prefill_s']:.2f} s, "
+            f"{b['decode_steps']} decode steps {b['decode_s']:.2f} s "
+            f"({b['decode_over_floor']}x their floors)"
         )
     if report["roofline"]:
         rl = report["roofline"]
