@@ -68,6 +68,9 @@ def main() -> None:
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0.6 samples as nano's workload")
     p.add_argument(
+        "--prefill-profile", action="store_true", help="also profile the prefill steps' kernels"
+    )
+    p.add_argument(
         "--host-profile", action="store_true", help="also profile the host's work in the steps"
     )
     p.add_argument("--steps", type=int, default=24, help="steady decode steps timed")
@@ -94,10 +97,27 @@ def main() -> None:
         ids = rng.integers(100, vocab - 100, int(rng.integers(lo, args.input_len + 1))).tolist()
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     core = engine.engine_core
+
     # Prefill, then a few decode steps to reach the steady state.
-    while core.scheduler.requests and any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.requests.values()
-    ):
+    def prefilling() -> bool:
+        reqs = core.scheduler.requests.values()
+        return any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs)
+
+    prefill = None
+    if args.prefill_profile:
+        walls = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as pprof:
+            while core.scheduler.requests and prefilling():
+                t = time.perf_counter()
+                engine.step()
+                walls.append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize()
+        n = len(walls)
+        prefill = {
+            "step_wall_ms": [round(w, 2) for w in walls],
+            "kernels": _kernel_table(pprof, n, args.top),
+        }
+    while core.scheduler.requests and prefilling():
         engine.step()
     for _ in range(4):
         engine.step()
@@ -164,6 +184,7 @@ def main() -> None:
         "parts_gpu_ms": {k: round(v, 3) for k, v in parts.items()},
         "kernels": table,
         "host_profile_per_step": host,
+        "prefill": prefill,
     }
     path = save_report(report, f"profile-decode-{args.config}-b{b}", args.output_json)
     print(f"{args.config} batch {b}, context ~{args.input_len}: wall {wall_ms:.2f} ms a step")
@@ -174,6 +195,12 @@ def main() -> None:
         calls = row.get("calls_per_step")
         calls = "" if calls is None else f"{calls:7.0f}"
         print(f"{row['kernel']:<92}{row['ms_per_step']:>9.3f}{calls}")
+    if prefill:
+        print(f"prefill steps, wall ms: {prefill['step_wall_ms']}")
+        for row in prefill["kernels"]:
+            calls = row.get("calls_per_step")
+            calls = "" if calls is None else f"{calls:7.0f}"
+            print(f"{row['kernel']:<92}{row['ms_per_step']:>9.3f}{calls}")
     if host:
         print(f"{'host (tottime a step)':<70}{'ms':>9}{'cum ms':>9}{'calls':>7}")
         for r in host[:15]:

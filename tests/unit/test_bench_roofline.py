@@ -99,3 +99,17 @@ def test_run_breakdown_charges_each_interval_to_the_step_that_ended_it() -> None
     floor = sum((1000 + c * 10) / 1e6 for c in contexts)
     assert b["decode_floor_s"] == pytest.approx(floor, abs=1e-3)
     assert b["decode_over_floor"] == pytest.approx(0.22 / floor, rel=1e-3)
+    # By batch size: batch 4 and the last step's 3 share the top quarter.
+    top = b["decode_by_batch"][0]
+    assert (top["batch_from"], top["batch_to"], top["steps"]) == (3, 4, 11)
+    assert sum(r["steps"] for r in b["decode_by_batch"]) == 11
+
+
+def test_run_breakdown_from_a_start_mark_charges_the_first_step_from_it() -> None:
+    from pagoda.bench.roofline import run_breakdown
+
+    steps = _steps(4, 10, 0.02)
+    # Marked between the two prefill steps: the first is before the run, the second 0.1 s in.
+    b = run_breakdown(steps, 1000, 10, 1e6, start=0.4)
+    assert b["prefill_steps"] == 1 and b["prefill_s"] == pytest.approx(0.1)
+    assert b["decode_steps"] == 11

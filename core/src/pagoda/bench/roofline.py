@@ -40,6 +40,10 @@ class StepRecorder:
 
     def __init__(self) -> None:
         self.steps: list[Step] = []
+        self.start: float | None = None  # when the timed run began, if marked
+
+    def mark_start(self) -> None:
+        self.start = time.perf_counter()
 
     @hookimpl
     def on_step_end(self, scheduler_output: Any) -> None:
@@ -128,33 +132,58 @@ def decode_row(
 
 
 def run_breakdown(
-    steps: list[Step], weight_bytes: int, kv_per_token: int, bandwidth: float
+    steps: list[Step],
+    weight_bytes: int,
+    kv_per_token: int,
+    bandwidth: float,
+    start: float | None = None,
 ) -> dict[str, Any]:
-    """Where a whole run's time went: the interval before each step's end charged to that step,
-    split into steps that prefill (any request scheduled more than one token) and steps where
-    every request decodes one, and the decode steps' time against the sum of their floors (the
-    run's decode at every batch size it passed through, not only the full one)."""
-    pre_s = dec_s = dec_floor_s = 0.0
-    pre_n = dec_n = 0
-    pre_tokens = 0
+    """Where a whole run's time went: the interval before each step's end charged to that step
+    (the first step after ``start`` from ``start``), split into steps that prefill (any request
+    scheduled more than one token) and steps where every request decodes one; the decode steps'
+    time against the sum of their floors, in all and by batch size (a quarter of the largest
+    batch at a time, the smallest batches apart)."""
+    if start is not None:
+        steps = [Step(start, 0, 0, 0)] + [s for s in steps if s.end > start]
+    biggest = max((s.reqs for s in steps), default=1)
+    cuts = (biggest + 1, 3 * biggest // 4, biggest // 2, biggest // 4, biggest // 16, 1)
+    edges = sorted({max(1, c) for c in cuts})
+    buckets = [[lo, hi - 1, 0, 0.0, 0.0] for lo, hi in zip(edges, edges[1:]) if lo < hi]
+    pre_s = 0.0
+    pre_n = pre_tokens = 0
     for prev, cur in zip(steps, steps[1:]):
         dt = cur.end - prev.end
         if cur.tokens > cur.reqs:
             pre_s += dt
             pre_n += 1
             pre_tokens += cur.tokens
-        else:
-            dec_s += dt
-            dec_n += 1
-            dec_floor_s += decode_floor_s(weight_bytes, cur.context, kv_per_token, bandwidth)
+            continue
+        b = next(b for b in buckets if b[0] <= cur.reqs <= b[1])
+        b[2] += 1
+        b[3] += dt
+        b[4] += decode_floor_s(weight_bytes, cur.context, kv_per_token, bandwidth)
+    dec_s = sum(b[3] for b in buckets)
+    dec_floor_s = sum(b[4] for b in buckets)
     return {
         "prefill_steps": pre_n,
         "prefill_s": round(pre_s, 3),
         "prefill_scheduled_tokens": pre_tokens,
-        "decode_steps": dec_n,
+        "decode_steps": sum(b[2] for b in buckets),
         "decode_s": round(dec_s, 3),
         "decode_floor_s": round(dec_floor_s, 3),
         "decode_over_floor": _sig(dec_s / dec_floor_s) if dec_floor_s else None,
+        "decode_by_batch": [
+            {
+                "batch_from": lo,
+                "batch_to": hi,
+                "steps": n,
+                "s": round(t, 3),
+                "floor_s": round(f, 3),
+                "step_ms": _sig(t / n * 1e3) if n else None,
+                "over_floor": _sig(t / f) if f else None,
+            }
+            for lo, hi, n, t, f in reversed(buckets)
+        ],
     }
 
 

@@ -164,12 +164,16 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any, A
     # NOTE: registered before the engine is built: the engine core binds its seams then.
     with plugin_registered(recorder, "pagoda-bench-steps"):
         _say(f"pagoda on {wl.num_prompts} requests")
-        pagoda, startup, llm = _run_pagoda(run.config, run.prompts, run.out_lens, wl.temperature)
+        pagoda, startup, llm = _run_pagoda(
+            run.config, run.prompts, run.out_lens, wl.temperature, on_start=recorder.mark_start
+        )
         try:
             if floor_args is not None:
                 batch = min(wl.num_prompts, run.config.scheduler.max_num_seqs)
                 decode = roofline.decode_row(recorder.steps, batch, *floor_args)
-                breakdown = roofline.run_breakdown(recorder.steps, *floor_args)
+                breakdown = roofline.run_breakdown(
+                    recorder.steps, *floor_args, start=recorder.start
+                )
             if run.roofline and floor_args is not None:
                 _say(f"roofline at batch {', '.join(map(str, wl.roofline_batches))}")
                 table = roofline.run_roofline(
@@ -187,7 +191,11 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any, A
 
 
 def _run_pagoda(
-    config: Any, prompts: list[list[int]], out_lens: list[int], temperature: float = 0.0
+    config: Any,
+    prompts: list[list[int]],
+    out_lens: list[int],
+    temperature: float = 0.0,
+    on_start: Any = None,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from pagoda import LLM, SamplingParams
     from pagoda.engine.gc_tuning import tuned_gc
@@ -205,6 +213,8 @@ def _run_pagoda(
     ]
     # NOTE: the collector tuned as in the engine-core process that serves (pagoda.engine.gc_tuning)
     with tuned_gc():
+        if on_start is not None:
+            on_start()
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -284,6 +294,12 @@ def _print_summary(report: dict[str, Any], wl: Workload) -> None:
             f"{b['decode_steps']} decode steps {b['decode_s']:.2f} s "
             f"({b['decode_over_floor']}x their floors)"
         )
+        for r in b["decode_by_batch"]:
+            if r["steps"]:
+                print(
+                    f"  decode at batch {r['batch_from']}-{r['batch_to']}: {r['steps']} steps, "
+                    f"{r['s']:.2f} s, {r['step_ms']} ms a step, {r['over_floor']}x the floor"
+                )
     if report["roofline"]:
         rl = report["roofline"]
         print(f"roofline, copy bandwidth {rl['copy_bandwidth_GBps']:.0f} GB/s:")
