@@ -55,6 +55,31 @@ def _kernel_table(prof, steps: int, top: int) -> list[dict]:
     ] + [{"kernel": "(all kernels)", "ms_per_step": round(sum(totals.values()) / 1e3 / steps, 4)}]
 
 
+def _host_table(prof_host, steps: int, top: int = 30, key: str = "tottime_ms") -> list[dict]:
+    """A cProfile's functions by their own time (or ``key``), per step."""
+    import pstats
+
+    stats = pstats.Stats(prof_host)
+    rows = []
+    for (file, line, fn), (_, calls, tt, ct, _) in stats.stats.items():
+        rows.append(
+            {
+                "fn": f"{Path(file).name}:{line}({fn})",
+                "tottime_ms": round(tt * 1e3 / steps, 4),
+                "cumtime_ms": round(ct * 1e3 / steps, 4),
+                "calls": round(calls / steps, 2),
+            }
+        )
+    rows.sort(key=lambda r: -r[key])
+    return rows[:top]
+
+
+def _print_host(rows: list[dict], title: str, limit: int = 15) -> None:
+    print(f"{title:<70}{'ms':>9}{'cum ms':>9}{'calls':>8}")
+    for r in rows[:limit]:
+        print(f"{r['fn'][:70]:<70}{r['tottime_ms']:>9.3f}{r['cumtime_ms']:>9.3f}{r['calls']:>8.0f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="llama-3.1-8b", help="folder under benchmarks/configs")
@@ -129,23 +154,13 @@ def main() -> None:
     host = None
     if args.host_profile:
         import cProfile
-        import pstats
 
         prof_host = cProfile.Profile()
         prof_host.enable()
         for _ in range(args.steps):
             engine.step()
         prof_host.disable()
-        stats = pstats.Stats(prof_host)
-        host = []
-        for (file, line, fn), (_, calls, tt, ct, _) in stats.stats.items():
-            where = f"{Path(file).name}:{line}({fn})"
-            per = {"tottime_ms": tt, "cumtime_ms": ct, "calls": calls / 1e3}
-            host.append({"fn": where, **{k: v * 1e3 / args.steps for k, v in per.items()}})
-        host.sort(key=lambda r: -r["tottime_ms"])
-        host = [
-            {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in host[:30]
-        ]
+        host = _host_table(prof_host, args.steps)
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prof_steps = 6
@@ -201,12 +216,11 @@ def main() -> None:
             calls = row.get("calls_per_step")
             calls = "" if calls is None else f"{calls:7.0f}"
             print(f"{row['kernel']:<92}{row['ms_per_step']:>9.3f}{calls}")
+    if prefill:
+        _print_host(prefill["host_first_step"], "host, first prefill step", 40)
+        _print_host(prefill["host_other_steps"], "host, other prefill steps (a step)")
     if host:
-        print(f"{'host (tottime a step)':<70}{'ms':>9}{'cum ms':>9}{'calls':>7}")
-        for r in host[:15]:
-            print(
-                f"{r['fn'][:70]:<70}{r['tottime_ms']:>9.3f}{r['cumtime_ms']:>9.3f}{r['calls']:>7.0f}"
-            )
+        _print_host(host, "host, decode (a step)")
     print(f"results: {path}")
 
 
