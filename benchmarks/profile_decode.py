@@ -130,18 +130,29 @@ def main() -> None:
 
     prefill = None
     if args.prefill_profile:
+        import cProfile
+
         walls = []
+        first_host = cProfile.Profile()  # the first prefill step apart: it may compile
+        rest_host = cProfile.Profile()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as pprof:
             while core.scheduler.requests and prefilling():
                 t = time.perf_counter()
+                host_prof = rest_host if walls else first_host
+                host_prof.enable()
                 engine.step()
+                host_prof.disable()
                 walls.append((time.perf_counter() - t) * 1e3)
             torch.cuda.synchronize()
         n = len(walls)
         prefill = {
             "step_wall_ms": [round(w, 2) for w in walls],
             "kernels": _kernel_table(pprof, n, args.top),
+            "host_first_step": _host_table(first_host, 1, 40, "cumtime_ms"),
+            "host_other_steps": _host_table(rest_host, max(n - 1, 1)),
         }
+        if args.output_json:  # the whole first-step profile, for pstats
+            first_host.dump_stats(str(Path(args.output_json).with_suffix(".first-prefill.prof")))
     while core.scheduler.requests and prefilling():
         engine.step()
     for _ in range(4):
