@@ -17,7 +17,8 @@ import triton.language as tl
 _TILE = 2048
 
 
-@triton.jit
+# NOTE: the row count changes with every step's token count: one variant for all of them.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

@@ -2,9 +2,9 @@
 
 The largest step the scheduler can send (``max_num_batched_tokens`` prompt tokens spread over
 up to ``max_num_seqs`` requests) runs once through the model over a throwaway cache, and its
-logits through the costliest sampling path (a full-vocabulary softmax and sort, as top-p takes).
-The peak of device memory above what was allocated before, less the throwaway cache, is what
-every step may need besides the weights and the KV cache.
+logits through the costliest sampling path (a full-vocabulary softmax and sort, as top-p takes)
+and the random draw. The peak of device memory above what was allocated before, less the throwaway
+cache, is what every step may need besides the weights and the KV cache.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
+from pagoda.sample.ops import sample_from_probs
 from pagoda.utils import cdiv
 
 if TYPE_CHECKING:
@@ -86,11 +87,15 @@ def profile_peak_activations(runner: ModelRunner) -> int:
         hidden = runner.model(runner.input_ids[:n_tok], runner.positions[:n_tok])
     last = torch.from_numpy(qsl[1:] - 1).to(dev)
     logits = runner.model.compute_logits(hidden[last])
-    torch.sort(logits.softmax(dim=-1), dim=-1, descending=True)
+    probs = logits.softmax(dim=-1)
+    torch.sort(probs, dim=-1, descending=True)
+    # The random draw's kernels, loaded here: on first use each costs tens of milliseconds, and
+    # the first sampled step of a workload would pay about 150 ms for them.
+    sample_from_probs(probs, torch.rand(n_req, dtype=torch.float64, device=dev))
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache.numel() * cache.element_size()
 
-    del hidden, logits, cache
+    del hidden, logits, probs, cache
     for m in layers:
         m.kv_cache = torch.empty(0)
     runner.block_table.zero_()

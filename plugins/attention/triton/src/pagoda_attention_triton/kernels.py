@@ -95,7 +95,11 @@ def _tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# NOTE: the request count and split size change from step to step; left to specialize, Triton
+# compiles a variant for each of 1, a multiple of 16 and any other value, and a step that meets
+# one for the first time (a prefill of 29 requests after a start-up that ran 256) waits about
+# half a second for it.
+@triton.jit(do_not_specialize=["num_seqs", "split_size"])
 def _paged_attention(
     q_ptr,
     k_cache_ptr,
