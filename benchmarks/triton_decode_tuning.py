@@ -52,12 +52,11 @@ def _case(batch: int, ctx: int, head_major: bool, device: torch.device):
 
 
 def _sweep(
-    case: tuple, batch: int, head_major: bool, bw: float, splits: tuple[int, ...], quick: bool
+    case: tuple, batch: int, head_major: bool, bw: float, splits: tuple[int, ...], space: tuple
 ) -> list[dict]:
     kv, bt, lens, qsl, q, kv_bytes, max_len = case
     out = torch.empty_like(q)
     rows = []
-    space = ((64, 128), (4, 8), (2, 3)) if quick else ((32, 64, 128), (2, 4, 8), (2, 3, 4))
     for tile_n, warps, stages, ns in itertools.product(*space, splits):
         setting = {"head_major": head_major, "tile_n": tile_n, "num_warps": warps}
         setting["num_stages"] = stages
@@ -83,6 +82,10 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=32, help="query heads (Qwen3-0.6B: 16)")
     p.add_argument("--splits", default="1", help="context splits to try, comma-separated")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (tiles 64/128, ...)")
+    p.add_argument(
+        "--launch", default=None, help="one setting only, tile_n,warps,stages (the default 128,4,2)"
+    )
+    p.add_argument("--token-major-only", action="store_true", help="leave out head-major pages")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     global HEADS
@@ -91,9 +94,12 @@ def main() -> None:
     device = torch.device("cuda")
     bw = copy_bandwidth(device, iters=20)
     rows = []
-    for head_major in (False, True):
+    space = ((64, 128), (4, 8), (2, 3)) if args.quick else ((32, 64, 128), (2, 4, 8), (2, 3, 4))
+    if args.launch:
+        space = tuple((int(x),) for x in args.launch.split(","))
+    for head_major in (False,) if args.token_major_only else (False, True):
         case = _case(args.batch, args.ctx, head_major, device)
-        rows += _sweep(case, args.batch, head_major, bw, splits, args.quick)
+        rows += _sweep(case, args.batch, head_major, bw, splits, space)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     report = {
         "benchmark": "triton_decode_tuning",

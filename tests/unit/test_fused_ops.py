@@ -143,6 +143,87 @@ def test_rotary_rotates_strided_q_and_k_in_place_like_torch(
     assert torch.equal(v, v0)  # the rest of the qkv output is untouched
 
 
+def _draw_case(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
+    temperature = 0.3 + 1.2 * torch.rand(rows, generator=gen)
+    uniform = torch.rand(rows, generator=gen, dtype=torch.float64)
+    return logits.to(DEVICE), temperature.to(DEVICE), uniform.to(DEVICE)
+
+
+def _sampler_draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor):
+    from pagoda.sample.ops import sample_from_probs
+
+    probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=-1)
+    return sample_from_probs(probs, uniform)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 4096 + 300])
+def test_fused_draw_picks_the_sampler_token_for_each_row(dtype: torch.dtype, vocab: int) -> None:
+    from pagoda.ops.triton_sample import sample_from_logits_triton
+
+    # A vocabulary that ends inside a bucket, and one over several loop tiles.
+    logits, temperature, uniform = _draw_case(24, vocab, dtype)
+    got = sample_from_logits_triton(logits, temperature, uniform)
+    want = _sampler_draw(logits, temperature, uniform)
+    assert got.dtype == torch.int64
+    # The same inverse-CDF draw: only a uniform within float rounding of a boundary between two
+    # tokens could tell the two apart, which these rows do not have.
+    assert torch.equal(got, want)
+    # Rows are independent: drawn alone, each row gets the same token.
+    for i in (0, 7, 23):
+        one = sample_from_logits_triton(
+            logits[i : i + 1], temperature[i : i + 1], uniform[i : i + 1]
+        )
+        assert one.item() == got[i].item()
+
+
+@needs_triton
+def test_fused_draw_never_picks_a_token_of_zero_probability() -> None:
+    from pagoda.ops.triton_sample import sample_from_logits_triton
+
+    vocab = 700
+    logits = torch.full((4, vocab), float("-inf"))
+    allowed = [[5, 130, 131], [699], [0, 256], [127, 128, 600]]
+    for r, ids in enumerate(allowed):
+        logits[r, ids] = torch.tensor([1.0, 2.0, 0.5][: len(ids)])
+    logits = logits.to(DEVICE)
+    temperature = torch.full((4,), 0.7, device=DEVICE)
+    # u = 0 takes each row's first allowed token, u just below 1 its last.
+    for u, pick in ((0.0, 0), (1.0 - 2.0**-53, -1)):
+        uniform = torch.full((4,), u, dtype=torch.float64, device=DEVICE)
+        got = sample_from_logits_triton(logits, temperature, uniform).tolist()
+        assert got == [ids[pick] for ids in allowed]
+
+
+@needs_triton
+def test_sampler_takes_the_fused_draw_for_temperature_alone(
+    fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pagoda.ops.triton_sample as ts
+    from pagoda.sample.metadata import SamplingMetadata
+    from pagoda.sample.sampler import Sampler
+
+    calls = []
+    real = ts.sample_from_logits_triton
+    monkeypatch.setattr(ts, "sample_from_logits_triton", lambda *a: calls.append(1) or real(*a))
+    logits, temperature, uniform = _draw_case(6, 1000, torch.float32, seed=1)
+    want = _sampler_draw(logits, temperature, uniform)
+
+    def md(**kw):
+        return SamplingMetadata(False, True, temperature=temperature, uniform=uniform, **kw)
+
+    out = Sampler()(logits.clone(), md())
+    assert calls == [1] and torch.equal(out.sampled, want)
+    # Anything that acts on the logits (top-p here) or wants logprobs takes the sampler's path.
+    top_p = torch.ones(6, device=DEVICE)
+    Sampler()(logits.clone(), md(top_p=top_p))
+    Sampler()(logits.clone(), md(max_num_logprobs=2))
+    assert calls == [1]
+
+
 def test_cpu_tensors_take_the_torch_path_unless_the_interpreter_is_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "linear",
     "rms_norm",
     "rotary_embedding",
+    "sample_from_logits",
     "set_fused_ops",
     "silu_and_mul",
 ]
@@ -118,3 +119,26 @@ def rotary_embedding(
 
         return rotary_embedding_triton(positions, q, k, cos, sin)
     return reference.rotary_embedding(positions, q, k, cos, sin)
+
+
+def fused_draw_applies(logits: torch.Tensor) -> bool:
+    """Whether :func:`sample_from_logits` runs its one-kernel draw on ``logits`` (the sampler
+    keeps its own path elsewhere, and always in batch-invariant mode)."""
+    return not batch_invariant._enabled and _use_triton(logits)
+
+
+def sample_from_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
+    """[n] int64: each row of ``logits`` [n, vocab] drawn from ``softmax(logits / temperature)``
+    with its ``uniform`` [n] float64 in [0, 1), by the inverse-CDF draw of
+    :func:`pagoda.sample.ops.sample_from_probs`. One Triton kernel reads the logits once or twice
+    where :func:`fused_draw_applies`; elsewhere the sampler's torch code runs."""
+    if fused_draw_applies(logits):
+        from pagoda.ops.triton_sample import sample_from_logits_triton
+
+        return sample_from_logits_triton(logits, temperature, uniform)
+    from pagoda.sample.ops import sample_from_probs
+
+    probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=-1)
+    return sample_from_probs(probs, uniform)
