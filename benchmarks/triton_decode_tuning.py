@@ -51,8 +51,26 @@ def _case(batch: int, ctx: int, head_major: bool, device: torch.device):
     return kv, bt.to(device), lens.int().to(device), qsl, q, kv_bytes, int(lens.max())
 
 
+def _graph_time(run, device: torch.device, calls: int = 10) -> float:
+    """Seconds a call of ``run`` takes replayed from a CUDA graph, as decode steps run: no
+    launch overhead, which at small batches is longer than the kernels themselves."""
+    run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    return time_fn(graph.replay, 10, device) / calls
+
+
 def _sweep(
-    case: tuple, batch: int, head_major: bool, bw: float, splits: tuple[int, ...], space: tuple
+    case: tuple,
+    batch: int,
+    head_major: bool,
+    bw: float,
+    splits: tuple[int, ...],
+    space: tuple,
+    graphs: bool,
 ) -> list[dict]:
     kv, bt, lens, qsl, q, kv_bytes, max_len = case
     out = torch.empty_like(q)
@@ -67,7 +85,7 @@ def _sweep(
             tile_n=tile_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         try:
-            t = time_fn(run, 20, q.device)
+            t = _graph_time(run, q.device) if graphs else time_fn(run, 20, q.device)
         except Exception as e:  # a setting the compiler refuses (shared memory, say)
             rows.append({**setting, "error": type(e).__name__})
             continue
@@ -86,6 +104,9 @@ def main() -> None:
         "--launch", default=None, help="one setting only, tile_n,warps,stages (the default 128,4,2)"
     )
     p.add_argument("--token-major-only", action="store_true", help="leave out head-major pages")
+    p.add_argument(
+        "--graphs", action="store_true", help="time replays of CUDA graphs (as decode runs)"
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     global HEADS
@@ -99,7 +120,7 @@ def main() -> None:
         space = tuple((int(x),) for x in args.launch.split(","))
     for head_major in (False,) if args.token_major_only else (False, True):
         case = _case(args.batch, args.ctx, head_major, device)
-        rows += _sweep(case, args.batch, head_major, bw, splits, space)
+        rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     report = {
         "benchmark": "triton_decode_tuning",
@@ -110,6 +131,7 @@ def main() -> None:
         "gpu": hardware(device),
         "commit": commit(),
         "copy_bandwidth_GBps": round(bw / 1e9, 1),
+        "timing": "CUDA graph replay" if args.graphs else "eager calls",
         "rows": rows,
     }
     path = save_report(

@@ -16,6 +16,7 @@ import torch
 
 from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
+from pagoda.ops import fused_draw_applies, sample_from_logits
 from pagoda.sample.ops import sample_from_probs
 from pagoda.utils import cdiv
 
@@ -90,8 +91,12 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     probs = logits.softmax(dim=-1)
     torch.sort(probs, dim=-1, descending=True)
     # The random draw's kernels, loaded here: on first use each costs tens of milliseconds, and
-    # the first sampled step of a workload would pay about 150 ms for them.
-    sample_from_probs(probs, torch.rand(n_req, dtype=torch.float64, device=dev))
+    # the first sampled step of a workload would pay about 150 ms for them (and about 0.4 s more
+    # for compiling the one-kernel draw).
+    uniform = torch.rand(n_req, dtype=torch.float64, device=dev)
+    sample_from_probs(probs, uniform)
+    if fused_draw_applies(logits):  # and the one-kernel draw's compile
+        sample_from_logits(logits, torch.ones(n_req, device=dev), uniform)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache.numel() * cache.element_size()
 
