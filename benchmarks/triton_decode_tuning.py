@@ -93,6 +93,66 @@ def _sweep(
     return rows
 
 
+def _prefill(args, device: torch.device) -> None:
+    """Prefill: ``--prefill N`` prompts of 100 - 1024 tokens, every token a query, causal."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lens = torch.randint(100, 1025, (args.prefill,), generator=g)
+    blocks = (lens + PAGE - 1) // PAGE
+    num_blocks = int(blocks.sum()) + 1
+    kv = torch.randn(2, num_blocks, PAGE, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    bt = torch.zeros(args.prefill, int(blocks.max()), dtype=torch.int32)
+    off = 1
+    for i, nb in enumerate(blocks.tolist()):
+        bt[i, :nb] = torch.arange(off, off + nb)
+        off += nb
+    bt = bt.to(device)
+    n = int(lens.sum())
+    q = torch.randn(n, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    qsl = torch.zeros(args.prefill + 1, dtype=torch.int32)
+    qsl[1:] = lens.cumsum(0)
+    qsl, seq = qsl.to(device), lens.int().to(device)
+    flops = 4 * HEADS * HEAD_DIM * sum(x * (x + 1) // 2 for x in lens.tolist())
+    out = torch.empty_like(q)
+    rows = []
+    space = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    for block_m, tile_n, warps, stages in space:
+        setting = {"block_m": block_m, "tile_n": tile_n, "num_warps": warps, "num_stages": stages}
+        run = functools.partial(
+            paged_attention,
+            q, kv[0], kv[1], out, bt, seq, qsl, args.prefill, n, int(lens.max()), int(lens.max()),
+            HEAD_DIM**-0.5, 1, tile_n=tile_n, num_warps=warps, num_stages=stages, block_m=block_m,
+        )  # fmt: skip
+        try:
+            t = time_fn(run, 10, device)
+        except Exception as e:  # a setting the compiler refuses (shared memory, say)
+            rows.append({**setting, "error": type(e).__name__})
+            continue
+        rows.append({**setting, "us": round(t * 1e6, 1), "tflops": round(flops / t / 1e12, 1)})
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    report = {
+        "benchmark": "triton_prefill_tuning",
+        "prompts": args.prefill,
+        "tokens": n,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "gpu": hardware(device),
+        "commit": commit(),
+        "rows": rows,
+    }
+    path = save_report(report, f"triton-prefill-tuning-h{HEADS}-p{args.prefill}", args.output_json)
+    default = [
+        r for r in rows if "us" in r and (r["block_m"], r["tile_n"], r["num_warps"]) == (64, 64, 4)
+    ]
+    print(f"prefill of {args.prefill} prompts, {n} tokens")
+    print(f"{'block_m':>8}{'tile_n':>7}{'warps':>6}{'stages':>7}{'us':>10}{'TFLOP/s':>9}")
+    for r in default + ok[:10]:
+        print(
+            f"{r['block_m']:>8}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}"
+            f"{r['us']:>10.1f}{r['tflops']:>9.1f}"
+        )
+    print(f"results: {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
@@ -107,10 +167,16 @@ def main() -> None:
     p.add_argument(
         "--graphs", action="store_true", help="time replays of CUDA graphs (as decode runs)"
     )
+    p.add_argument(
+        "--prefill", type=int, default=0, help="tune prefill instead, over this many prompts"
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     global HEADS
     HEADS = args.heads
+    if args.prefill:
+        _prefill(args, torch.device("cuda"))
+        return
     splits = tuple(int(x) for x in args.splits.split(","))
     device = torch.device("cuda")
     bw = copy_bandwidth(device, iters=20)

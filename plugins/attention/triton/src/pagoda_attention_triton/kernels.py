@@ -302,13 +302,16 @@ def paged_attention(
     tile_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """``tile_n`` (keys a loop iteration reads), ``num_warps`` and ``num_stages`` override the
-    launch heuristics (tuning benchmarks use them)."""
+    """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
+    (query rows a program holds: query tokens x the heads of a KV head) override the launch
+    heuristics (tuning benchmarks use them)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
-    block_m = 16 if max_query_len == 1 else 64
+    if block_m is None:
+        block_m = 16 if max_query_len == 1 else 64
     block_m = max(block_m, triton.next_power_of_2(g))
     block_q = block_m // g
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
