@@ -44,6 +44,8 @@ def _reference(q, kc, vc, bt, seq_lens, q_lens, scale):
         (6, 2, 64, 16, [17, 1, 5], [0, 30, 64], 1, torch.float32),  # mixed, GQA 3
         (8, 2, 128, 32, [33], [20], 1, torch.float32),  # chunked prefill over cached context
         (4, 1, 64, 16, [1, 1], [300, 33], 4, torch.float32),  # split-KV decode
+        # A long prefill chunk (the launch of 128 rows and 32-key tiles) beside a decode.
+        (4, 2, 64, 16, [150, 1], [10, 40], 1, torch.float32),
         (4, 2, 64, 16, [9, 1], [5, 70], 1, torch.float16),
     ],
 )

@@ -310,8 +310,13 @@ def paged_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
+    # Prefill chunks of long prompts: 128 query rows a program, 32 keys a tile, 8 warps, 2 stages
+    # took 333 us where 64 rows, 64 keys, 4 warps, 3 stages took 428 (28 prompts of 100 - 1024
+    # tokens, Qwen3-0.6B's heads, H200: triton_decode_tuning.py --prefill 28). Verification
+    # steps (a few queries a request) keep 64 rows: most of 128 would be empty.
+    long_prefill = max_query_len >= 128 and head_dim <= 128
     if block_m is None:
-        block_m = 16 if max_query_len == 1 else 64
+        block_m = 16 if max_query_len == 1 else 128 if long_prefill else 64
     block_m = max(block_m, triton.next_power_of_2(g))
     block_q = block_m // g
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -320,9 +325,11 @@ def paged_attention(
     # and 3 stages on an H200 (benchmarks/triton_decode_tuning.py).
     decode_tile = max_query_len == 1 and head_dim <= 128
     if tile_n is None:
-        tile_n = 128 if decode_tile else 64 if head_dim <= 128 else 32
-    if num_stages is None and decode_tile:
+        tile_n = 128 if decode_tile else 32 if long_prefill else 64 if head_dim <= 128 else 32
+    if num_stages is None and (decode_tile or long_prefill):
         num_stages = 2
+    if num_warps is None and long_prefill:
+        num_warps = 8
     launch = {}
     if num_warps is not None:
         launch["num_warps"] = num_warps
