@@ -47,8 +47,8 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """``logits``: [num_rows, vocab], consumed (changed in place when float32)."""
         if self._plain_random(md) and ops.fused_draw_applies(logits):
-            # Temperature alone: one kernel from the logits to the tokens (at batch 256 on an
-            # H200, about 0.45 of the 0.5 ms the separate passes take over Qwen3's vocabulary).
+            # Temperature alone: one kernel from the logits to the tokens (batch 256 over Qwen3's
+            # vocabulary on an H200: 81 us where the separate passes took 545, fused_draw.py).
             return SamplerOutput(ops.sample_from_logits(logits, md.temperature, md.uniform), None)
         raw_logprobs = None
         if md.max_num_logprobs is not None:
