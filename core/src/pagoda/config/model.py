@@ -49,7 +49,7 @@ class ModelConfig(_Section):
     fused_ops: bool = Field(
         True,
         description="on CUDA, fused Triton kernels for RMSNorm with the residual add, SiLU times"
-        " up, and rotary embedding",
+        " up, rotary embedding, and the random draw of a step that samples at a temperature alone",
     )
     batch_invariant: bool = Field(
         False,
