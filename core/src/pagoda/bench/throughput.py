@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagoda.bench import peers, roofline
@@ -195,7 +196,7 @@ def _run_pagoda(
     prompts: list[list[int]],
     out_lens: list[int],
     temperature: float = 0.0,
-    on_start: Any = None,
+    on_start: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from pagoda import LLM, SamplingParams
     from pagoda.engine.gc_tuning import tuned_gc
