@@ -13,7 +13,9 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from pagoda_attention_triton.kernels import paged_attention  # noqa: E402
+from pagoda_attention_triton.kernels import paged_attention, write_kv_cache_fused  # noqa: E402
+
+from pagoda.attention.backend import write_kv_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
@@ -85,3 +87,20 @@ def test_paged_attention_matches_float64_reference(
     )
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cache_write_stores_what_the_two_copies_store(dtype: torch.dtype) -> None:
+    tokens, heads, kv_heads, dim, blocks, page = 9, 4, 2, 64, 6, 4
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype).to(DEVICE)
+    _, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    k = k.view(tokens, kv_heads, dim)  # strided views of the projection, as the model has them
+    v = v.view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * page, generator=gen)[: tokens + 2].to(DEVICE)
+    cache = torch.randn(2, blocks, page, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
+    want = cache.clone()
+    write_kv_cache(k, v, want, slots, tokens - 2)  # fewer tokens than the slots given
+    kc, vc = write_kv_cache_fused(k, v, cache, slots, tokens - 2)
+    assert torch.equal(cache, want)
+    assert kc.data_ptr() == cache[0].data_ptr() and vc.data_ptr() == cache[1].data_ptr()

@@ -86,6 +86,12 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     return splits
 
 
+def _fused_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """The one-kernel cache write addresses the cache as one contiguous tensor, and key and value
+    through their strides with unit stride in the head dimension."""
+    return kv_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1
+
+
 class TritonAttentionImpl(AttentionImpl):
     def forward(
         self,
@@ -95,11 +101,12 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: TritonMetadata,
     ) -> torch.Tensor:
-        from pagoda_attention_triton.kernels import paged_attention
+        from pagoda_attention_triton.kernels import paged_attention, write_kv_cache_fused
 
         c = attn_metadata.common
         n = c.num_actual_tokens
-        key_cache, value_cache = write_kv_cache(key, value, kv_cache, c.slot_mapping, n)
+        write = write_kv_cache_fused if _fused_write(kv_cache, key, value) else write_kv_cache
+        key_cache, value_cache = write(key, value, kv_cache, c.slot_mapping, n)
         out = torch.empty_like(query)
         paged_attention(
             query,

@@ -285,6 +285,68 @@ def _merge_splits(
     )
 
 
+@triton.jit
+def _write_kv(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    heads,
+    head_dim,
+    value_offset,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # a padded token writes nowhere
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < heads)[:, None] & (d < head_dim)[None, :]
+    dst = cache_ptr + slot * heads * head_dim + h[:, None] * head_dim + d[None, :]
+    k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(dst, k, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(dst + value_offset, v, mask=mask)
+
+
+def write_kv_cache_fused(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pagoda.attention.backend.write_kv_cache` in one kernel: key and value of each of
+    the first ``num_tokens`` tokens to its slot of the default-layout cache (``[2, num_blocks,
+    block_size, num_kv_heads, head_size]``, contiguous), where the two ``index_copy_`` took a
+    launch each. ``key`` and ``value`` may be strided views (unit stride in the last dimension)."""
+    heads, size = key.shape[1], key.shape[2]
+    if num_tokens:
+        _write_kv[(num_tokens,)](
+            key,
+            value,
+            kv_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            heads,
+            size,
+            kv_cache.stride(0),
+            BLOCK_H=triton.next_power_of_2(heads),
+            BLOCK_D=triton.next_power_of_2(size),
+            num_warps=4,
+        )
+    return kv_cache[0], kv_cache[1]
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, page, num_kv_heads, head_dim]
