@@ -170,7 +170,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+        """[num_rows, vocab] in the model's dtype: whoever needs float32 converts (the sampler's
+        steps do); the one-kernel draw reads bf16 straight, with no float32 copy to write."""
+        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSlice]]) -> set[str]:
         """Load Hugging Face-named weights (tensors, or lazy slices of a checkpoint of which

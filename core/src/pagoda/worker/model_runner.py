@@ -657,7 +657,7 @@ class ModelRunner:
             if self.batch_invariant:
                 lps = batch_invariant.log_softmax(logits)
             else:
-                lps = logits.log_softmax(dim=-1)
+                lps = logits.float().log_softmax(dim=-1)
             parts.append(gather_logprobs(lps, k, targets_t[idx]))
         out.prompt_logprobs = PromptLogprobsPart(
             LogprobsTensors.cat(parts).to_host(), want, first, n_pos, starts, ks
