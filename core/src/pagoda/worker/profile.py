@@ -99,7 +99,9 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     with set_forward_context(runner.attn_backend.build_metadata(common)):
         hidden = runner.model(runner.input_ids[:n_tok], runner.positions[:n_tok])
     last = torch.from_numpy(qsl[1:] - 1).to(dev)
-    logits = runner.model.compute_logits(hidden[last])
+    raw = runner.model.compute_logits(hidden[last])  # the model's dtype
+    # NOTE: the sampler's general path works on a float32 copy: its peak is the one to measure.
+    logits = raw.float()
     probs = logits.softmax(dim=-1)
     torch.sort(probs, dim=-1, descending=True)
     # The random draw's kernels, loaded here: on first use each costs tens of milliseconds, and
@@ -107,12 +109,12 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     # for compiling the one-kernel draw).
     uniform = torch.rand(n_req, dtype=torch.float64, device=dev)
     sample_from_probs(probs, uniform)
-    if fused_draw_applies(logits):  # and the one-kernel draw's compile
-        sample_from_logits(logits, torch.ones(n_req, device=dev), uniform)
+    if fused_draw_applies(raw):  # and the one-kernel draw's compile, for the logits' dtype
+        sample_from_logits(raw, torch.ones(n_req, device=dev), uniform)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base - cache.numel() * cache.element_size()
 
-    del hidden, logits, probs, cache
+    del hidden, raw, logits, probs, cache
     for m in layers:
         m.kv_cache = torch.empty(0)
     runner.block_table.zero_()
