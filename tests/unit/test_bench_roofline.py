@@ -113,3 +113,19 @@ def test_run_breakdown_from_a_start_mark_charges_the_first_step_from_it() -> Non
     b = run_breakdown(steps, 1000, 10, 1e6, start=0.4)
     assert b["prefill_steps"] == 1 and b["prefill_s"] == pytest.approx(0.1)
     assert b["decode_steps"] == 11
+
+
+def test_run_breakdown_counts_the_steps_that_stalled_apart_from_the_median() -> None:
+    from pagoda.bench.roofline import Step, run_breakdown
+
+    # Twenty decode steps of 10 ms at batch 8, two of which took 40 and 25 ms.
+    dts = [0.01] * 20
+    dts[5], dts[12] = 0.04, 0.025
+    steps, t = [Step(0.0, 8, 8, 100)], 0.0
+    for dt in dts:
+        t += dt
+        steps.append(Step(t, 8, 8, 100))
+    top = run_breakdown(steps, 1000, 10, 1e6)["decode_by_batch"][0]
+    assert top["steps"] == 20 and top["median_step_ms"] == pytest.approx(10.0)
+    assert top["slow_steps"] == 2
+    assert top["slow_excess_s"] == pytest.approx(0.03 + 0.015, abs=1e-3)

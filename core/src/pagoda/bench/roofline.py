@@ -148,7 +148,7 @@ def run_breakdown(
     biggest = max((s.reqs for s in steps), default=1)
     cuts = (biggest + 1, 3 * biggest // 4, biggest // 2, biggest // 4, biggest // 16, 1)
     edges = sorted({max(1, c) for c in cuts})
-    buckets = [[lo, hi - 1, 0, 0.0, 0.0] for lo, hi in zip(edges, edges[1:]) if lo < hi]
+    buckets = [[lo, hi - 1, 0, 0.0, 0.0, []] for lo, hi in zip(edges, edges[1:]) if lo < hi]
     pre_s = 0.0
     pre_n = pre_tokens = 0
     for prev, cur in zip(steps, steps[1:]):
@@ -162,6 +162,7 @@ def run_breakdown(
         b[2] += 1
         b[3] += dt
         b[4] += decode_floor_s(weight_bytes, cur.context, kv_per_token, bandwidth)
+        b[5].append(dt)
     dec_s = sum(b[3] for b in buckets)
     dec_floor_s = sum(b[4] for b in buckets)
     return {
@@ -181,9 +182,25 @@ def run_breakdown(
                 "floor_s": round(f, 3),
                 "step_ms": _sig(t / n * 1e3) if n else None,
                 "over_floor": _sig(t / f) if f else None,
+                **_stalls(dts),
             }
-            for lo, hi, n, t, f in reversed(buckets)
+            for lo, hi, n, t, f, dts in reversed(buckets)
         ],
+    }
+
+
+def _stalls(dts: list[float]) -> dict[str, Any]:
+    """The median step, and the steps over 1.5 times it (a compile, a collection, a host that
+    fell behind the device) with the time they took beyond the median: what sets two runs of one
+    commit apart."""
+    if not dts:
+        return {"median_step_ms": None, "slow_steps": 0, "slow_excess_s": 0.0}
+    med = statistics.median(dts)
+    slow = [d for d in dts if d > 1.5 * med]
+    return {
+        "median_step_ms": _sig(med * 1e3),
+        "slow_steps": len(slow),
+        "slow_excess_s": round(sum(d - med for d in slow), 3),
     }
 
 

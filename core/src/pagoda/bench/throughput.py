@@ -300,6 +300,8 @@ def _print_summary(report: dict[str, Any], wl: Workload) -> None:
                 print(
                     f"  decode at batch {r['batch_from']}-{r['batch_to']}: {r['steps']} steps, "
                     f"{r['s']:.2f} s, {r['step_ms']} ms a step, {r['over_floor']}x the floor"
+                    f" (median {r['median_step_ms']} ms; {r['slow_steps']} steps over 1.5x it,"
+                    f" {r['slow_excess_s']:.3f} s beyond it)"
                 )
     if report["roofline"]:
         rl = report["roofline"]
