@@ -71,20 +71,18 @@ def _sweep(
     splits: tuple[int, ...],
     space: tuple,
     graphs: bool,
-    k_rows_opts: tuple[bool, ...] = (False,),
 ) -> list[dict]:
     kv, bt, lens, qsl, q, kv_bytes, max_len = case
     out = torch.empty_like(q)
     rows = []
-    for tile_n, warps, stages, ns, k_rows in itertools.product(*space, splits, k_rows_opts):
+    for tile_n, warps, stages, ns in itertools.product(*space, splits):
         setting = {"head_major": head_major, "tile_n": tile_n, "num_warps": warps}
         setting["num_stages"] = stages
         setting["num_splits"] = ns
-        setting["k_rows"] = k_rows
         run = functools.partial(
             paged_attention,
             q, kv[0], kv[1], out, bt, lens, qsl, batch, batch, 1, max_len, HEAD_DIM**-0.5, ns,
-            tile_n=tile_n, num_warps=warps, num_stages=stages, k_rows=k_rows,
+            tile_n=tile_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         try:
             t = _graph_time(run, q.device) if graphs else time_fn(run, 20, q.device)
@@ -116,18 +114,13 @@ def _prefill(args, device: torch.device) -> None:
     flops = 4 * HEADS * HEAD_DIM * sum(x * (x + 1) // 2 for x in lens.tolist())
     out = torch.empty_like(q)
     rows = []
-    k_rows_opts = tuple(bool(int(x)) for x in args.k_rows.split(","))
-    space = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3), k_rows_opts)
-    if args.launch:  # block_m,tile_n,warps,stages
-        space = itertools.product(*((int(x),) for x in args.launch.split(",")), k_rows_opts)
-    for block_m, tile_n, warps, stages, k_rows in space:
+    space = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
+    for block_m, tile_n, warps, stages in space:
         setting = {"block_m": block_m, "tile_n": tile_n, "num_warps": warps, "num_stages": stages}
-        setting["k_rows"] = k_rows
         run = functools.partial(
             paged_attention,
             q, kv[0], kv[1], out, bt, seq, qsl, args.prefill, n, int(lens.max()), int(lens.max()),
             HEAD_DIM**-0.5, 1, tile_n=tile_n, num_warps=warps, num_stages=stages, block_m=block_m,
-            k_rows=k_rows,
         )  # fmt: skip
         try:
             t = time_fn(run, 10, device)
@@ -151,13 +144,11 @@ def _prefill(args, device: torch.device) -> None:
         r for r in rows if "us" in r and (r["block_m"], r["tile_n"], r["num_warps"]) == (64, 64, 4)
     ]
     print(f"prefill of {args.prefill} prompts, {n} tokens")
-    print(
-        f"{'block_m':>8}{'tile_n':>7}{'warps':>6}{'stages':>7}{'k rows':>7}{'us':>10}{'TFLOP/s':>9}"
-    )
+    print(f"{'block_m':>8}{'tile_n':>7}{'warps':>6}{'stages':>7}{'us':>10}{'TFLOP/s':>9}")
     for r in default + ok[:10]:
         print(
             f"{r['block_m']:>8}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}"
-            f"{r['k_rows']!s:>7}{r['us']:>10.1f}{r['tflops']:>9.1f}"
+            f"{r['us']:>10.1f}{r['tflops']:>9.1f}"
         )
     print(f"results: {path}")
 
@@ -170,13 +161,7 @@ def main() -> None:
     p.add_argument("--splits", default="1", help="context splits to try, comma-separated")
     p.add_argument("--quick", action="store_true", help="a smaller sweep (tiles 64/128, ...)")
     p.add_argument(
-        "--launch",
-        default=None,
-        help="one setting only: tile_n,warps,stages (decode, the default 128,4,2), "
-        "block_m,tile_n,warps,stages with --prefill",
-    )
-    p.add_argument(
-        "--k-rows", default="0", help="0,1: keys loaded a token per column, per row, or both"
+        "--launch", default=None, help="one setting only, tile_n,warps,stages (the default 128,4,2)"
     )
     p.add_argument("--token-major-only", action="store_true", help="leave out head-major pages")
     p.add_argument(
@@ -201,8 +186,7 @@ def main() -> None:
         space = tuple((int(x),) for x in args.launch.split(","))
     for head_major in (False,) if args.token_major_only else (False, True):
         case = _case(args.batch, args.ctx, head_major, device)
-        k_rows = tuple(bool(int(x)) for x in args.k_rows.split(","))
-        rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs, k_rows)
+        rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     report = {
         "benchmark": "triton_decode_tuning",
@@ -230,14 +214,14 @@ def main() -> None:
     ]
     print(f"batch {args.batch}, contexts ~{args.ctx}; copy bandwidth {bw / 1e9:.0f} GB/s")
     print(
-        f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'splits':>7}{'k rows':>7}{'us':>9}"
+        f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'splits':>7}{'us':>9}"
         f"{'of copy bw':>11}"
     )
     for r in default + ok[:12]:
         lay = "head-major" if r["head_major"] else "token-major"
         print(
             f"{lay:<12}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}"
-            f"{r['num_splits']:>7}{r['k_rows']!s:>7}{r['us']:>9.1f}"
+            f"{r['num_splits']:>7}{r['us']:>9.1f}"
             f"{r['of_copy_bw']:>11.3f}"
         )
     print(f"results: {path}")

@@ -59,35 +59,22 @@ def _tile(
     stride_vh,
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    K_ROWS: tl.constexpr,
 ):
     """One tile of keys: scores, causal mask, online-softmax update of (m, l, acc)."""
     pos = start + offs_n
     n_ok = pos < kv_hi
     blk = tl.load(bt + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
     slot = pos % PAGE
-    if K_ROWS:  # keys loaded as stored, a row per token, and transposed for the product
-        k = tl.load(
-            k_cache_ptr
-            + blk[:, None] * stride_kb
-            + slot[:, None] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-    else:
-        k = tl.load(
-            k_cache_ptr
-            + blk[None, :] * stride_kb
-            + slot[None, :] * stride_ks
-            + kv_head * stride_kh
-            + offs_d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+    k = tl.load(
+        k_cache_ptr
+        + blk[None, :] * stride_kb
+        + slot[None, :] * stride_ks
+        + kv_head * stride_kh
+        + offs_d[:, None],
+        mask=n_ok[None, :] & d_ok[:, None],
+        other=0.0,
+    )
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
     ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -147,7 +134,6 @@ def _paged_attention(
     NUM_SPLITS: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    K_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -217,7 +203,6 @@ def _paged_attention(
                 stride_vh,
                 PAGE,
                 DOT_PRECISION,
-                K_ROWS,
             )
             start += TILE_N
     else:
@@ -247,7 +232,6 @@ def _paged_attention(
                 stride_vh,
                 PAGE,
                 DOT_PRECISION,
-                K_ROWS,
             )
 
     tok = q_start + q_tok
@@ -381,12 +365,10 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_m: int | None = None,
-    k_rows: bool | None = None,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
-    heuristics, and ``k_rows`` loads keys a token per row (transposed for the product) rather
-    than a token per column (tuning benchmarks use them)."""
+    heuristics (tuning benchmarks use them)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -467,7 +449,6 @@ def paged_attention(
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         # float32 inputs mean float32 arithmetic: no silent TF32 rounding in the dots.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        K_ROWS=bool(k_rows),
         **launch,
     )
     if num_splits > 1:
