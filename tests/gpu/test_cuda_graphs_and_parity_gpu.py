@@ -80,15 +80,19 @@ def test_qwen3_greedy_matches_transformers_in_bf16(qwen3_dir: Path) -> None:
 
 
 def _installed(backend: str) -> bool:
+    """The backend's plugin and the library it runs on (a plugin without its library cannot
+    run, and the engine would fail at selection)."""
+    from importlib.util import find_spec
+
     from pagoda.plugins import get_registry
 
-    return backend in get_registry("attention_backends").names()
+    return backend in get_registry("attention_backends").names() and find_spec(backend) is not None
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_cuda_graph_decode_matches_eager(qwen3_dir: Path, backend: str) -> None:
     if not _installed(backend):
-        pytest.skip(f"the {backend} attention plugin is not installed")
+        pytest.skip(f"the {backend} attention plugin or its library is not installed")
     prompts = [{"prompt_token_ids": p} for p in _prompts(151936)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     common = dict(
