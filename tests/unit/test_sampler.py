@@ -98,3 +98,31 @@ def test_resumed_request_rebuilds_its_penalty_counts_from_its_output() -> None:
     got = Sampler().process_logits(logits, ib.sampling_metadata(rows))
     assert got[0, 9] == -2.0 and got[0, 4] == -1.0 and got[0, 1] == 0.0
     assert np.count_nonzero(got.numpy()) == 2
+
+
+def test_logits_in_the_models_dtype_sample_as_their_float32_copy() -> None:
+    # The model hands over its logits in its own dtype; every step of the sampler that needs
+    # float32 converts, so bf16 logits and their exact float32 copy draw and score alike.
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=0.7, seed=3, logprobs=1),
+        SamplingParams(temperature=1.2, seed=4, top_p=0.9, repetition_penalty=1.3),
+        SamplingParams(temperature=0.6, seed=5),
+    ]
+    prompts = [[1, 2], [3], [4, 5, 6], [7]]
+    logits = _logits(4, seed=2).bfloat16()
+    outs = []
+    for x in (logits, logits.float()):
+        ib, rows = make_batch(params, prompts, vocab=V)
+        outs.append(Sampler()(x.clone(), ib.sampling_metadata(rows)))
+    assert torch.equal(outs[0].sampled, outs[1].sampled)
+    a, b = outs[0].logprobs, outs[1].logprobs
+    assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.ranks, b.ranks)
+    assert a.logprobs.dtype == torch.float32 and torch.equal(a.logprobs, b.logprobs)
+    # Temperature alone (the one-kernel draw where it runs) takes bf16 as well.
+    temp_only = [SamplingParams(temperature=0.6, seed=s) for s in range(4)]
+    drawn = []
+    for x in (logits, logits.float()):
+        ib, rows = make_batch(temp_only, prompts, vocab=V)
+        drawn.append(Sampler()(x.clone(), ib.sampling_metadata(rows)).sampled)
+    assert torch.equal(drawn[0], drawn[1])
