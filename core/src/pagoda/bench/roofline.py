@@ -148,7 +148,8 @@ def run_breakdown(
     biggest = max((s.reqs for s in steps), default=1)
     cuts = (biggest + 1, 3 * biggest // 4, biggest // 2, biggest // 4, biggest // 16, 1)
     edges = sorted({max(1, c) for c in cuts})
-    buckets = [[lo, hi - 1, 0, 0.0, 0.0, []] for lo, hi in zip(edges, edges[1:]) if lo < hi]
+    # Each bucket: its batch sizes, the intervals of its steps, the sum of their floors.
+    buckets = [[lo, hi - 1, [], 0.0] for lo, hi in zip(edges, edges[1:]) if lo < hi]
     pre_s = 0.0
     pre_n = pre_tokens = 0
     for prev, cur in zip(steps, steps[1:]):
@@ -159,17 +160,15 @@ def run_breakdown(
             pre_tokens += cur.tokens
             continue
         b = next(b for b in buckets if b[0] <= cur.reqs <= b[1])
-        b[2] += 1
-        b[3] += dt
-        b[4] += decode_floor_s(weight_bytes, cur.context, kv_per_token, bandwidth)
-        b[5].append(dt)
-    dec_s = sum(b[3] for b in buckets)
-    dec_floor_s = sum(b[4] for b in buckets)
+        b[2].append(dt)
+        b[3] += decode_floor_s(weight_bytes, cur.context, kv_per_token, bandwidth)
+    dec_s = sum(sum(b[2]) for b in buckets)
+    dec_floor_s = sum(b[3] for b in buckets)
     return {
         "prefill_steps": pre_n,
         "prefill_s": round(pre_s, 3),
         "prefill_scheduled_tokens": pre_tokens,
-        "decode_steps": sum(b[2] for b in buckets),
+        "decode_steps": sum(len(b[2]) for b in buckets),
         "decode_s": round(dec_s, 3),
         "decode_floor_s": round(dec_floor_s, 3),
         "decode_over_floor": _sig(dec_s / dec_floor_s) if dec_floor_s else None,
@@ -177,14 +176,14 @@ def run_breakdown(
             {
                 "batch_from": lo,
                 "batch_to": hi,
-                "steps": n,
-                "s": round(t, 3),
+                "steps": len(dts),
+                "s": round(sum(dts), 3),
                 "floor_s": round(f, 3),
-                "step_ms": _sig(t / n * 1e3) if n else None,
-                "over_floor": _sig(t / f) if f else None,
+                "step_ms": _sig(sum(dts) / len(dts) * 1e3) if dts else None,
+                "over_floor": _sig(sum(dts) / f) if f else None,
                 **_stalls(dts),
             }
-            for lo, hi, n, t, f, dts in reversed(buckets)
+            for lo, hi, dts, f in reversed(buckets)
         ],
     }
 
