@@ -110,6 +110,35 @@ def test_rotary_in_place_on_qkv_views_equals_torch(name: str, tokens: int) -> No
     assert torch.equal(q, want_q) and torch.equal(k, want_k) and torch.equal(v, v0)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 3, 64, 257, 4096])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (40, 8)])
+def test_qk_norm_rotary_is_bit_identical_to_the_norms_then_the_rotation(
+    tokens: int, heads: tuple[int, int]
+) -> None:
+    # Qwen3-0.6B's heads, Qwen3-8B's and 14B's. Greedy parity with transformers on random
+    # weights breaks at one flipped bit, so the fused kernel must give exactly what the norm
+    # kernel (fused multiply-adds allowed) and the rotary kernel (none) give; a one-token step of
+    # fewer than 16 KV heads runs them (the norm kernel's tile follows the row count there).
+    from pagoda.ops.triton_norm import rms_norm_triton
+    from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
+    from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+    a = _arch("qwen3-0.6b")
+    a.num_attention_heads, a.num_key_value_heads = heads
+    rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+    rope = rope.cuda()
+    q, k, v = _qkv_views(tokens, a)
+    wq = (1 + 0.3 * _rand(a.head_dim, seed=7).float()).to(BF16)
+    wk = (1 + 0.3 * _rand(a.head_dim, seed=8).float()).to(BF16)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    positions = torch.randint(0, a.max_position_embeddings, (tokens,), generator=gen, device="cuda")
+    want_q, want_k = rotary_embedding_triton(
+        positions, rms_norm_triton(q, wq, 1e-6), rms_norm_triton(k, wk, 1e-6), rope.cos, rope.sin
+    )
+    got_q, got_k = qk_norm_rotary_triton(positions, q, k, wq, wk, 1e-6, rope.cos, rope.sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
 def test_kernels_replay_from_a_cuda_graph_on_new_inputs() -> None:
     from pagoda.ops.triton_activation import silu_and_mul_triton
     from pagoda.ops.triton_norm import rms_norm_triton

@@ -143,6 +143,45 @@ def test_rotary_rotates_strided_q_and_k_in_place_like_torch(
     assert torch.equal(v, v0)  # the rest of the qkv output is untouched
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "tokens,heads,kv_heads,head_dim",
+    [(7, 6, 2, 64), (3, 16, 8, 128), (1, 16, 8, 128)],  # the last: the separate kernels run
+)
+def test_qk_norm_rotary_gives_the_bits_of_the_norms_then_the_rotation(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, fused_on_cpu: None
+) -> None:
+    from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
+
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q = q.view(tokens, heads, head_dim)  # strided views of the projection, as the model has them
+    k = k.view(tokens, kv_heads, head_dim)
+    wq = (1 + 0.3 * _rand(head_dim, dtype=torch.float32, seed=1)).to(dtype)
+    wk = (1 + 0.3 * _rand(head_dim, dtype=torch.float32, seed=2)).to(dtype)
+    rot = RotaryEmbedding(head_dim, 64, 10000.0).to(DEVICE)
+    pos = torch.tensor([0, 3, 9, 1, 40, 63, 5][:tokens], device=DEVICE)
+    before = qkv.clone()
+    got_q, got_k = qk_norm_rotary_triton(pos, q, k, wq, wk, 1e-6, rot.cos, rot.sin)
+    assert torch.equal(qkv, before)  # the inputs are left as they were
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+    # What it replaces, to the bit: the norm kernel on each, then the rotation kernel in place on
+    # the norms' outputs (tests/gpu/test_fused_ops_gpu.py checks the same on a GPU, where fused
+    # multiply-adds and the order of the sums could tell them apart).
+    want_q, want_k = ops.rotary_embedding(
+        pos, ops.rms_norm(q, wq, 1e-6), ops.rms_norm(k, wk, 1e-6), rot.cos, rot.sin
+    )
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got, want)
+    # And the torch reference within the rounding of a few steps.
+    ref_q = reference.rotary_embedding(
+        pos, reference.rms_norm(q, wq, 1e-6), reference.rms_norm(k, wk, 1e-6), rot.cos, rot.sin
+    )[0]
+    torch.testing.assert_close(got_q.float(), ref_q.float(), rtol=0.05, atol=0.05)
+
+
 def _draw_case(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
@@ -251,13 +290,15 @@ def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Count the model's calls of each kernel (the dispatch imports them at each call)."""
     import pagoda.ops.triton_activation as act
     import pagoda.ops.triton_norm as norm
+    import pagoda.ops.triton_qk_norm_rotary as qk
     import pagoda.ops.triton_rotary as rot
 
-    calls = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
+    calls = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0, "qk_norm_rotary": 0}
     for module, attr, key in [
         (norm, "rms_norm_triton", "rms_norm"),
         (act, "silu_and_mul_triton", "silu_and_mul"),
         (rot, "rotary_embedding_triton", "rotary"),
+        (qk, "qk_norm_rotary_triton", "qk_norm_rotary"),
     ]:
         fn = getattr(module, attr)
 
@@ -329,7 +370,17 @@ def test_model_forward_with_fused_ops_matches_torch_path(
 
     calls = _count_kernel_calls(monkeypatch)
     fused = forward()
-    assert calls == {"rms_norm": 5 + 4 * (name == "qwen3"), "silu_and_mul": 2, "rotary": 2}
+    # Two layers: their input and post-attention norms and the final one; Qwen3's q/k norms and
+    # rotation through the fused op a layer, Llama's rotation alone. At this model's head size of
+    # 16 the norm kernel tiles 128 rows, more than 9 tokens' heads: the fused op runs the separate
+    # kernels, as its bits must be theirs (two norms and a rotation a layer).
+    qwen3 = name == "qwen3"
+    assert calls == {
+        "rms_norm": 5 + 4 * qwen3,
+        "silu_and_mul": 2,
+        "rotary": 2,
+        "qk_norm_rotary": 2 * qwen3,
+    }
     ops.set_fused_ops(False)
     try:
         want = forward()

@@ -25,7 +25,7 @@ from pagoda.models.parallel_layers import (
     VocabParallelEmbedding,
     split_evenly,
 )
-from pagoda.ops import silu_and_mul
+from pagoda.ops import qk_norm_rotary, silu_and_mul
 
 
 class LlamaAttention(nn.Module):
@@ -78,10 +78,14 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.qk_norm:  # Qwen3: per-head norms, then the rotation, in one kernel where it runs
+            rot = self.rotary_emb
+            q, k = qk_norm_rotary(
+                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rot.cos, rot.sin,
+            )  # fmt: skip
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

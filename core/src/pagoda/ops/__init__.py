@@ -22,6 +22,7 @@ from pagoda.ops import batch_invariant, reference
 __all__ = [
     "fused_ops_enabled",
     "linear",
+    "qk_norm_rotary",
     "rms_norm",
     "rotary_embedding",
     "sample_from_logits",
@@ -119,6 +120,29 @@ def rotary_embedding(
 
         return rotary_embedding_triton(positions, q, k, cos, sin)
     return reference.rotary_embedding(positions, q, k, cos, sin)
+
+
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` of every head of ``q`` [tokens, heads, head_dim] with ``q_weight`` and of
+    ``k`` [tokens, kv_heads, head_dim] with ``k_weight``, then :func:`rotary_embedding` of both
+    (Qwen3's attention): one fused kernel on CUDA, the two operations elsewhere and in
+    batch-invariant mode. The inputs are not modified; use the returned tensors."""
+    if not batch_invariant._enabled and _use_triton(q):
+        from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
+
+        return qk_norm_rotary_triton(positions, q, k, q_weight, k_weight, eps, cos, sin)
+    q = rms_norm(q, q_weight, eps)
+    k = rms_norm(k, k_weight, eps)
+    return rotary_embedding(positions, q, k, cos, sin)
 
 
 def fused_draw_applies(logits: torch.Tensor) -> bool:

@@ -17,6 +17,27 @@ import triton.language as tl
 _TILE = 2048
 
 
+@triton.jit
+def _normalize_rows(x, w, n, eps):
+    """``w * rmsnorm(x)`` of a tile ``x`` of whole rows (input dtype) with the float32 weight row
+    ``w``, in float32 (the caller rounds it to the output dtype): the arithmetic the norm kernels
+    share, so that a row normalises to the same bits in each of them when the tile has the same
+    shape and warps (:mod:`pagoda.ops.triton_qk_norm_rotary` relies on it)."""
+    xf = x.to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)
+    y = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
+    return w[None, :] * y
+
+
+def launch_shape(n: int, num_rows: int, fixed_tiling: bool = False) -> tuple[int, int, int]:
+    """(rows a program holds, the padded row length, warps) for ``num_rows`` rows of ``n``."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(_TILE // block_n, 1)
+    if not fixed_tiling:
+        block_m = min(block_m, triton.next_power_of_2(num_rows))
+    return block_m, block_n, min(max(block_m * block_n // 256, 1), 8)
+
+
 # NOTE: the row count changes with every step's token count: one variant for all of them.
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
@@ -50,11 +71,9 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + (t * stride_rt + h * stride_rh)[:, None] + cols[None, :], mask=mask)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + dense, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)
-    y = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)
-    tl.store(out_ptr + dense, (w[None, :] * y).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _normalize_rows(x, w, n, eps)
+    tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -91,10 +110,7 @@ def rms_norm_triton(
         residual, srt, srh = _rows(residual)
         res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     if num_rows > 0:
-        block_n = triton.next_power_of_2(n)
-        block_m = max(_TILE // block_n, 1)
-        if not fixed_tiling:
-            block_m = min(block_m, triton.next_power_of_2(num_rows))
+        block_m, block_n, warps = launch_shape(n, num_rows, fixed_tiling)
         _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
             x,
             residual if residual is not None else x,
@@ -112,6 +128,6 @@ def rms_norm_triton(
             HAS_RESIDUAL=residual is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=min(max(block_m * block_n // 256, 1), 8),
+            num_warps=warps,
         )
     return out if res_out is None else (out, res_out)
