@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 
 from pagoda.attention.backend import (
@@ -33,10 +34,17 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Decode steps of at least this many requests take their programs longest context first: with
+# several waves of programs a multiprocessor, the last wave is then the shortest work.
+_ORDER_MIN_REQS = 16
+
+
 @dataclass
 class TritonMetadata:
     common: CommonAttentionMetadata
     num_splits: int
+    # The requests by descending context (device, int32), or None: the kernel's `order`.
+    order: torch.Tensor | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -62,7 +70,51 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonMetadata:
-        return TritonMetadata(common, _choose_splits(common))
+        md = TritonMetadata(common, _choose_splits(common))
+        if _ordered(common):
+            md.order = _host_to_device(_order(common), common.block_table.device)
+        return md
+
+    @classmethod
+    def build_graph_metadata(cls, common: CommonAttentionMetadata) -> TritonMetadata:
+        md = TritonMetadata(common, _choose_splits(common))
+        if _ordered(common):
+            # Persistent: the graph's kernels read it; each replay rewrites it.
+            md.order = torch.arange(
+                common.num_reqs, dtype=torch.int32, device=common.block_table.device
+            )
+        return md
+
+    @classmethod
+    def prepare_graph_replay(
+        cls, metadata: TritonMetadata, common: CommonAttentionMetadata
+    ) -> None:
+        if metadata.order is not None:
+            metadata.order.copy_(_pinned(_order(common)), non_blocking=True)
+
+
+def _ordered(common: CommonAttentionMetadata) -> bool:
+    return (
+        common.max_query_len == 1
+        and common.num_reqs >= _ORDER_MIN_REQS
+        and common.block_table.device.type == "cuda"
+    )
+
+
+def _order(common: CommonAttentionMetadata) -> np.ndarray:
+    from pagoda_attention_triton.kernels import longest_first
+
+    return longest_first(common.seq_lens_cpu[: common.num_reqs])
+
+
+def _pinned(a: np.ndarray) -> torch.Tensor:
+    # NOTE: page-locked so the copy does not make the host wait; the allocator keeps the block
+    # until the copy has run.
+    return torch.from_numpy(a).pin_memory()
+
+
+def _host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return _pinned(a).to(device, non_blocking=True)
 
 
 def _choose_splits(common: CommonAttentionMetadata) -> int:
@@ -122,5 +174,6 @@ class TritonAttentionImpl(AttentionImpl):
             c.max_seq_len,
             self.scale,
             attn_metadata.num_splits,
+            order=attn_metadata.order,
         )
         return out

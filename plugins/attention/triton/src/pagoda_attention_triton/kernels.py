@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -110,6 +111,7 @@ def _paged_attention(
     block_table_ptr,
     seq_lens_ptr,
     qsl_ptr,
+    order_ptr,
     scale,
     num_seqs,
     stride_qt,
@@ -132,18 +134,31 @@ def _paged_attention(
     PAGE: tl.constexpr,
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    ORDERED: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    q_block = pid - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
-        return
+    if ORDERED:
+        # One program a (request, KV head), every request's queries in one q-block, requests
+        # taken in the order `order_ptr` gives (longest context first) with their KV heads
+        # together: the multiprocessors start on the longest work and the last wave holds the
+        # shortest, so no long program runs on alone at the end.
+        seq = tl.load(order_ptr + pid // NUM_KV_HEADS)
+        kv_head = pid % NUM_KV_HEADS
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = 0
+    else:
+        kv_head = tl.program_id(1)
+        seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_block = pid - (q_start // BLOCK_Q + seq)
+        if q_block * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
@@ -244,7 +259,7 @@ def _paged_attention(
         )
     else:
         # Partials: [tokens, heads, splits, dim] and [tokens, heads, splits].
-        num_heads = tl.num_programs(1) * G
+        num_heads = NUM_KV_HEADS * G
         base = (tok * num_heads + head) * NUM_SPLITS + split
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -365,10 +380,15 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_m: int | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
-    heuristics (tuning benchmarks use them)."""
+    heuristics (tuning benchmarks use them).
+
+    ``order`` (int32, ``[num_seqs]``, a permutation of the requests; decode steps only, one
+    query a request) is the order the requests' programs start in: longest context first keeps
+    the last wave of programs short (:func:`longest_first`)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -398,6 +418,12 @@ def paged_attention(
     if num_stages is not None:
         launch["num_stages"] = num_stages
     grid_q = num_tokens // block_q + num_seqs
+    if order is not None:
+        if max_query_len != 1:
+            raise ValueError("an order of requests is for decode steps, one query a request")
+        grid = (num_seqs * num_kv_heads, 1, num_splits)
+    else:
+        grid = (grid_q, num_kv_heads, num_splits)
     split_size = triton.cdiv(max(max_seq_len, 1), num_splits)
     split_size = triton.cdiv(split_size, tile_n) * tile_n
     if num_splits > 1:
@@ -414,7 +440,7 @@ def paged_attention(
         )
     else:
         part_out = part_lse = out  # unused
-    _paged_attention[(grid_q, num_kv_heads, num_splits)](
+    _paged_attention[grid](
         query,
         key_cache,
         value_cache,
@@ -424,6 +450,7 @@ def paged_attention(
         block_table,
         seq_lens,
         query_start_loc,
+        query_start_loc if order is None else order,  # unread without an order
         scale,
         num_seqs,
         query.stride(0),
@@ -446,6 +473,8 @@ def paged_attention(
         PAGE=page,
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
+        NUM_KV_HEADS=num_kv_heads,
+        ORDERED=order is not None,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         # float32 inputs mean float32 arithmetic: no silent TF32 rounding in the dots.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -464,3 +493,9 @@ def paged_attention(
             NUM_SPLITS=num_splits,
         )
     return out
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """The requests' indices by descending length (ties in their own order), int32: the
+    ``order`` of :func:`paged_attention`."""
+    return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable").astype(np.int32)
