@@ -19,7 +19,7 @@ import functools
 import itertools
 
 import torch
-from pagoda_attention_triton.kernels import paged_attention
+from pagoda_attention_triton.kernels import longest_first, paged_attention
 
 from pagoda.bench.device import copy_bandwidth, time_fn
 from pagoda.bench.report import commit, hardware, save_report
@@ -71,18 +71,23 @@ def _sweep(
     splits: tuple[int, ...],
     space: tuple,
     graphs: bool,
+    schedules: tuple[int, ...] = (0,),
 ) -> list[dict]:
     kv, bt, lens, qsl, q, kv_bytes, max_len = case
     out = torch.empty_like(q)
+    order = torch.from_numpy(longest_first(lens.cpu().numpy())).to(q.device)
     rows = []
-    for tile_n, warps, stages, ns in itertools.product(*space, splits):
+    for tile_n, warps, stages, ns, hpp in itertools.product(*space, splits, schedules):
         setting = {"head_major": head_major, "tile_n": tile_n, "num_warps": warps}
         setting["num_stages"] = stages
         setting["num_splits"] = ns
+        # 0: requests in batch order, a program a head; k: longest first, k heads a program
+        setting["heads_per_program"] = hpp
+        extra = {"order": order, "heads_per_program": hpp} if hpp else {}
         run = functools.partial(
             paged_attention,
             q, kv[0], kv[1], out, bt, lens, qsl, batch, batch, 1, max_len, HEAD_DIM**-0.5, ns,
-            tile_n=tile_n, num_warps=warps, num_stages=stages,
+            tile_n=tile_n, num_warps=warps, num_stages=stages, **extra,
         )  # fmt: skip
         try:
             t = _graph_time(run, q.device) if graphs else time_fn(run, 20, q.device)
@@ -170,6 +175,12 @@ def main() -> None:
     p.add_argument(
         "--prefill", type=int, default=0, help="tune prefill instead, over this many prompts"
     )
+    p.add_argument(
+        "--heads-per-program",
+        default="0",
+        help="decode schedules, comma-separated: 0 requests in batch order, a program a KV head; "
+        "k requests longest first, k KV heads a program (unsplit) or one (split)",
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     global HEADS
@@ -186,7 +197,8 @@ def main() -> None:
         space = tuple((int(x),) for x in args.launch.split(","))
     for head_major in (False,) if args.token_major_only else (False, True):
         case = _case(args.batch, args.ctx, head_major, device)
-        rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs)
+        schedules = tuple(int(x) for x in args.heads_per_program.split(","))
+        rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs, schedules)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     report = {
         "benchmark": "triton_decode_tuning",
@@ -206,7 +218,8 @@ def main() -> None:
     default = [
         r
         for r in rows
-        if not r["head_major"]
+        if "us" in r
+        and not r["head_major"]
         and r["tile_n"] == 128
         and r["num_warps"] == 4
         and r["num_stages"] == 2
@@ -214,14 +227,14 @@ def main() -> None:
     ]
     print(f"batch {args.batch}, contexts ~{args.ctx}; copy bandwidth {bw / 1e9:.0f} GB/s")
     print(
-        f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'splits':>7}{'us':>9}"
-        f"{'of copy bw':>11}"
+        f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'splits':>7}{'heads/prog':>11}"
+        f"{'us':>9}{'of copy bw':>11}"
     )
     for r in default + ok[:12]:
         lay = "head-major" if r["head_major"] else "token-major"
         print(
             f"{lay:<12}{r['tile_n']:>7}{r['num_warps']:>6}{r['num_stages']:>7}"
-            f"{r['num_splits']:>7}{r['us']:>9.1f}"
+            f"{r['num_splits']:>7}{r['heads_per_program']:>11}{r['us']:>9.1f}"
             f"{r['of_copy_bw']:>11.3f}"
         )
     print(f"results: {path}")

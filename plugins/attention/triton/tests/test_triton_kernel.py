@@ -136,11 +136,15 @@ def test_decode_in_longest_first_order_matches_the_reference(splits: int) -> Non
     torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
 
 
-def test_the_order_changes_which_program_runs_when_not_what_it_computes() -> None:
-    """Each (request, KV head) program does the same arithmetic in either launch: the outputs
-    are bit-identical (on a GPU in bf16, over 64 requests of 1 - 600 tokens)."""
+@pytest.mark.parametrize("heads_per_program", [1, 2, 8])
+def test_the_order_changes_which_program_runs_when_not_what_it_computes(
+    heads_per_program: int,
+) -> None:
+    """Each (request, KV head) does the same arithmetic in either launch, alone in a program or
+    one of several heads a program loops over: the outputs are bit-identical (on a GPU in bf16,
+    over 64 requests of 1 - 600 tokens)."""
     on_gpu = DEVICE == "cuda"
-    n, heads, kv_heads, head_dim, page = (64, 16, 8, 128, 16) if on_gpu else (5, 4, 2, 32, 16)
+    n, heads, kv_heads, head_dim, page = (64, 16, 8, 128, 16) if on_gpu else (5, 16, 8, 32, 16)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     gen = torch.Generator().manual_seed(2)
     seq_lens = torch.randint(1, 600 if on_gpu else 60, (n,), generator=gen)
@@ -161,7 +165,7 @@ def test_the_order_changes_which_program_runs_when_not_what_it_computes() -> Non
     plain, ordered = torch.empty_like(args[0]), torch.empty_like(args[0])
     paged_attention(*args, plain, *rest)
     order = dev(torch.from_numpy(longest_first(seq_lens.numpy())))
-    paged_attention(*args, ordered, *rest, order=order)
+    paged_attention(*args, ordered, *rest, order=order, heads_per_program=heads_per_program)
     assert torch.equal(plain, ordered)
 
 

@@ -270,6 +270,111 @@ def _paged_attention(
 
 
 @triton.jit
+def _paged_decode(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    order_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Decode (one query a request, no split): a program takes ``HEADS_PER_PROGRAM`` KV heads
+    of one request, requests in ``order_ptr``'s order, in one loop over (head, key tile): the
+    loads of a head's first tiles are issued while the previous head's last tiles are reduced,
+    where a program a head would start each head with its pipeline empty. Each head's arithmetic
+    is that of ``_paged_attention``'s decode programs, tile for tile."""
+    pid = tl.program_id(0)
+    groups: tl.constexpr = NUM_KV_HEADS // HEADS_PER_PROGRAM
+    seq = tl.load(order_ptr + pid // groups)
+    head0 = (pid % groups) * HEADS_PER_PROGRAM
+    tok = tl.load(qsl_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, TILE_N)
+    row_ok = offs_m < G
+    d_ok = offs_d < HEAD_DIM
+    io_ok = row_ok[:, None] & d_ok[None, :]
+    q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
+    bt = block_table_ptr + seq * stride_bt
+    n_tiles = tl.cdiv(seq_len, TILE_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for it in range(0, HEADS_PER_PROGRAM * n_tiles):
+        h = it // n_tiles
+        t = it - h * n_tiles
+        kv_head = head0 + h
+        head = kv_head * G + offs_m % G
+        first = t == 0
+        m_i = tl.where(first, float("-inf"), m_i)
+        l_i = tl.where(first, 0.0, l_i)
+        acc = tl.where(first, 0.0, acc)
+        q = tl.load(
+            q_ptr + tok * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=io_ok,
+            other=0.0,
+        )
+        m_i, l_i, acc = _tile(
+            q,
+            q_pos,
+            row_ok,
+            k_cache_ptr,
+            v_cache_ptr,
+            bt,
+            t * TILE_N,
+            seq_len,
+            m_i,
+            l_i,
+            acc,
+            offs_n,
+            offs_d,
+            d_ok,
+            kv_head,
+            scale,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            PAGE,
+            DOT_PRECISION,
+        )
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=io_ok & ((offs_m * 0 + t) == n_tiles - 1)[:, None],  # the head's last tile
+        )
+
+
+@triton.jit
 def _merge_splits(
     part_out_ptr,
     part_lse_ptr,
@@ -381,6 +486,7 @@ def paged_attention(
     num_stages: int | None = None,
     block_m: int | None = None,
     order: torch.Tensor | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
@@ -388,7 +494,9 @@ def paged_attention(
 
     ``order`` (int32, ``[num_seqs]``, a permutation of the requests; decode steps only, one
     query a request) is the order the requests' programs start in: longest context first keeps
-    the last wave of programs short (:func:`longest_first`)."""
+    the last wave of programs short (:func:`longest_first`). Unsplit, a program then takes
+    ``heads_per_program`` of a request's KV heads in one pipelined loop (default: as many as
+    keep four programs a multiprocessor)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -418,6 +526,45 @@ def paged_attention(
     if num_stages is not None:
         launch["num_stages"] = num_stages
     grid_q = num_tokens // block_q + num_seqs
+    if order is not None and num_splits == 1:
+        if max_query_len != 1:
+            raise ValueError("an order of requests is for decode steps, one query a request")
+        hpp = heads_per_program or _heads_per_program(num_seqs, num_kv_heads, query.device)
+        if num_kv_heads % hpp:
+            raise ValueError(f"heads_per_program {hpp} does not divide {num_kv_heads} KV heads")
+        _paged_decode[(num_seqs * num_kv_heads // hpp,)](
+            query,
+            key_cache,
+            value_cache,
+            out,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            order,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            out.stride(0),
+            out.stride(1),
+            block_table.stride(0),
+            G=g,
+            BLOCK_M=block_m,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            PAGE=page,
+            TILE_N=tile_n,
+            NUM_KV_HEADS=num_kv_heads,
+            HEADS_PER_PROGRAM=hpp,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            **launch,
+        )
+        return out
     if order is not None:
         if max_query_len != 1:
             raise ValueError("an order of requests is for decode steps, one query a request")
@@ -499,3 +646,17 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     """The requests' indices by descending length (ties in their own order), int32: the
     ``order`` of :func:`paged_attention`."""
     return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable").astype(np.int32)
+
+
+def _heads_per_program(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """The most KV heads a decode program takes while the launch still has four programs a
+    multiprocessor (one runs at a time; the others even out the ends)."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+    hpp = 1
+    while num_kv_heads % (hpp * 2) == 0 and num_seqs * num_kv_heads // (hpp * 2) >= 4 * sms:
+        hpp *= 2
+    return hpp
