@@ -495,8 +495,9 @@ def paged_attention(
     ``order`` (int32, ``[num_seqs]``, a permutation of the requests; decode steps only, one
     query a request) is the order the requests' programs start in: longest context first keeps
     the last wave of programs short (:func:`longest_first`). Unsplit, a program then takes
-    ``heads_per_program`` of a request's KV heads in one pipelined loop (default: as many as
-    keep four programs a multiprocessor)."""
+    ``heads_per_program`` of a request's KV heads in one pipelined loop (default 1: at batch
+    256 on an H200, 2 heads gained 4% with 128-key tiles and nothing with the default 64, and 4
+    or 8 lost: too few programs to even out the end)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -514,8 +515,24 @@ def paged_attention(
     # batch 256, contexts around 640, 84% of the copy bandwidth against 78% for prefill's 64 keys
     # and 3 stages on an H200 (benchmarks/triton_decode_tuning.py).
     decode_tile = max_query_len == 1 and head_dim <= 128
+    # Ordered, unsplit decode (`_paged_decode`) reads 64-key tiles: three programs fit a
+    # multiprocessor's shared memory where 128-key tiles fit one, and the others' loads cover a
+    # program's start. Qwen3-0.6B's heads, batch 256, contexts 120 - 1080, CUDA graphs on an
+    # H200: 148.6 us, 0.96 of the copy bandwidth, against 159.9 with 128-key tiles and 165.1
+    # for the one-head programs in batch order (triton_decode_tuning.py --heads-per-program).
+    ordered_decode = order is not None and num_splits == 1 and decode_tile
     if tile_n is None:
-        tile_n = 128 if decode_tile else 32 if long_prefill else 64 if head_dim <= 128 else 32
+        tile_n = (
+            64
+            if ordered_decode
+            else 128
+            if decode_tile
+            else 32
+            if long_prefill
+            else 64
+            if head_dim <= 128
+            else 32
+        )
     if num_stages is None and (decode_tile or long_prefill):
         num_stages = 2
     if num_warps is None and long_prefill:
@@ -529,7 +546,7 @@ def paged_attention(
     if order is not None and num_splits == 1:
         if max_query_len != 1:
             raise ValueError("an order of requests is for decode steps, one query a request")
-        hpp = heads_per_program or _heads_per_program(num_seqs, num_kv_heads, query.device)
+        hpp = heads_per_program or 1
         if num_kv_heads % hpp:
             raise ValueError(f"heads_per_program {hpp} does not divide {num_kv_heads} KV heads")
         _paged_decode[(num_seqs * num_kv_heads // hpp,)](
@@ -646,17 +663,3 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     """The requests' indices by descending length (ties in their own order), int32: the
     ``order`` of :func:`paged_attention`."""
     return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable").astype(np.int32)
-
-
-def _heads_per_program(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """The most KV heads a decode program takes while the launch still has four programs a
-    multiprocessor (one runs at a time; the others even out the ends)."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 1
-    )
-    hpp = 1
-    while num_kv_heads % (hpp * 2) == 0 and num_seqs * num_kv_heads // (hpp * 2) >= 4 * sms:
-        hpp *= 2
-    return hpp
