@@ -129,3 +129,14 @@ def test_run_breakdown_counts_the_steps_that_stalled_apart_from_the_median() -> 
     assert top["steps"] == 20 and top["median_step_ms"] == pytest.approx(10.0)
     assert top["slow_steps"] == 2
     assert top["slow_excess_s"] == pytest.approx(0.03 + 0.015, abs=1e-3)
+
+
+def test_run_breakdown_charges_steps_that_scheduled_nothing_apart() -> None:
+    """A step with no request (the engine stepped while its queue was empty) is neither prefill
+    nor a decode batch: its interval is counted apart, not looked up among the batch sizes."""
+    from pagoda.bench.roofline import run_breakdown
+
+    steps = [Step(0.0, 2, 40, 40), Step(0.1, 2, 2, 42), Step(0.3, 0, 0, 0), Step(0.4, 2, 2, 44)]
+    b = run_breakdown(steps, 1000, 10, 1e6)
+    assert (b["empty_steps"], b["empty_s"]) == (1, 0.2)
+    assert b["decode_steps"] == 2 and b["decode_s"] == pytest.approx(0.2)

@@ -140,8 +140,8 @@ def run_breakdown(
 ) -> dict[str, Any]:
     """Where a whole run's time went: the interval before each step's end charged to that step
     (the first step after ``start`` from ``start``), split into steps that prefill (any request
-    scheduled more than one token) and steps where every request decodes one; the decode steps'
-    time against the sum of their floors, in all and by batch size (a quarter of the largest
+    scheduled more than one token), steps where every request decodes one, and steps that
+    scheduled nothing; the decode steps' time against the sum of their floors, in all and by batch size (a quarter of the largest
     batch at a time, the smallest batches apart)."""
     if start is not None:
         steps = [Step(start, 0, 0, 0)] + [s for s in steps if s.end > start]
@@ -150,10 +150,14 @@ def run_breakdown(
     edges = sorted({max(1, c) for c in cuts})
     # Each bucket: its batch sizes, the intervals of its steps, the sum of their floors.
     buckets = [[lo, hi - 1, [], 0.0] for lo, hi in zip(edges, edges[1:]) if lo < hi]
-    pre_s = 0.0
-    pre_n = pre_tokens = 0
+    pre_s = idle_s = 0.0
+    pre_n = pre_tokens = idle_n = 0
     for prev, cur in zip(steps, steps[1:]):
         dt = cur.end - prev.end
+        if cur.reqs == 0:  # a step that scheduled nothing (the engine waited on its queue)
+            idle_s += dt
+            idle_n += 1
+            continue
         if cur.tokens > cur.reqs:
             pre_s += dt
             pre_n += 1
@@ -168,6 +172,8 @@ def run_breakdown(
         "prefill_steps": pre_n,
         "prefill_s": round(pre_s, 3),
         "prefill_scheduled_tokens": pre_tokens,
+        "empty_steps": idle_n,
+        "empty_s": round(idle_s, 3),
         "decode_steps": sum(len(b[2]) for b in buckets),
         "decode_s": round(dec_s, 3),
         "decode_floor_s": round(dec_floor_s, 3),
