@@ -6,6 +6,11 @@ are read once per group. Keys are visited in tiles of ``TILE_N`` tokens gathered
 table, with causal masking against each query's position, and an online softmax. With
 ``num_splits > 1`` each program covers one slice of the context and writes a partial result
 (output and log-sum-exp) that a second kernel merges, so a few long sequences still fill the GPU.
+
+Decode steps may give an ``order`` of the requests (longest context first): unsplit, they then
+run ``_paged_decode``, a program per (request, KV head) started in that order, so the last
+programs on the GPU are the shortest and the programs sharing a multiprocessor cover each
+other's starts.
 """
 
 from __future__ import annotations
