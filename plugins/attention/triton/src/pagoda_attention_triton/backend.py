@@ -98,6 +98,7 @@ def _ordered(common: CommonAttentionMetadata) -> bool:
         common.max_query_len == 1
         and common.num_reqs >= _ORDER_MIN_REQS
         and common.block_table.device.type == "cuda"
+        and len(common.seq_lens_cpu) >= common.num_reqs  # the order must cover every request
     )
 
 
