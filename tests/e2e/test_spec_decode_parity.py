@@ -85,8 +85,8 @@ def _continued(prompts, outputs) -> list[list[int]]:
 
 
 # The default (``auto``: alternating drafts while 8 or more requests run, as the 16-prompt batches
-# start, draft slots below, as they finish), and chained drafts (launched before the step in flight is
-# read, betting on it; lost bets void a step): ``pagoda.spec_decode.chain``.
+# start, draft slots below, as they finish), and chained drafts (launched before the step in
+# flight is read, betting on it; lost bets void a step): ``pagoda.spec_decode.chain``.
 MODES = {"default": {}, "chain": {"async_drafts": "chain", "adaptive": False}}
 
 

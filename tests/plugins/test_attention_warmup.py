@@ -106,3 +106,17 @@ def test_every_step_it_attends_is_a_consistent_runner_step(recording) -> None:
 def test_an_unknown_step_kind_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="prefill, decode, decode graph, verification graph"):
         run_step(TorchNativeBackend, "ragged", CPU, torch.float32, 64)
+
+
+def test_a_backend_replans_its_graphs_where_it_says_so() -> None:
+    """By default a backend that overrides ``prepare_graph_replay`` re-plans every graph, one
+    that does not re-plans none; the Triton backend re-plans only the decode graphs whose
+    requests it orders (its verification graphs may then be launched ahead of the step in
+    flight, which a re-plan would forbid)."""
+    assert RecordingBackend.graph_replans(object())
+    assert not TorchNativeBackend.graph_replans(object())
+    triton_backend = pytest.importorskip("pagoda_attention_triton.backend")
+    md = triton_backend.TritonMetadata(common=None, num_splits=1)
+    assert not triton_backend.TritonAttentionBackend.graph_replans(md)
+    md.order = torch.arange(4, dtype=torch.int32)
+    assert triton_backend.TritonAttentionBackend.graph_replans(md)

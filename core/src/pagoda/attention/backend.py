@@ -171,6 +171,18 @@ class AttentionBackend(ABC):
         the persistent buffers."""
         return None
 
+    @classmethod
+    def graph_replans(cls, metadata: Any) -> bool:
+        """Called once per captured graph, after its capture, with ``metadata``, what
+        ``build_graph_metadata`` returned for it. Returns whether ``prepare_graph_replay`` must
+        run before that graph's replays. A graph that needs no re-plan replays without the padded
+        ``common`` being built, and verification graphs that need none may be launched before
+        the step in flight is read (speculative decoding's launches ahead). Default: whether the
+        backend overrides ``prepare_graph_replay``."""
+        return (
+            cls.prepare_graph_replay.__func__ is not AttentionBackend.prepare_graph_replay.__func__
+        )
+
 
 def write_kv_cache(
     key: torch.Tensor,

@@ -141,8 +141,8 @@ def run_breakdown(
     """Where a whole run's time went: the interval before each step's end charged to that step
     (the first step after ``start`` from ``start``), split into steps that prefill (any request
     scheduled more than one token), steps where every request decodes one, and steps that
-    scheduled nothing; the decode steps' time against the sum of their floors, in all and by batch size (a quarter of the largest
-    batch at a time, the smallest batches apart)."""
+    scheduled nothing; the decode steps' time against the sum of their floors, in all and by
+    batch size (a quarter of the largest batch at a time, the smallest batches apart)."""
     if start is not None:
         steps = [Step(start, 0, 0, 0)] + [s for s in steps if s.end > start]
     biggest = max((s.reqs for s in steps), default=1)

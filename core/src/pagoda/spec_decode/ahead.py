@@ -61,7 +61,7 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
     the step allows (see the module); None otherwise (nothing was done)."""
     graphs = runner.verify_graphs
     proposer = runner.proposer
-    if graphs is None or proposer is None or graphs._replans or not runner._unread:
+    if graphs is None or proposer is None or graphs.replans or not runner._unread:
         return None
     last = runner._unread[-1]
     if not _fits(runner, last, so):

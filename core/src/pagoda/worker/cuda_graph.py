@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.attention.layer import set_forward_context
 
 if TYPE_CHECKING:
@@ -47,13 +47,18 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.metadata: dict[int, object] = {}  # the attention metadata each graph captured
         self.replays = 0
-        # Whether the backend re-plans before a replay; the padded step is built only then.
-        base = AttentionBackend.prepare_graph_replay.__func__
-        self._replans = runner.attn_backend.prepare_graph_replay.__func__ is not base
+        # The buckets whose graphs the backend re-plans before a replay (the padded step is
+        # built only for those), known once they are captured.
+        self._replan: set[int] = set()
 
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @property
+    def replans(self) -> bool:
+        """Whether any of the graphs needs the backend's ``prepare_graph_replay``."""
+        return bool(self._replan)
 
     def _metadata(self, b: int) -> object:
         r, q = self.runner, self.query_len
@@ -98,6 +103,8 @@ class DecodeGraphs:
         for b in reversed(self.buckets):
             self._pad(0, b)
             md = self.metadata[b] = self._metadata(b)
+            if r.attn_backend.graph_replans(md):
+                self._replan.add(b)
             with set_forward_context(md):
                 r.model(r.input_ids[: b * q], r.positions[: b * q])  # warm-up: compile, tune
                 torch.cuda.synchronize()
@@ -127,7 +134,7 @@ class DecodeGraphs:
         buffers); their hidden states."""
         n, q = common.num_reqs, self.query_len
         self._pad(n, b)
-        if self._replans:
+        if b in self._replan:
             pad_lens = np.full(b - n, q, dtype=np.int64)
             padded = dataclasses.replace(
                 common,

@@ -28,7 +28,7 @@ class EagerVerifyGraphs:
     buffers a replay reads; sequence lengths come from the device buffer (a captured graph
     never reads the host's)."""
 
-    _replans = False
+    replans = False
 
     def __init__(self, runner, max_batch: int = 4) -> None:
         self.runner = runner

@@ -92,6 +92,12 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.order is not None:
             metadata.order.copy_(_pinned(_order(common)), non_blocking=True)
 
+    @classmethod
+    def graph_replans(cls, metadata: TritonMetadata) -> bool:
+        # Only decode graphs that order their requests; verification graphs replay as captured
+        # (and may be launched ahead of the step in flight).
+        return metadata.order is not None
+
 
 def _ordered(common: CommonAttentionMetadata) -> bool:
     return (
