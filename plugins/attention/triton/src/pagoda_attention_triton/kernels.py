@@ -118,7 +118,6 @@ def _paged_attention(
     qsl_ptr,
     order_ptr,
     scale,
-    num_seqs,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -130,6 +129,7 @@ def _paged_attention(
     stride_ot,
     stride_oh,
     stride_bt,
+    num_seqs,
     split_size,
     G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -548,9 +548,18 @@ def paged_attention(
     if num_stages is not None:
         launch["num_stages"] = num_stages
     grid_q = num_tokens // block_q + num_seqs
+    if order is not None and max_query_len != 1:
+        raise ValueError("an order of requests is for decode steps, one query a request")
+    strides = (
+        *query.stride()[:2],
+        *key_cache.stride()[:3],
+        *value_cache.stride()[:3],
+        *out.stride()[:2],
+        block_table.stride(0),
+    )
+    # float32 inputs mean float32 arithmetic: no silent TF32 rounding in the dots.
+    dot_precision = "ieee" if query.dtype == torch.float32 else "tf32"
     if order is not None and num_splits == 1:
-        if max_query_len != 1:
-            raise ValueError("an order of requests is for decode steps, one query a request")
         hpp = heads_per_program or 1
         if num_kv_heads % hpp:
             raise ValueError(f"heads_per_program {hpp} does not divide {num_kv_heads} KV heads")
@@ -564,17 +573,7 @@ def paged_attention(
             query_start_loc,
             order,
             scale,
-            query.stride(0),
-            query.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
-            out.stride(0),
-            out.stride(1),
-            block_table.stride(0),
+            *strides,
             G=g,
             BLOCK_M=block_m,
             HEAD_DIM=head_dim,
@@ -583,13 +582,11 @@ def paged_attention(
             TILE_N=tile_n,
             NUM_KV_HEADS=num_kv_heads,
             HEADS_PER_PROGRAM=hpp,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=dot_precision,
             **launch,
         )
         return out
     if order is not None:
-        if max_query_len != 1:
-            raise ValueError("an order of requests is for decode steps, one query a request")
         grid = (num_seqs * num_kv_heads, 1, num_splits)
     else:
         grid = (grid_q, num_kv_heads, num_splits)
@@ -621,18 +618,8 @@ def paged_attention(
         query_start_loc,
         query_start_loc if order is None else order,  # unread without an order
         scale,
+        *strides,
         num_seqs,
-        query.stride(0),
-        query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
         split_size,
         G=g,
         BLOCK_Q=block_q,
@@ -645,8 +632,7 @@ def paged_attention(
         NUM_KV_HEADS=num_kv_heads,
         ORDERED=order is not None,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
-        # float32 inputs mean float32 arithmetic: no silent TF32 rounding in the dots.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision,
         **launch,
     )
     if num_splits > 1:
