@@ -527,17 +527,14 @@ def paged_attention(
     # for the one-head programs in batch order (triton_decode_tuning.py --heads-per-program).
     ordered_decode = order is not None and num_splits == 1 and decode_tile
     if tile_n is None:
-        tile_n = (
-            64
-            if ordered_decode
-            else 128
-            if decode_tile
-            else 32
-            if long_prefill
-            else 64
-            if head_dim <= 128
-            else 32
-        )
+        if ordered_decode:
+            tile_n = 64
+        elif decode_tile:
+            tile_n = 128
+        elif long_prefill:
+            tile_n = 32
+        else:
+            tile_n = 64 if head_dim <= 128 else 32
     if num_stages is None and (decode_tile or long_prefill):
         num_stages = 2
     if num_warps is None and long_prefill:
