@@ -44,20 +44,27 @@ def _reference(q, kc, vc, bt, seq_lens, q_lens, scale):
     return out
 
 
+DECODE_6 = ([1] * 6, [40, 7, 300, 0, 129, 65])  # one request with no context before its token
+
+
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim,page,q_lens,ctx,splits,dtype",
+    "heads,kv_heads,head_dim,page,q_lens,ctx,splits,dtype,ordered",
     [
-        (4, 4, 64, 16, [1, 1, 1], [40, 7, 100], 1, torch.float32),  # decode
-        (6, 2, 64, 16, [17, 1, 5], [0, 30, 64], 1, torch.float32),  # mixed, GQA 3
-        (8, 2, 128, 32, [33], [20], 1, torch.float32),  # chunked prefill over cached context
-        (4, 1, 64, 16, [1, 1], [300, 33], 4, torch.float32),  # split-KV decode
+        (4, 4, 64, 16, [1, 1, 1], [40, 7, 100], 1, torch.float32, False),  # decode
+        (6, 2, 64, 16, [17, 1, 5], [0, 30, 64], 1, torch.float32, False),  # mixed, GQA 3
+        (8, 2, 128, 32, [33], [20], 1, torch.float32, False),  # chunked prefill over a context
+        (4, 1, 64, 16, [1, 1], [300, 33], 4, torch.float32, False),  # split-KV decode
         # A long prefill chunk (the launch of 128 rows and 32-key tiles) beside a decode.
-        (4, 2, 64, 16, [150, 1], [10, 40], 1, torch.float32),
-        (4, 2, 64, 16, [9, 1], [5, 70], 1, torch.float16),
+        (4, 2, 64, 16, [150, 1], [10, 40], 1, torch.float32, False),
+        (4, 2, 64, 16, [9, 1], [5, 70], 1, torch.float16, False),
+        # Decode longest first: each program finds its request through the permutation (not
+        # the search of the query start locations), unsplit (`_paged_decode`) and split.
+        (4, 2, 64, 16, *DECODE_6, 1, torch.float32, True),
+        (4, 2, 64, 16, *DECODE_6, 4, torch.float32, True),
     ],
 )
 def test_paged_attention_matches_float64_reference(
-    heads, kv_heads, head_dim, page, q_lens, ctx, splits, dtype
+    heads, kv_heads, head_dim, page, q_lens, ctx, splits, dtype, ordered
 ) -> None:
     if dtype != torch.float32 and DEVICE == "cpu":
         pytest.skip("half precision dot needs a GPU")
@@ -74,7 +81,8 @@ def test_paged_attention_matches_float64_reference(
     scale = head_dim**-0.5
     want = _reference(q, kc, vc, bt, seq_lens, q_lens, scale)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
-    out = torch.empty_like(dev(q))
+    order = dev(torch.from_numpy(longest_first(np.array(seq_lens)))) if ordered else None
+    out = torch.full_like(dev(q), float("nan"))  # a row no program writes fails the comparison
     paged_attention(
         dev(q),
         dev(kc),
@@ -89,51 +97,15 @@ def test_paged_attention_matches_float64_reference(
         max(seq_lens),
         scale,
         splits,
+        order=order,
     )
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_decode_in_longest_first_order_matches_the_reference(splits: int) -> None:
-    """With ``order`` each program finds its request through the permutation (not the search of
-    the query start locations): every request must still get its own context and its own rows
-    of the output, whatever the order, padding rows of length 1 included."""
-    heads, kv_heads, head_dim, page = 4, 2, 64, 16
-    ctx = [40, 7, 300, 0, 129, 65]
-    gen = torch.Generator().manual_seed(1)
-    seq_lens = [c + 1 for c in ctx]
-    max_blocks = max(-(-s // page) for s in seq_lens)
-    num_blocks = len(ctx) * max_blocks + 1
-    bt = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: len(ctx) * max_blocks]
-    bt = bt.view(len(ctx), max_blocks).int()
-    kc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen)
-    vc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen)
-    q = torch.randn(len(ctx), heads, head_dim, generator=gen)
-    qsl = torch.arange(len(ctx) + 1, dtype=torch.int32)
-    scale = head_dim**-0.5
-    want = _reference(q, kc, vc, bt, seq_lens, [1] * len(ctx), scale)
-    order = torch.from_numpy(longest_first(np.array(seq_lens)))
-    assert order.tolist() == [2, 4, 5, 0, 1, 3]
-    dev = lambda t: t.to(DEVICE)  # noqa: E731
-    out = torch.full_like(dev(q), float("nan"))
-    paged_attention(
-        dev(q),
-        dev(kc),
-        dev(vc),
-        out,
-        dev(bt),
-        dev(torch.tensor(seq_lens, dtype=torch.int32)),
-        dev(qsl),
-        len(ctx),
-        len(ctx),
-        1,
-        max(seq_lens),
-        scale,
-        splits,
-        order=dev(order),
-    )
-    torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
+def test_longest_first_orders_by_descending_length_ties_in_their_own_order() -> None:
+    assert longest_first(np.array([41, 8, 301, 1, 130, 66])).tolist() == [2, 4, 5, 0, 1, 3]
+    assert longest_first(np.array([5, 7, 5])).tolist() == [1, 0, 2]
 
 
 @pytest.mark.parametrize("heads_per_program", [1, 2, 8])
