@@ -28,9 +28,11 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def _case(batch: int, ctx: int, head_major: bool, device: torch.device):
+def _case(batch: int, ctx: int, head_major: bool, device: torch.device, equal: bool = False):
     g = torch.Generator(device="cpu").manual_seed(0)
     lens = torch.randint(ctx // 5, 9 * ctx // 5 + 1, (batch,), generator=g)
+    if equal:  # every request at the same context, as a batch of equal prompts decodes
+        lens = torch.full((batch,), ctx)
     blocks = (lens + PAGE - 1) // PAGE
     max_blocks = int(blocks.max())
     num_blocks = int(blocks.sum()) + 1
@@ -168,6 +170,7 @@ def main() -> None:
     p.add_argument(
         "--launch", default=None, help="one setting only, tile_n,warps,stages (the default 128,4,2)"
     )
+    p.add_argument("--equal", action="store_true", help="every context exactly --ctx")
     p.add_argument("--token-major-only", action="store_true", help="leave out head-major pages")
     p.add_argument(
         "--graphs", action="store_true", help="time replays of CUDA graphs (as decode runs)"
@@ -196,7 +199,7 @@ def main() -> None:
     if args.launch:
         space = tuple((int(x),) for x in args.launch.split(","))
     for head_major in (False,) if args.token_major_only else (False, True):
-        case = _case(args.batch, args.ctx, head_major, device)
+        case = _case(args.batch, args.ctx, head_major, device, args.equal)
         schedules = tuple(int(x) for x in args.heads_per_program.split(","))
         rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs, schedules)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
@@ -204,6 +207,7 @@ def main() -> None:
         "benchmark": "triton_decode_tuning",
         "batch": args.batch,
         "ctx": args.ctx,
+        "equal_contexts": args.equal,
         "heads": HEADS,
         "kv_heads": KV_HEADS,
         "gpu": hardware(device),
