@@ -22,7 +22,7 @@ from pagoda_attention_triton import backend as triton_backend
 from pagoda_attention_triton.kernels import paged_attention
 
 from pagoda import LLM, SamplingParams
-from pagoda.bench.device import copy_bandwidth, time_fn
+from pagoda.bench.device import copy_bandwidth, graph_time
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
 
@@ -89,20 +89,14 @@ def main() -> None:
     kv_bytes = int(lens_cpu.sum()) * k.shape[2] * k.shape[3] * 2 * k.element_size()
     out = torch.empty_like(q)
 
-    def graph_s(query, table, longest: int, calls: int = 10) -> float:
+    def graph_s(query, table, longest: int) -> float:
         def run() -> None:
             paged_attention(
                 query, k, v, out, table, lens, qsl, reqs, tokens, 1, longest, scale, splits,
                 order=order,
             )  # fmt: skip
 
-        run()
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                run()
-        return time_fn(graph.replay, 10, dev) / calls
+        return graph_time(run, dev, calls=10)
 
     used = (lens_cpu + k.shape[1] - 1) // k.shape[1]
     g = torch.Generator().manual_seed(0)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from pagoda_attention_triton.kernels import _tile, longest_first, paged_attention
 
-from pagoda.bench.device import time_fn
+from pagoda.bench.device import graph_time
 from pagoda.bench.report import commit, hardware, save_report
 
 PAGE = 16
@@ -179,12 +179,7 @@ def main() -> None:
     streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
 
     def graph_ms(fn) -> float:
-        fn()
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return round(time_fn(graph.replay, 20, dev) * 1e3, 3)
+        return round(graph_time(fn, dev, iters=20) * 1e3, 3)
 
     def timed(programs: int) -> dict:
         fw = _layer_fns(cfg, kv, weights, whole, programs)

@@ -21,7 +21,7 @@ import itertools
 import torch
 from pagoda_attention_triton.kernels import longest_first, paged_attention
 
-from pagoda.bench.device import copy_bandwidth, time_fn
+from pagoda.bench.device import copy_bandwidth, graph_time, time_fn
 from pagoda.bench.report import commit, hardware, save_report
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -53,18 +53,6 @@ def _case(batch: int, ctx: int, head_major: bool, device: torch.device, equal: b
     return kv, bt.to(device), lens.int().to(device), qsl, q, kv_bytes, int(lens.max())
 
 
-def _graph_time(run, device: torch.device, calls: int = 10) -> float:
-    """Seconds a call of ``run`` takes replayed from a CUDA graph, as decode steps run: no
-    launch overhead, which at small batches is longer than the kernels themselves."""
-    run()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            run()
-    return time_fn(graph.replay, 10, device) / calls
-
-
 def _sweep(
     case: tuple,
     batch: int,
@@ -92,7 +80,7 @@ def _sweep(
             tile_n=tile_n, num_warps=warps, num_stages=stages, **extra,
         )  # fmt: skip
         try:
-            t = _graph_time(run, q.device) if graphs else time_fn(run, 20, q.device)
+            t = graph_time(run, q.device, calls=10) if graphs else time_fn(run, 20, q.device)
         except Exception as e:  # a setting the compiler refuses (shared memory, say)
             rows.append({**setting, "error": type(e).__name__})
             continue

@@ -27,6 +27,21 @@ def time_fn(fn: Callable[[], Any], iters: int, device: Any) -> float:
     return start.elapsed_time(end) / 1000 / iters
 
 
+def graph_time(fn: Callable[[], Any], device: Any, calls: int = 1, iters: int = 10) -> float:
+    """Seconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls, as decode steps
+    run (no launch overhead, which at small sizes is longer than the kernels themselves); one
+    eager call first compiles and warms up."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_fn(graph.replay, iters, device) / calls
+
+
 def copy_bandwidth(device: Any, nbytes: int | None = None, iters: int = 20) -> float:
     """Bytes per second of a large copy on ``device``, counting what it reads and what it writes.
 
