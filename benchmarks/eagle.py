@@ -24,7 +24,7 @@ from pagoda_spec_eagle.record import corpus, encode_prompts
 from pagoda import LLM, SamplingParams
 from pagoda.bench.report import commit, hardware, save_report
 from pagoda.config import SpeculativeConfig
-from pagoda.engine.gc_tuning import tuned_gc
+from pagoda.process import tuned_gc
 
 
 def _random_head(trained: str, out: Path) -> str:
@@ -147,7 +147,7 @@ def main() -> None:
     tokens = dict.fromkeys(engines, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
     names = list(engines)
-    with tuned_gc():  # as the engine-core process runs (pagoda.engine.gc_tuning)
+    with tuned_gc():  # as the engine-core process runs (pagoda.process)
         for i, prompt in enumerate(prompts):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 llm = engines[name]

@@ -56,8 +56,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
 from pagoda.engine.core import EngineCore
-from pagoda.engine.gc_tuning import tuned_gc
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.process import tuned_gc
 from pagoda.scheduler.scheduler import Scheduler
 
 T = collections.defaultdict(float)
@@ -218,7 +218,7 @@ secs: dict[str, list[float]] = {v: [] for v in variants}
 timers: dict[str, dict[str, tuple[float, int]]] = {v: {} for v in variants}
 drafts = collections.Counter()
 accepted = collections.Counter()
-with tuned_gc():  # as the engine-core process runs (pagoda.engine.gc_tuning)
+with tuned_gc():  # as the engine-core process runs (pagoda.process)
     for _ in range(args.rounds):
         for v, llm in engines.items():
             T.clear()

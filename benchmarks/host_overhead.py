@@ -5,7 +5,7 @@ what the host does for every request: scheduling, preparing the batch, sampling 
 detokenizing and building outputs. On a GPU this work overlaps the device's step; once it takes
 longer than the device, it sets the pace (small models at large batches). Each row also says how
 long the garbage collector ran a step; the ``gc_tuned`` row runs with the collector tuned as the
-engine-core process runs it (``pagoda.engine.gc_tuning``). ``--compare`` also runs the Python
+engine-core process runs it (``pagoda.process``). ``--compare`` also runs the Python
 detokenizer window in place of tokenizers' ``DecodeStream``.
 
     python benchmarks/host_overhead.py [--requests 256] [--output-len 64] [--compare]
@@ -25,7 +25,7 @@ import pagoda.engine.detokenizer as detokenizer
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
-from pagoda.engine.gc_tuning import tuned_gc
+from pagoda.process import tuned_gc
 
 CONFIG = Path(__file__).parent / "configs" / "tiny-llama"
 

@@ -25,7 +25,7 @@ from pagoda.bench.report import commit, hardware, save_report
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.loader import load_tokenizer
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.step import EngineCoreOutput
 
 CONFIG = Path(__file__).parent / "configs" / "tiny-llama"
 

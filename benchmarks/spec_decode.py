@@ -34,7 +34,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.report import commit, hardware, save_report
-from pagoda.engine.gc_tuning import tuned_gc
+from pagoda.process import tuned_gc
 from pagoda.spec_decode.governor import build_governor
 
 # (module, attribute or None for the module's docstring)
@@ -288,7 +288,7 @@ def main() -> None:
     batches = [
         prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)
     ] * args.repeats
-    with tuned_gc():  # as the engine-core process runs (pagoda.engine.gc_tuning)
+    with tuned_gc():  # as the engine-core process runs (pagoda.process)
         for b, batch in enumerate(batches):
             order = ("off", "ngram") if b % 2 == 0 else ("ngram", "off")
             outs = {}

@@ -15,15 +15,15 @@ import zmq
 
 from pagoda import LLM
 from pagoda.attention.torch_native import TorchNativeBackend
-from pagoda.distributed import messages as m
 from pagoda.distributed import parallel_state, tp_shape
-from pagoda.distributed.executor import WorkerFailedError, WorkerGroupExecutor
+from pagoda.executor import messages as m
+from pagoda.executor.workers import WorkerFailedError, WorkerGroupExecutor
 from pagoda.loader import ModelArchConfig, load_hf_config
 from pagoda.loader.sharded import iter_safetensors_slices
 from pagoda.loader.weights import iter_safetensors
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import (
+from pagoda.step import (
     CachedRequestData,
     LogprobsArrays,
     ModelRunnerOutput,

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.distributed.executor import WorkerFailedError
+from pagoda.executor.workers import WorkerFailedError
 
 pytestmark = pytest.mark.slow
 

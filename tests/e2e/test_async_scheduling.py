@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.scheduler.output import ModelRunnerOutput
+from pagoda.step import ModelRunnerOutput
 from pagoda.worker.step_output import StepOutput
 
 PROMPTS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 
-from pagoda.engine import wire
+from pagoda import wire
 from pagoda.engine.core_proc import EngineLoop
 from pagoda.plugins import RequestRejectedError
 from pagoda.request import Request

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from pagoda.engine.metrics import EngineMetrics
-from pagoda.engine.wire import SchedulerStats
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.step import EngineCoreOutput
+from pagoda.wire import SchedulerStats
 
 
 def test_timings_and_scheduler_stats_feed_series_and_the_log_line(caplog) -> None:

@@ -8,12 +8,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from pagoda.engine import wire
+from pagoda import wire
 from pagoda.engine.request_stream import OutputKind, RequestStream
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import EngineCoreOutput, LogprobsArrays
+from pagoda.step import EngineCoreOutput, LogprobsArrays
 
 
 def test_add_request_round_trips_with_resolved_params_as_plain_msgpack() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from pagoda.engine.metrics import EngineMetrics
-from pagoda.engine.wire import SchedulerStats
 from pagoda.spec_decode import SpecDecodingStats
+from pagoda.wire import SchedulerStats
 
 
 def test_spec_counters_and_the_log_line(caplog) -> None:

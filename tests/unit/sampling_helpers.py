@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import NewRequestData
+from pagoda.step import NewRequestData
 from pagoda.worker.input_batch import InputBatch
 
 

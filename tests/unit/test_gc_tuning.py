@@ -1,4 +1,4 @@
-"""The collector tuning of the engine-core process (``pagoda.engine.gc_tuning``): objects alive at
+"""The collector tuning of the engine-core process (``pagoda.process``): objects alive at
 start are frozen, the youngest generation's threshold goes up (never down, and a collector turned
 off stays off), and ``tuned_gc`` undoes both, so that a benchmark's process goes on as before."""
 
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from pagoda.engine.gc_tuning import GEN0, tune_gc, tuned_gc
+from pagoda.process import GEN0, tune_gc, tuned_gc
 
 
 @pytest.fixture(autouse=True)

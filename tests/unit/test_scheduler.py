@@ -10,8 +10,8 @@ from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
+from pagoda.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
-
-__version__ = "0.1.0"
+from pagoda.version import __version__
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
 
 __all__ = [
+    "__version__",
     "LLM",
     "AsyncLLM",
     "EngineConfig",

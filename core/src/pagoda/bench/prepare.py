@@ -42,8 +42,8 @@ def prepare(args: argparse.Namespace, config: Any) -> Run:
     from pagoda.bench.device import copy_bandwidth
     from pagoda.bench.random_weights import ensure_random_weights
     from pagoda.bench.roofline import decode_weight_bytes, kv_bytes_per_token
-    from pagoda.engine.model_info import ModelInfo
     from pagoda.loader import load_tokenizer
+    from pagoda.model_info import ModelInfo
 
     model_given = config.source_of("model.model") != "default"
     if args.random_weights and model_given:

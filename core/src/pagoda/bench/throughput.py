@@ -199,7 +199,7 @@ def _run_pagoda(
     on_start: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from pagoda import LLM, SamplingParams
-    from pagoda.engine.gc_tuning import tuned_gc
+    from pagoda.process import tuned_gc
 
     t0 = time.perf_counter()
     llm = LLM(config=config)
@@ -212,7 +212,7 @@ def _run_pagoda(
     params = [
         SamplingParams(max_tokens=o, temperature=temperature, ignore_eos=True) for o in out_lens
     ]
-    # NOTE: the collector tuned as in the engine-core process that serves (pagoda.engine.gc_tuning)
+    # NOTE: the collector tuned as in the engine-core process that serves (pagoda.process)
     with tuned_gc():
         if on_start is not None:
             on_start()

@@ -15,14 +15,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pagoda import wire
 from pagoda.config import EngineConfig
-from pagoda.engine import wire
 from pagoda.engine.core_client import AsyncMPClient, EngineDeadError
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.metrics import EngineMetrics
-from pagoda.engine.model_info import ModelInfo
 from pagoda.engine.request_stream import OutputKind, RequestStream
+from pagoda.model_info import ModelInfo
 from pagoda.outputs import RequestOutput
 from pagoda.plugins import RequestRejectedError
 from pagoda.sampling_params import SamplingParams

@@ -5,18 +5,18 @@ from __future__ import annotations
 import time
 
 from pagoda.config import EngineConfig
-from pagoda.engine.model_info import ModelInfo
 from pagoda.executor.base import PendingOutput, executor_name
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.kv_offload import build_offload_manager
+from pagoda.model_info import ModelInfo
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
-from pagoda.scheduler.output import EngineCoreOutput, SchedulerOutput
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec_decode.governor import build_governor
 from pagoda.spec_decode.inflight import alternate_from
 from pagoda.spec_decode.proposer import check_parallel
+from pagoda.step import EngineCoreOutput, SchedulerOutput
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
 

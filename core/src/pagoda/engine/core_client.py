@@ -22,8 +22,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pagoda import wire
 from pagoda.config import EngineConfig
-from pagoda.engine import wire
 from pagoda.engine.core_proc import run_engine_process
 from pagoda.request import Request
 

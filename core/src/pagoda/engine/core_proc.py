@@ -8,8 +8,6 @@ process, fails every request it holds.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -21,10 +19,11 @@ from typing import Any
 
 import zmq
 
+from pagoda import wire
 from pagoda.config import EngineConfig
-from pagoda.engine import wire
 from pagoda.engine.heap import HeapTrimmer
 from pagoda.plugins import PLUGIN_API_VERSION, RequestRejectedError, hookimpl, register_plugin
+from pagoda.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned process."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts us down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(
@@ -56,8 +55,8 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     encoder = wire.Encoder()
     try:
         from pagoda.engine.core import EngineCore
-        from pagoda.engine.gc_tuning import tune_gc
-        from pagoda.engine.model_info import ModelInfo
+        from pagoda.model_info import ModelInfo
+        from pagoda.process import tune_gc
 
         info = ModelInfo.from_config(config)
         # NOTE: registered before the core is built, which binds its seams then.
@@ -267,13 +266,3 @@ def _offload_fields(offload: Any) -> dict[str, Any]:
         "cpu_prefix_cache_hits": stats.cpu_hit_tokens,
         "cpu_cache_usage": offload.usage,
     }
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies, so no engine outlives its server."""
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.engine.model_info import ModelInfo
+from pagoda.model_info import ModelInfo
 
 PromptType = str | dict[str, Any]
 

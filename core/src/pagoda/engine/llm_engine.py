@@ -11,9 +11,9 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType
-from pagoda.engine.model_info import ModelInfo
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.loader import load_tokenizer
+from pagoda.model_info import ModelInfo
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagoda.engine.wire import SchedulerStats
-from pagoda.scheduler.output import EngineCoreOutput
 from pagoda.spec_decode.metrics import SpecDecodingStats
+from pagoda.step import EngineCoreOutput
+from pagoda.wire import SchedulerStats
 
 logger = logging.getLogger("pagoda.metrics")
 

@@ -9,7 +9,7 @@ from typing import Any
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop_string
 from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import EngineCoreOutput, LogprobsArrays
+from pagoda.step import EngineCoreOutput, LogprobsArrays
 
 
 @dataclass

@@ -23,8 +23,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
 from pagoda.config import EngineConfig
-from pagoda.engine.model_info import ModelInfo
-from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.model_info import ModelInfo
+from pagoda.step import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from pagoda.config.model import ParallelConfig

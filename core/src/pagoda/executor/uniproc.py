@@ -7,7 +7,7 @@ import gc
 import torch
 
 from pagoda.executor.base import Executor, PendingOutput
-from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.worker import Worker
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pagoda.kv_offload.manager import OffloadManager, OffloadStats
 from pagoda.kv_offload.medium import OffloadMedium
 from pagoda.kv_offload.policy import LRUPolicy, OffloadPolicy, build_policy
-from pagoda.kv_offload.transfers import KVTransfers
+from pagoda.step import KVTransfers
 
 __all__ = [
     "KVTransfers",

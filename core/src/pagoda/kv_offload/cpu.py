@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.kv_offload.medium import OffloadMedium
-from pagoda.kv_offload.transfers import KVTransfers
+from pagoda.step import KVTransfers
 
 # Bytes staged on the device at once, for each direction: the size of one bus copy at most.
 _STAGING_BYTES = 64 << 20

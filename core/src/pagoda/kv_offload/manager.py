@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagoda.kv_offload.policy import OffloadPolicy
-from pagoda.kv_offload.transfers import KVTransfers
+from pagoda.step import KVTransfers
 
 if TYPE_CHECKING:
     from pagoda.kv_cache.block_pool import KVCacheBlock

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagoda.kv_offload.transfers import KVTransfers
+from pagoda.step import KVTransfers
 
 
 class OffloadMedium(ABC):

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.request import Request
     from pagoda.sample.metadata import SamplingMetadata
-    from pagoda.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
     from pagoda.scheduler.scheduler import Scheduler
+    from pagoda.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 PROJECT = "pagoda"
 #: The plugin API this Pagoda provides; a plugin declares the one it was written for as

@@ -30,6 +30,7 @@ from pagoda.plugins import hookspecs
 from pagoda.plugins.collect import collect
 from pagoda.plugins.errors import PluginAPIVersionError, PluginError, PluginLoadError
 from pagoda.plugins.registry import PluginRecord, Registry
+from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.plugins")
 
@@ -178,7 +179,7 @@ def _builtin_record() -> PluginRecord:
     try:
         version = metadata.version("pagoda-core")
     except metadata.PackageNotFoundError:  # running from a source tree
-        from pagoda import __version__ as version
+        version = __version__
     return PluginRecord(BUILTIN, "pagoda-core", version, "pagoda.builtin_plugin")
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.scheduler.output import LogprobsArrays
+from pagoda.step import LogprobsArrays
 
 if TYPE_CHECKING:
     from pagoda.structured_output.runner import GrammarMask

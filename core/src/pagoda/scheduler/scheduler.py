@@ -37,16 +37,16 @@ from pagoda.kv_cache.block_pool import KVCacheBlock
 from pagoda.kv_cache.manager import KVCacheManager, cdiv
 from pagoda.plugins.seams import check_admission, seam
 from pagoda.request import Request, RequestStatus
-from pagoda.scheduler.output import (
+from pagoda.spec_decode.governor import SpeculationGovernor, is_decode_step
+from pagoda.spec_decode.inflight import DraftBackoff
+from pagoda.spec_decode.metrics import SpecDecodingStats
+from pagoda.step import (
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from pagoda.spec_decode.governor import SpeculationGovernor, is_decode_step
-from pagoda.spec_decode.inflight import DraftBackoff
-from pagoda.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagoda.structured_output.manager import StructuredOutputManager

@@ -41,7 +41,7 @@ from pagoda.spec_decode.verify import graph_metadata
 from pagoda.utils import cdiv
 
 if TYPE_CHECKING:
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
     from pagoda.worker.model_runner import ModelRunner
     from pagoda.worker.step_output import StepOutput
 

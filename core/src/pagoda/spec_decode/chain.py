@@ -39,7 +39,7 @@ from pagoda.spec_decode.proposer import ProposalBatch
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
-    from pagoda.scheduler.output import SchedulerOutput
+    from pagoda.step import SchedulerOutput
     from pagoda.worker.model_runner import ModelRunner
     from pagoda.worker.step_output import StepOutput
 

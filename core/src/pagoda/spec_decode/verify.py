@@ -25,8 +25,8 @@ from pagoda.spec_decode.proposer import ProposalBatch, VerifiedBatch
 from pagoda.spec_decode.rejection import rejection_sample
 
 if TYPE_CHECKING:
-    from pagoda.scheduler.output import ModelRunnerOutput
     from pagoda.spec_decode.chain import ChainPlan
+    from pagoda.step import ModelRunnerOutput
     from pagoda.worker.model_runner import ModelRunner
     from pagoda.worker.step_output import StepOutput
 

@@ -24,7 +24,7 @@ from pagoda.structured_output.backend import CompiledGrammar, GrammarBackend
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
-    from pagoda.engine.model_info import ModelInfo
+    from pagoda.model_info import ModelInfo
     from pagoda.request import Request
 
 logger = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def process_manager(config: EngineConfig) -> StructuredOutputManager:
     with _MANAGERS_LOCK:
         manager = _MANAGERS.get(id(config))
         if manager is None:
-            from pagoda.engine.model_info import ModelInfo
+            from pagoda.model_info import ModelInfo
 
             manager = _MANAGERS[id(config)] = StructuredOutputManager(
                 config, ModelInfo.from_config(config)

@@ -537,7 +537,7 @@ def _serve(
     # host-bound on a small model, and a fill thread beside it on its CPU slows every step),
     # with about half as many threads as it has CPUs (see _fill_threads).
     _leave_cpus_to_the_engine()
-    from pagoda.engine.model_info import ModelInfo
+    from pagoda.model_info import ModelInfo
     from pagoda.structured_output.manager import StructuredOutputManager
 
     manager = StructuredOutputManager(config, ModelInfo.from_config(config))

@@ -12,7 +12,7 @@ import torch
 
 from pagoda.sample.metadata import SamplingMetadata
 from pagoda.sample.state import SamplingRows
-from pagoda.scheduler.output import NewRequestData
+from pagoda.step import NewRequestData
 
 
 class InputBatch:

@@ -30,7 +30,6 @@ from pagoda.plugins.seams import build_logits_processors
 from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
-from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from pagoda.spec_decode.ahead import check_ahead, launch_ahead, take_drafts
 from pagoda.spec_decode.chain import chain_drafts, plan_chain, propose_chain, write_chain_drafts
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
@@ -43,6 +42,7 @@ from pagoda.spec_decode.inflight import (
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.tail import GreedyTail
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
+from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.runner import grammar_rows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagoda.sample.metadata import LogprobsTensors
-from pagoda.scheduler.output import ModelRunnerOutput, PromptLogprobs
+from pagoda.step import ModelRunnerOutput, PromptLogprobs
 
 if TYPE_CHECKING:
     from pagoda.kv_offload.medium import OffloadMedium

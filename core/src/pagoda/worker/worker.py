@@ -8,8 +8,8 @@ import os
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.engine.model_info import ModelInfo
-from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.model_info import ModelInfo
+from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

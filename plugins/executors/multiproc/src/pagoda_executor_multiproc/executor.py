@@ -11,8 +11,8 @@ import multiprocessing
 import weakref
 from multiprocessing.process import BaseProcess
 
-from pagoda.distributed.executor import WorkerGroupExecutor
-from pagoda.distributed.worker_proc import WorkerSpec, free_port, run_worker_process
+from pagoda.executor.worker_proc import WorkerSpec, free_port, run_worker_process
+from pagoda.executor.workers import WorkerGroupExecutor
 
 
 class MultiprocExecutor(WorkerGroupExecutor):

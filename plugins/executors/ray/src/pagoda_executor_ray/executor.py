@@ -12,8 +12,8 @@ import logging
 import os
 from typing import Any
 
-from pagoda.distributed.executor import WorkerGroupExecutor, worker_env
-from pagoda.distributed.worker_proc import WorkerSpec
+from pagoda.executor.worker_proc import WorkerSpec
+from pagoda.executor.workers import WorkerGroupExecutor, worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,12 @@ class RayWorker:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        from pagoda.distributed.worker_proc import free_port
+        from pagoda.executor.worker_proc import free_port
 
         return free_port()
 
     def run(self, spec: WorkerSpec) -> None:
-        from pagoda.distributed.worker_proc import WorkerProc
+        from pagoda.executor.worker_proc import WorkerProc
 
         logging.basicConfig(
             level=logging.INFO,

@@ -21,10 +21,10 @@ from typing import Any
 
 import zmq
 
-from pagoda.distributed import messages as m
-from pagoda.distributed.worker_proc import WorkerSpec
+from pagoda.executor import messages as m
 from pagoda.executor.base import Executor, PendingOutput
-from pagoda.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from pagoda.executor.worker_proc import WorkerSpec
+from pagoda.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

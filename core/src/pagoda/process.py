@@ -19,7 +19,11 @@ memory they hold) for good.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -50,3 +54,13 @@ def tuned_gc(gen0: int = GEN0) -> Iterator[None]:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies, so no engine outlives its server."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)

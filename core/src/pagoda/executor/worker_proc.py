@@ -21,8 +21,9 @@ from typing import Any
 import zmq
 
 from pagoda.config import EngineConfig
-from pagoda.distributed import messages as m
-from pagoda.engine.model_info import ModelInfo
+from pagoda.executor import messages as m
+from pagoda.model_info import ModelInfo
+from pagoda.process import die_with_parent, tune_gc
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +133,6 @@ class WorkerProc:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
-        from pagoda.engine.gc_tuning import tune_gc
-
         tune_gc()  # the last step of start-up; this process serves one engine to its end
 
     def startup_times(self) -> dict[str, float]:
@@ -182,9 +181,7 @@ def run_worker_process(spec: WorkerSpec) -> None:
     import signal
     import sys
 
-    from pagoda.engine.core_proc import _die_with_parent
-
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(

@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from pagoda.engine.wire import _dec_hook, _enc_hook, _ext_hook, params_from_wire
-from pagoda.scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.step import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagoda.wire import _dec_hook, _enc_hook, _ext_hook, params_from_wire
 
 # ---- executor -> worker ------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduler.output import EngineCoreOutput
+from pagoda.step import EngineCoreOutput
 
 _NDARRAY_EXT = 1
 
