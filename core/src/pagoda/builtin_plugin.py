@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagoda.plugins.hookspecs import Register, hookimpl
+from pagoda.plugins.hookspecs import Register, SchedulerView, hookimpl
 
 if TYPE_CHECKING:
     from pagoda.request import Request
-    from pagoda.scheduler.scheduler import Scheduler
 
 PAGODA_PLUGIN_API = 1
 
@@ -41,7 +40,7 @@ def register_offload_mediums(register: Register) -> None:
 
 
 @hookimpl
-def admit_request(request: Request, scheduler: Scheduler) -> str | None:
+def admit_request(request: Request, scheduler: SchedulerView) -> str | None:
     """Load shedding: ``scheduler.max_waiting_requests``. The samples of a request with n > 1
     after the first come in with it (they name it as their ``prefill_leader``)."""
     limit = scheduler.max_waiting_requests

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed import check_tensor_parallel
-from pagoda.loader import ModelArchConfig, load_hf_config, resolve_model
+from pagoda.loader import ModelArchConfig, load_hf_config, load_tokenizer, resolve_model
+from pagoda.loader.synthetic import synthetic_tokenizer
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,17 +56,6 @@ class ModelInfo:
                 f"scheduler.max_num_batched_tokens={budget} is smaller than max_model_len="
                 f"{max_model_len} with chunked prefill off: long prompts could never run"
             )
-        sp = config.speculative
-        if sp.method is not None and sp.num_speculative_tokens + 1 > min(budget, max_model_len):
-            which = (
-                f"scheduler.max_num_batched_tokens={budget}"
-                if budget < max_model_len
-                else f"model.max_model_len={max_model_len}"
-            )
-            raise ValueError(
-                f"speculative.num_speculative_tokens={sp.num_speculative_tokens} does not fit "
-                f"{which}: a verification step scores the drafts and one more token a request"
-            )
         return cls(
             name=resolved.name,
             hf_dir=str(resolved.hf_dir),
@@ -93,3 +86,29 @@ def _pick_dtype(name: str, arch: ModelArchConfig, device: torch.device) -> torch
         return torch.float32
     config_dtype = _DTYPES.get(str(arch.torch_dtype or "").replace("torch.", ""))
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def model_eos_ids(info: ModelInfo) -> set[int]:
+    """The model's end-of-sequence ids: its config's and its generation config's."""
+    ids: set[int] = set()
+    sources: list[Any] = [info.arch.eos_token_id]
+    gen_config = Path(info.hf_dir) / "generation_config.json"
+    if gen_config.is_file():
+        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def load_model_tokenizer(info: ModelInfo, trust_remote_code: bool) -> Any:
+    """The model's tokenizer; a random-weight model without tokenizer files gets a synthetic one."""
+    try:
+        return load_tokenizer(info.tokenizer, trust_remote_code)
+    except FileNotFoundError:
+        if info.load_format != "dummy":
+            raise
+        eos = info.arch.eos_token_id
+        return synthetic_tokenizer(info.arch.vocab_size, eos if isinstance(eos, int) else None)

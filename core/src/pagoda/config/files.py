@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagoda.config.model import ConfigError
+from pagoda.config.errors import ConfigError
 
 YAML_SUFFIXES = (".yaml", ".yml", ".json")
 TOML_SUFFIXES = (".toml",)

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
 from pagoda.config import plugin_settings
+from pagoda.config.errors import ConfigError
 from pagoda.config.files import read_config_file
-from pagoda.config.model import _LAYERED, ConfigError, EngineConfig
+from pagoda.config.model import _LAYERED, EngineConfig
 
 ENV_PREFIX = "PAGODA_"
 ENV_DELIMITER = "__"

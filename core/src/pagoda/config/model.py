@@ -13,10 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range; the message names
-    each key and the source it came from."""
+from pagoda.config import plugin_settings
+from pagoda.config.errors import ConfigError as ConfigError  # re-exported
 
 
 class _Section(BaseModel):
@@ -185,19 +183,6 @@ class SpeculativeConfig(_Section):
         description="eagle, eagle3: folder of the draft head's checkpoint (config.json and"
         " safetensors or pytorch_model.bin, the layouts EAGLE and EAGLE-3 publish)",
     )
-    async_drafts: Literal["auto", "slots", "alternate", "chain"] = Field(
-        "auto",
-        description="with async scheduling: alternate (a request whose step with drafts is in"
-        " flight sits out the next step, so no step waits for another), slots (every step,"
-        " with draft slots filled once the step in flight is read; with a draft head that"
-        " drafts right behind the verification, EAGLE, and an attention backend that reads"
-        " lengths on the device, Triton, the next verification is launched before that read,"
-        " its inputs built on the device), auto (slots while fewer"
-        " than 8 requests run, where a step sat out costs more than the wait; alternate from"
-        " 8) or chain (every step, launched before the one in flight is read, betting that it"
-        " accepts all its drafts; a lost bet voids one step; greedy requests, history-only"
-        " proposers, one rank)",
-    )
     adaptive: bool = Field(
         True,
         description="measure tokens/s with drafting on and off for each batch size and draft"
@@ -208,6 +193,62 @@ class SpeculativeConfig(_Section):
         ge=1,
         description="vLLM's knob: no drafts while at least this many requests run; None: off",
     )
+
+    def check(
+        self,
+        config: EngineConfig,
+        *,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        needs_hidden_states: bool = False,
+    ) -> None:
+        """Every rule the speculative section must meet, in one place. The configuration checks
+        the rules its own keys decide when it is built; the engine core checks them all at start
+        (``pagoda.spec_decode.check_speculative``), with the model's length and the step's token
+        budget (None: not known yet, their rule waits) and whether the proposer reads the target's
+        hidden states. Raises ValueError naming the keys at fault."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(
+                f"speculative.prompt_lookup_min={lo} is larger than speculative.prompt_lookup_max"
+                f"={hi}"
+            )
+        if self.method is None:
+            return
+        k = self.num_speculative_tokens
+        if k < 1:
+            raise ValueError(
+                "speculative.num_speculative_tokens must be at least 1 when speculative.method "
+                f"is set (method={self.method!r}, num_speculative_tokens={k})"
+            )
+        if config.model.batch_invariant:
+            raise ValueError(
+                "model.batch_invariant does not support speculative decoding (verification steps "
+                "sample through the rejection sampler); unset speculative.method"
+            )
+        if max_model_len is not None and max_num_batched_tokens is not None:
+            budget = max_num_batched_tokens
+            if k + 1 > min(budget, max_model_len):
+                which = (
+                    f"scheduler.max_num_batched_tokens={budget}"
+                    if budget < max_model_len
+                    else f"model.max_model_len={max_model_len}"
+                )
+                raise ValueError(
+                    f"speculative.num_speculative_tokens={k} does not fit {which}: a "
+                    "verification step scores the drafts and one more token a request"
+                )
+        tp = config.parallel.tensor_parallel_size
+        if needs_hidden_states and tp > 1:
+            # NOTE: such a proposer is called where a step's output is read, on the first rank
+            # only, while a draft head runs the target's own sharded layers (embedding, LM head),
+            # whose collectives every rank must join. One that reads only the token history runs
+            # on every rank alike (the scheduler sends its drafts to all of them).
+            raise ValueError(
+                f"speculative.method {self.method!r} drafts from the target's hidden states, which"
+                f" tensor parallelism does not support yet (parallel.tensor_parallel_size={tp}): "
+                "run it on one rank, or pick a proposer that reads only the token history (ngram)"
+            )
 
 
 class StructuredOutputConfig(_Section):
@@ -320,18 +361,7 @@ class EngineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
-        sp = self.speculative
-        if sp.method is not None and sp.num_speculative_tokens < 1:
-            raise ValueError(
-                "speculative.num_speculative_tokens must be at least 1 when speculative.method "
-                f"is set (method={sp.method!r}, num_speculative_tokens={sp.num_speculative_tokens})"
-            )
-        lo, hi = sp.prompt_lookup_min, sp.prompt_lookup_max
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(
-                f"speculative.prompt_lookup_min={lo} is larger than speculative.prompt_lookup_max"
-                f"={hi}"
-            )
+        self.speculative.check(self)  # the rules the configuration alone decides
         return self
 
     @classmethod
@@ -385,9 +415,7 @@ class EngineConfig(BaseSettings):
     def plugin_settings(self, name: str) -> BaseModel:
         """The settings of plugin ``name``: its registered model (``register_plugin_settings``)
         with the values of the ``plugins.<name>`` section, defaults for the rest."""
-        from pagoda.config.plugin_settings import settings_of
-
-        return settings_of(name, self._plugin_values.get(name, {}))
+        return plugin_settings.checker().settings_of(name, self._plugin_values.get(name, {}))
 
     def source_of(self, key: str) -> str:
         """Where the value of ``key`` (``"cache.block_size"``) came from."""

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-from pathlib import Path
 from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.loader import load_tokenizer
-from pagoda.model_info import ModelInfo
+from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
@@ -30,10 +27,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, engine_core: Any = None) -> None:
         self.config = config
         self.info = ModelInfo.from_config(config)
-        self.tokenizer = _load_tokenizer(self.info, config.model.trust_remote_code)
+        self.tokenizer = load_model_tokenizer(self.info, config.model.trust_remote_code)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         # Other ids that end a turn (generation_config.json, config.json) stop like EOS.
-        self.extra_eos_ids = _model_eos_ids(self.info) - {self.eos_token_id}
+        self.extra_eos_ids = model_eos_ids(self.info) - {self.eos_token_id}
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = engine_core if engine_core is not None else EngineCore(config, self.info)
@@ -154,30 +151,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
-
-
-def _model_eos_ids(info: ModelInfo) -> set[int]:
-    ids: set[int] = set()
-    sources: list[Any] = [info.arch.eos_token_id]
-    gen_config = Path(info.hf_dir) / "generation_config.json"
-    if gen_config.is_file():
-        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
-
-
-def _load_tokenizer(info: ModelInfo, trust_remote_code: bool) -> Any:
-    """The model's tokenizer; a random-weight model without tokenizer files gets a synthetic one."""
-    try:
-        return load_tokenizer(info.tokenizer, trust_remote_code)
-    except FileNotFoundError:
-        if info.load_format != "dummy":
-            raise
-        from pagoda.loader.synthetic import synthetic_tokenizer
-
-        eos = info.arch.eos_token_id
-        return synthetic_tokenizer(info.arch.vocab_size, eos if isinstance(eos, int) else None)

@@ -1,5 +1,10 @@
-"""Plugin hooks, discovery and the registries they fill. See ``docs/plugins.md``."""
+"""The plugin kernel: hooks, discovery and the registries they fill. See ``docs/plugins.md``.
 
+Its hook specs name only lower floors (config, the leaves, sample) and Protocols; importing it
+installs the check of plugin settings into the configuration (``pagoda.plugins.settings``).
+"""
+
+from pagoda.config import plugin_settings
 from pagoda.plugins.errors import (
     DuplicateNameError,
     PluginAPIVersionError,
@@ -20,6 +25,10 @@ from pagoda.plugins.manager import (
 )
 from pagoda.plugins.registry import PluginRecord, Registry
 from pagoda.plugins.selection import select
+from pagoda.plugins.settings import RegistrySettings
+
+# NOTE: the configuration checks plugin settings through this; it never imports the registry.
+plugin_settings.install_checker(RegistrySettings())
 
 __all__ = [
     "PLUGIN_API_VERSION",

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.request import Request
     from pagoda.sample.metadata import SamplingMetadata
-    from pagoda.scheduler.scheduler import Scheduler
     from pagoda.step import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 PROJECT = "pagoda"
@@ -47,6 +46,30 @@ class Register(Protocol):
     def __call__(self, name: str, target: str | Callable[..., Any], override: bool = False) -> None:
         """Register ``target`` under ``name``; ``override=True`` replaces another plugin's
         registration of the same name instead of being a duplicate-name error."""
+
+
+class KVCacheLoad(Protocol):
+    """What an admission hook reads of the KV cache manager."""
+
+    @property
+    def usage(self) -> float:
+        """The share of KV blocks in use, 0.0 to 1.0."""
+        ...
+
+
+class SchedulerView(Protocol):
+    """What a seam hook may read of the scheduler (read only): its load and its limit."""
+
+    max_waiting_requests: int | None
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def kv_cache_manager(self) -> KVCacheLoad: ...
 
 
 # ---- registries: called once per process, when plugins load -------------------------------------
@@ -166,7 +189,7 @@ def register_offload_mediums(register: Register) -> None:
 
 
 @hookspec(firstresult=True)
-def admit_request(request: Request, scheduler: Scheduler) -> str | None:
+def admit_request(request: Request, scheduler: SchedulerView) -> str | None:
     """Decide whether the scheduler accepts a new request (quotas, load shedding, policy).
 
     :param request: the request, already validated (non-empty prompt that fits the context);

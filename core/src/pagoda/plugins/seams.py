@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.plugins import hookspecs
 from pagoda.plugins.errors import RequestRejectedError
+from pagoda.plugins.hookspecs import SchedulerView
 from pagoda.plugins.manager import get_plugin_manager
 
 if TYPE_CHECKING:
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 
     from pagoda.config import EngineConfig
     from pagoda.request import Request
-    from pagoda.scheduler.scheduler import Scheduler
 
 
 def seam(name: str) -> Any | None:
@@ -29,7 +29,7 @@ def seam(name: str) -> Any | None:
     return caller if caller.get_hookimpls() else None
 
 
-def check_admission(hook: Any, request: Request, scheduler: Scheduler) -> None:
+def check_admission(hook: Any, request: Request, scheduler: SchedulerView) -> None:
     """Run ``admit_request``; raise :class:`RequestRejectedError` with the plugin's reason."""
     reason = hook(request=request, scheduler=scheduler)
     if reason is not None:

@@ -7,14 +7,18 @@ for costs nothing; ``SamplingMetadata.greedy()`` is the all-greedy fast path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pagoda.step import LogprobsArrays
 
-if TYPE_CHECKING:
-    from pagoda.structured_output.runner import GrammarMask
+
+class LogitsMask(Protocol):
+    """A mask the sampler applies to the processed float32 logits of the step's sampling rows,
+    in place or not, before any other processing (structured output's grammar bitmask)."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -44,8 +48,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, token, bias)
     penalties: Penalties | None = None
     req_ids: list[str] | None = None  # the request of each row, for logits processors
-    # Structured output: the step's token bitmask of the constrained rows (GrammarMask).
-    grammar: GrammarMask | None = None
+    # Structured output: the step's token bitmask of the constrained rows.
+    grammar: LogitsMask | None = None
 
     @classmethod
     def greedy(cls) -> SamplingMetadata:

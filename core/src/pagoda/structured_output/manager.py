@@ -18,13 +18,13 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
 from pagoda.plugins import PluginLoadError, get_registry, select
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import CompiledGrammar, GrammarBackend
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
-    from pagoda.model_info import ModelInfo
     from pagoda.request import Request
 
 logger = logging.getLogger(__name__)
@@ -85,11 +85,9 @@ class StructuredOutputManager:
         """The backend, built on first use (it loads the tokenizer's vocabulary)."""
         with self._backend_lock:
             if self._backend is None:
-                from pagoda.engine.llm_engine import _load_tokenizer, _model_eos_ids
-
                 cls = select_grammar_backend(self.config.backend)
-                tok = _load_tokenizer(self.info, self._engine_config.model.trust_remote_code)
-                stop = _model_eos_ids(self.info) | ({tok.eos_token_id} - {None})
+                tok = load_model_tokenizer(self.info, self._engine_config.model.trust_remote_code)
+                stop = model_eos_ids(self.info) | ({tok.eos_token_id} - {None})
                 self._backend = cls(tok, self.info.arch.vocab_size, sorted(stop), self.config)
             return self._backend
 
@@ -205,8 +203,6 @@ def process_manager(config: EngineConfig) -> StructuredOutputManager:
     with _MANAGERS_LOCK:
         manager = _MANAGERS.get(id(config))
         if manager is None:
-            from pagoda.model_info import ModelInfo
-
             manager = _MANAGERS[id(config)] = StructuredOutputManager(
                 config, ModelInfo.from_config(config)
             )

@@ -37,6 +37,7 @@ import collections
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 import weakref
@@ -46,9 +47,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.multiprocessing as tmp
 
+from pagoda.model_info import ModelInfo
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import GrammarBackend, bitmask_width
+from pagoda.structured_output.manager import StructuredOutputManager, select_grammar_backend
+from pagoda.structured_output.mask import GrammarMask
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +119,6 @@ class RemoteGrammarRows:
     # ---- the child -----------------------------------------------------------------------------
 
     def _start(self) -> None:
-        from pagoda.structured_output.manager import select_grammar_backend
-
         self._backend = select_grammar_backend(self.config.structured_output.backend)
         shape = (self.max_num_reqs, bitmask_width(self.vocab_size))
         self._buffers = [
@@ -147,13 +150,12 @@ class RemoteGrammarRows:
                     self._registered.append(b)
                 else:  # copies from it wait for the host; the device wait is off (below)
                     _clear_cuda_error()
+            # NOTE: host_flag imports Triton: only where a CUDA device may wait.
             from pagoda.structured_output.host_flag import device_wait_available
 
             self._device_wait = len(self._registered) == len(shared) and device_wait_available(
                 torch.device("cuda")
             )
-        import torch.multiprocessing as tmp
-
         ctx = tmp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -336,8 +338,6 @@ class RemoteGrammarRows:
         device: torch.device,
     ) -> Any:
         """As ``GrammarRows.mask``."""
-        from pagoda.structured_output.runner import GrammarMask
-
         steady = self._steady
         prefetch = self._prefetch
         if (
@@ -414,6 +414,7 @@ class RemoteGrammarRows:
         """The device waits for the child's fill of step ``mask.seq`` (see host_flag), then
         copies the rows in and applies them."""
         if self._device_wait:
+            # NOTE: host_flag imports Triton: only where a CUDA device waits.
             from pagoda.structured_output.host_flag import wait_for
 
             try:
@@ -528,8 +529,6 @@ def _serve(
     replies: torch.Tensor,
 ) -> None:
     """The child: matchers by request, advanced and filled as the messages (and the ring) say."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine stops us
     torch.set_num_threads(1)
     # This process does nothing but advance and fill, and a late fill stalls the device: the
@@ -537,9 +536,6 @@ def _serve(
     # host-bound on a small model, and a fill thread beside it on its CPU slows every step),
     # with about half as many threads as it has CPUs (see _fill_threads).
     _leave_cpus_to_the_engine()
-    from pagoda.model_info import ModelInfo
-    from pagoda.structured_output.manager import StructuredOutputManager
-
     manager = StructuredOutputManager(config, ModelInfo.from_config(config))
     try:  # the vocabulary's tables now, while the engine starts, not on the first request
         manager.backend  # noqa: B018

@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +24,9 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.sampling_params import StructuredOutputsParams
 from pagoda.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_width
-
-if TYPE_CHECKING:
-    from pagoda.structured_output.remote import RemoteGrammarRows
+from pagoda.structured_output.manager import process_manager
+from pagoda.structured_output.mask import GrammarMask
+from pagoda.structured_output.remote import RemoteGrammarRows
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +43,6 @@ class _Entry:
     @property
     def live(self) -> bool:
         return not self.broken and not self.matcher.is_terminated()
-
-
-@dataclass
-class GrammarMask:
-    """One step's bitmask for the sampling rows that are constrained, on the logits' device;
-    the sampler applies it to the processed logits (``Sampler.process_logits``)."""
-
-    backend: type[GrammarBackend]
-    bitmask: torch.Tensor  # [num sampling rows, words] int32; all ones where unconstrained
-    rows: list[int]  # the constrained rows: indices into the step's sampling rows
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        self.backend.apply_bitmask(logits, self.bitmask, self.rows)
-        return logits
 
 
 class GrammarRows:
@@ -77,8 +63,6 @@ class GrammarRows:
         self.entries.pop(req_id, None)
         if params is None:
             return
-        from pagoda.structured_output.manager import process_manager
-
         compiled = process_manager(self.config).compiled(params)
         self.entries[req_id] = _Entry(compiled.new_matcher(), compiled.backend)
 
@@ -288,8 +272,6 @@ def grammar_rows(
 ) -> GrammarRows | RemoteGrammarRows:
     """The runner's matchers: in a process of their own (``structured_output.matcher_process``)
     or in a thread of this one."""
-    from pagoda.structured_output.remote import RemoteGrammarRows
-
     remote = config.structured_output.matcher_process
     if remote == "auto":  # a GPU engine's step is short enough for the loop to feel the matchers
         remote = device is not None and device.type == "cuda"
