@@ -11,15 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pagoda.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pagoda.kv_cache.hashing import update_block_hashes
+from pagoda.kv_offload.manager import OffloadManager
 from pagoda.plugins.seams import seam
 from pagoda.request import Request
-
-if TYPE_CHECKING:
-    from pagoda.kv_offload import OffloadManager
 
 
 def cdiv(a: int, b: int) -> int:

@@ -14,6 +14,9 @@ from __future__ import annotations
 from pagoda.kv_offload.manager import OffloadManager, OffloadStats
 from pagoda.kv_offload.medium import OffloadMedium
 from pagoda.kv_offload.policy import LRUPolicy, OffloadPolicy, build_policy
+from pagoda.kv_offload.sizing import num_cpu_blocks
+from pagoda.plugins import get_registry
+from pagoda.plugins.errors import PluginError
 from pagoda.step import KVTransfers
 
 __all__ = [
@@ -30,8 +33,6 @@ __all__ = [
 
 def build_offload_manager(config, info) -> OffloadManager | None:  # noqa: ANN001
     """The engine's offload manager, or None when ``cache.cpu_offload_gb`` is 0."""
-    from pagoda.kv_offload.sizing import num_cpu_blocks
-
     cache = config.cache
     n = num_cpu_blocks(cache, info.arch, info.dtype, config.parallel.tensor_parallel_size)
     if n == 0:
@@ -41,9 +42,6 @@ def build_offload_manager(config, info) -> OffloadManager | None:  # noqa: ANN00
             "cache.cpu_offload_gb > 0 needs cache.enable_prefix_caching: the CPU pool keeps"
             " prefix-cached blocks by their hash"
         )
-    from pagoda.plugins import get_registry
-    from pagoda.plugins.errors import PluginError
-
     try:  # built in the workers; its name is checked here, before anything loads
         get_registry("offload_mediums").registration(cache.offload_medium)
     except PluginError as e:

@@ -36,17 +36,39 @@ the device still computes), and the share moves to balance the next hit.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagoda.kv_offload.policy import OffloadPolicy
+from pagoda.request import Request
 from pagoda.step import KVTransfers
 
-if TYPE_CHECKING:
-    from pagoda.kv_cache.block_pool import KVCacheBlock
-    from pagoda.kv_cache.manager import KVCacheManager
-    from pagoda.request import Request
+
+class DeviceBlock(Protocol):
+    """A block of the device KV cache, as offload reads it (``kv_cache.block_pool``)."""
+
+    @property
+    def block_id(self) -> int: ...
+
+    @property
+    def block_hash(self) -> bytes | None: ...
+
+
+class BlockSource(Protocol):
+    """What offload needs of the device KV cache manager (``kv_cache.manager``): slots for a
+    request whose prompt loads from the pool, and the blocks each request holds."""
+
+    @property
+    def req_to_blocks(self) -> Mapping[str, Sequence[DeviceBlock]]: ...
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[DeviceBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> Sequence[DeviceBlock] | None: ...
 
 
 @dataclass
@@ -182,8 +204,8 @@ class OffloadManager:
     def try_load(
         self,
         req: Request,
-        kv: KVCacheManager,
-        hit_blocks: Sequence[KVCacheBlock],
+        kv: BlockSource,
+        hit_blocks: Sequence[DeviceBlock],
         num_hit: int,
     ) -> bool:
         """If the request's prompt hits the pool past its device hit (``hit_blocks``), give it
@@ -221,8 +243,8 @@ class OffloadManager:
     def try_overlap(
         self,
         req: Request,
-        kv: KVCacheManager,
-        hit_blocks: Sequence[KVCacheBlock],
+        kv: BlockSource,
+        hit_blocks: Sequence[DeviceBlock],
         num_hit: int,
     ) -> bool:
         """Overlap mode: if the prompt hits the pool past its device hit (``hit_blocks``) by
@@ -338,7 +360,7 @@ class OffloadManager:
                 if self._queue_store(block_id, h):
                     self._stores_first = True
 
-    def on_blocks_cached(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[bytes]) -> None:
+    def on_blocks_cached(self, blocks: Sequence[DeviceBlock], hashes: Sequence[bytes]) -> None:
         """Full mode: blocks just entered the device's prefix cache (computed); store them."""
         for block, h in zip(blocks, hashes):
             if block.block_hash == h and self._queue_store(block.block_id, h):

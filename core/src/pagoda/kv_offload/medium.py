@@ -10,10 +10,16 @@ memory and moves blocks between them and the device's KV cache. The core's mediu
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
+from pagoda.config import CacheConfig
+from pagoda.distributed import get_tp_size
+from pagoda.kv_offload.sizing import num_cpu_blocks
+from pagoda.loader import ModelArchConfig
+from pagoda.plugins import get_registry
+from pagoda.plugins.errors import PluginError
 from pagoda.step import KVTransfers
 
 
@@ -50,7 +56,9 @@ class OffloadMedium(ABC):
         """Jobs submitted and not yet reported done."""
 
 
-def block_dim(shape_of: Any, block_size: int, num_kv_heads: int, head_size: int) -> int:
+def block_dim(
+    shape_of: Callable[..., tuple[int, ...]], block_size: int, num_kv_heads: int, head_size: int
+) -> int:
     """Which dimension of a layer's cache tensor counts blocks, asked of the attention
     backend's ``get_kv_cache_shape`` with two block counts."""
     a = shape_of(2, block_size, num_kv_heads, head_size)
@@ -61,25 +69,21 @@ def block_dim(shape_of: Any, block_size: int, num_kv_heads: int, head_size: int)
     return dims[0]
 
 
-def build_offload_medium(runner: Any) -> OffloadMedium | None:
-    """The medium of a model runner whose KV cache is allocated; None when offload is off."""
-    from pagoda.distributed import get_tp_size
-    from pagoda.kv_offload.sizing import num_cpu_blocks
-    from pagoda.plugins import get_registry
-    from pagoda.plugins.errors import PluginError
-
-    cache = runner.config.cache
-    n = num_cpu_blocks(cache, runner.arch, runner.dtype, get_tp_size())
+def build_offload_medium(
+    cache: CacheConfig,
+    arch: ModelArchConfig,
+    kv_caches: list[torch.Tensor],
+    kv_cache_shape: Callable[..., tuple[int, ...]],
+    num_kv_heads: int,
+) -> OffloadMedium | None:
+    """The medium over a worker's allocated KV cache (``kv_caches``, one tensor per layer, laid
+    out as the attention backend's ``get_kv_cache_shape`` says); None when offload is off."""
+    n = num_cpu_blocks(cache, arch, kv_caches[0].dtype, get_tp_size())
     if n == 0:
         return None
     try:
         cls = get_registry("offload_mediums").get(cache.offload_medium)
     except PluginError as e:
         raise ValueError(f"cache.offload_medium={cache.offload_medium!r}: {e}") from e
-    dim = block_dim(
-        runner.attn_backend.get_kv_cache_shape,
-        runner.block_size,
-        runner.num_kv_heads,
-        runner.arch.head_dim,
-    )
-    return cls(runner.kv_caches, dim, n)
+    dim = block_dim(kv_cache_shape, cache.block_size, num_kv_heads, arch.head_dim)
+    return cls(kv_caches, dim, n)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.ops import batch_invariant, reference
+from pagoda.ops.draw import sample_from_probs
 
 __all__ = [
     "fused_ops_enabled",
@@ -156,13 +157,11 @@ def sample_from_logits(
 ) -> torch.Tensor:
     """[n] int64: each row of ``logits`` [n, vocab] drawn from ``softmax(logits / temperature)``
     with its ``uniform`` [n] float64 in [0, 1), by the inverse-CDF draw of
-    :func:`pagoda.sample.ops.sample_from_probs`. One Triton kernel reads the logits once or twice
+    :func:`pagoda.ops.draw.sample_from_probs`. One Triton kernel reads the logits once or twice
     where :func:`fused_draw_applies`; elsewhere the sampler's torch code runs."""
     if fused_draw_applies(logits):
         from pagoda.ops.triton_sample import sample_from_logits_triton
 
         return sample_from_logits_triton(logits, temperature, uniform)
-    from pagoda.sample.ops import sample_from_probs
-
     probs = (logits.float() / temperature.unsqueeze(1)).softmax(dim=-1)
     return sample_from_probs(probs, uniform)

@@ -6,13 +6,12 @@ Functions named ``apply_*`` may work in place on ``logits`` and return the resul
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagoda.ops.batch_invariant import batch_invariant_enabled
+from pagoda.ops.draw import sample_from_probs as sample_from_probs  # re-exported
 from pagoda.sample.metadata import LogprobsTensors, Penalties
 
 _NEG_INF = float("-inf")
-_CHUNK = 128  # tokens per first-level bucket of the inverse-CDF draw
 _TOP_P_CANDIDATES = 256  # the largest logits top-p looks at before sorting a whole row
 
 
@@ -87,33 +86,6 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
     kth = values.gather(1, (top_k.clamp(max=max_top_k) - 1).unsqueeze(1))
     kth.masked_fill_(no_limit.unsqueeze(1), _NEG_INF)
     return logits.masked_fill_(logits < kth, _NEG_INF)
-
-
-def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: for each row the token i with ``cdf(i - 1) <= u * total < cdf(i)``, where
-    ``probs`` need not sum to 1 and ``u`` is the row's ``uniform`` in [0, 1).
-
-    Two levels of running sums in float64 (over the sums of buckets of 128 tokens, then within
-    the chosen bucket), so float32 rounding of one long running sum distorts no token's chance,
-    and a token of zero probability is never drawn. One uniform per row: far cheaper on a CPU than
-    a random number per token.
-    """
-    n, vocab = probs.shape
-    if vocab % _CHUNK:
-        probs = F.pad(probs, (0, -vocab % _CHUNK))
-    buckets = probs.view(n, -1, _CHUNK)
-    bucket_cdf = buckets.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
-    total = bucket_cdf[:, -1:]
-    zero = torch.zeros_like(total)
-    # NOTE: strictly below the total, so the chosen bucket and token have positive probability.
-    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, zero))
-    bucket = torch.searchsorted(bucket_cdf, target, right=True).clamp_(max=buckets.shape[1] - 1)
-    before = torch.where(bucket > 0, bucket_cdf.gather(1, (bucket - 1).clamp(min=0)), zero)
-    inner = buckets.gather(1, bucket.unsqueeze(2).expand(n, 1, _CHUNK)).squeeze(1)
-    inner_cdf = inner.to(torch.float64).cumsum_(dim=-1)
-    rest = torch.minimum(target - before, torch.nextafter(inner_cdf[:, -1:], zero))
-    idx = torch.searchsorted(inner_cdf, rest, right=True).clamp_(max=_CHUNK - 1)
-    return (bucket * _CHUNK + idx).squeeze(1).clamp_(max=vocab - 1)
 
 
 def gather_logprobs(
