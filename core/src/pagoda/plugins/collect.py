@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
 from pagoda.plugins import hookspecs
-from pagoda.plugins.registry import PluginRecord, Registration, Registry
-
-if TYPE_CHECKING:
-    from pagoda.plugins.manager import PluginState
+from pagoda.plugins.registry import PluginRecord, PluginState, Registration, Registry
 
 
 def collect(state: PluginState) -> dict[str, Registry]:

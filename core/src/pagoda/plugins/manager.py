@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -29,7 +28,7 @@ import pluggy
 from pagoda.plugins import hookspecs
 from pagoda.plugins.collect import collect
 from pagoda.plugins.errors import PluginAPIVersionError, PluginError, PluginLoadError
-from pagoda.plugins.registry import PluginRecord, Registry
+from pagoda.plugins.registry import PluginRecord, PluginState, Registry
 from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.plugins")
@@ -39,15 +38,6 @@ ENV_DENY = "PAGODA_DISABLE_PLUGINS"
 ENV_MODULES = "PAGODA_PLUGIN_MODULES"
 BUILTIN = "pagoda"
 _HOOK_NAMES = (*hookspecs.REGISTRY_HOOKS.values(), *hookspecs.SEAM_HOOKS)
-
-
-@dataclass
-class PluginState:
-    pm: pluggy.PluginManager
-    records: list[PluginRecord]
-    registries: dict[str, Registry]
-    # Objects registered in this process (not modules): a reload registers them again.
-    local: list[tuple[Any, str]] = field(default_factory=list)
 
 
 _lock = threading.RLock()

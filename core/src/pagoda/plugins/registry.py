@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pluggy
+
 from pagoda.plugins.errors import (
     DuplicateNameError,
     PluginError,
@@ -167,3 +169,14 @@ class Registry:
         if failed:
             err.__cause__ = failed[0].exception
         return err
+
+
+@dataclass
+class PluginState:
+    """A process's loaded plugins: the plugin manager, a record per plugin, the registries."""
+
+    pm: pluggy.PluginManager
+    records: list[PluginRecord]
+    registries: dict[str, Registry]
+    # Objects registered in this process (not modules): a reload registers them again.
+    local: list[tuple[Any, str]] = field(default_factory=list)
