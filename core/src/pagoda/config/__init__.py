@@ -1,11 +1,17 @@
-"""Engine configuration: the model (``model.py``), its sources and their precedence
-(``loader.py``), configuration files (``files.py``). See ``docs/configuration.md``."""
+"""Engine configuration: data, its sources and their precedence; it never asks a registry.
 
+Inside, lowest first: ``errors.py`` (ConfigError), ``model.py`` (the sections),
+``plugin_settings.py`` (the ``plugins`` section's values), ``files.py`` (YAML and TOML),
+``loader.py`` (sources and precedence), ``engine.py`` (``EngineConfig``), ``reference.py``
+(the generated key reference). See ``docs/configuration.md``.
+"""
+
+from pagoda.config.engine import EngineConfig
+from pagoda.config.errors import ConfigError
+from pagoda.config.loader import explicit_layer
 from pagoda.config.model import (
     AttentionConfig,
     CacheConfig,
-    ConfigError,
-    EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -31,6 +37,4 @@ __all__ = [
 
 def nest_flat_overrides(values: dict) -> dict:
     """Flat (vLLM-style) or nested engine arguments -> ``{section: {key: value}}``."""
-    from pagoda.config.loader import explicit_layer
-
     return explicit_layer(values).values

@@ -13,17 +13,21 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from pydantic_settings import EnvSettingsSource
+from pydantic_settings import BaseSettings, EnvSettingsSource
 
 from pagoda.config import plugin_settings
 from pagoda.config.errors import ConfigError
 from pagoda.config.files import read_config_file
-from pagoda.config.model import _LAYERED, EngineConfig
+from pagoda.config.model import SECTIONS
+
+#: The configuration class being loaded (``pagoda.config.engine.EngineConfig``).
+C = TypeVar("C", bound=BaseSettings)
 
 ENV_PREFIX = "PAGODA_"
 ENV_DELIMITER = "__"
@@ -44,8 +48,12 @@ class Layer:
         return self.label
 
 
+# Set while EngineConfig.load builds the model from sources it has already layered itself.
+LAYERED: ContextVar[bool] = ContextVar("pagoda_config_layered", default=False)
+
+
 def sections() -> dict[str, type[BaseModel]]:
-    return {name: f.annotation for name, f in EngineConfig.model_fields.items()}  # type: ignore[misc]
+    return dict(SECTIONS)
 
 
 def leaf_keys() -> list[str]:
@@ -80,10 +88,10 @@ def file_layer(path: str | Path) -> Layer:
     return layer
 
 
-def env_layer() -> Layer:
+def env_layer(cls: type[BaseSettings]) -> Layer:
     environ = os.environ
     _check_env_names(environ)
-    values = EnvSettingsSource(EngineConfig)()
+    values = EnvSettingsSource(cls)()
     layer = Layer("environment", values)
     upper = {k.upper(): k for k in environ}
     for section, value in values.items():
@@ -208,7 +216,7 @@ def explicit_layer(overrides: Mapping[str, Any]) -> Layer:
     return layer
 
 
-def _base_layer(config: EngineConfig) -> Layer:
+def _base_layer(config: C) -> Layer:
     """An already-built configuration as a layer: its non-default values, sources kept."""
     layer = Layer("configuration")
     for dotted, source in config._sources.items():
@@ -228,15 +236,15 @@ def _base_layer(config: EngineConfig) -> Layer:
 
 
 def load_config(
-    cls: type[EngineConfig],
+    cls: type[C],
     config_file: str | Path | None,
     overrides: Mapping[str, Any] | None,
     flags: dict[str, tuple[Any, str]] | None,
-) -> EngineConfig:
+) -> C:
     layers = []
     if config_file is not None:
         layers.append(file_layer(config_file))
-    layers.append(env_layer())
+    layers.append(env_layer(cls))
     if flags:
         layers.append(flags_layer(flags))
     if overrides:
@@ -244,11 +252,11 @@ def load_config(
     return build(cls, layers)
 
 
-def apply_overrides(config: EngineConfig, overrides: Mapping[str, Any]) -> EngineConfig:
+def apply_overrides(config: C, overrides: Mapping[str, Any]) -> C:
     return build(type(config), [_base_layer(config), explicit_layer(overrides)])
 
 
-def build(cls: type[EngineConfig], layers: list[Layer]) -> EngineConfig:
+def build(cls: type[C], layers: list[Layer]) -> C:
     """Validate each layer, merge them (later layers win) and build the configuration."""
     plugin_values, plugin_sources, errors = _take_plugin_values(layers)
     errors = [e for layer in layers for e in _layer_errors(layer)] + errors
@@ -261,13 +269,13 @@ def build(cls: type[EngineConfig], layers: list[Layer]) -> EngineConfig:
             for key, value in values.items():
                 merged.setdefault(section, {})[key] = value
                 sources[f"{section}.{key}"] = layer.where((section, key))
-    token = _LAYERED.set(True)
+    token = LAYERED.set(True)
     try:
         config = cls(**merged)
     except ValidationError as e:
         raise ConfigError(_cross_field_errors(e, sources)) from None
     finally:
-        _LAYERED.reset(token)
+        LAYERED.reset(token)
     config._sources = {**sources, **plugin_sources}
     config._plugin_values = plugin_values
     return config
@@ -370,7 +378,7 @@ def _first_key(section: str) -> str:
 # ---- the effective configuration ----------------------------------------------------------------
 
 
-def effective_rows(config: EngineConfig) -> list[tuple[str, Any, str]]:
+def effective_rows(config: C) -> list[tuple[str, Any, str]]:
     """(``section.key``, value, source) for every key."""
     sources = config.sources
     rows = []
@@ -382,7 +390,7 @@ def effective_rows(config: EngineConfig) -> list[tuple[str, Any, str]]:
     return rows
 
 
-def format_effective(config: EngineConfig, fmt: str = "table") -> str:
+def format_effective(config: C, fmt: str = "table") -> str:
     """The effective configuration with the source of each value: ``table``, ``yaml`` (a file
     ``--config`` accepts, sources as comments) or ``json``."""
     rows = effective_rows(config)
