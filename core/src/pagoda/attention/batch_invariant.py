@@ -14,6 +14,7 @@ The model runner selects this backend itself when ``model.batch_invariant`` is o
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,8 +71,6 @@ class BatchInvariantBackend(AttentionBackend):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return False
         if device.type == "cuda":
-            import importlib.util
-
             return importlib.util.find_spec("triton") is not None and 8 <= head_size <= 256
         return device.type == "cpu"
 
@@ -137,6 +136,7 @@ class BatchInvariantImpl(AttentionImpl):
         n = c.num_actual_tokens
         key_cache, value_cache = write_kv_cache(key, value, kv_cache, c.slot_mapping, n)
         if not attn_metadata.on_cpu:
+            # NOTE: Triton compiles on import: only where the kernel path runs.
             from pagoda.ops.triton_invariant_attention import invariant_attention
 
             out = torch.empty_like(query)
@@ -205,11 +205,6 @@ def invariant_attention_backend(
         raise ValueError(
             "model.batch_invariant does not support tensor parallelism (an all-reduce sums in an "
             "order that depends on the batch); set parallel.tensor_parallel_size to 1"
-        )
-    if config.speculative.method is not None:
-        raise ValueError(
-            "model.batch_invariant does not support speculative decoding (verification steps "
-            "sample through the rejection sampler); unset speculative.method"
         )
     if not BatchInvariantBackend.supports(device, dtype, head_size):
         raise ValueError(

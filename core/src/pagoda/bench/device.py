@@ -9,6 +9,7 @@ from typing import Any
 
 def time_fn(fn: Callable[[], Any], iters: int, device: Any) -> float:
     """Seconds per call of ``fn``, after one untimed call; CUDA events on a GPU."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     fn()
@@ -31,6 +32,7 @@ def graph_time(fn: Callable[[], Any], device: Any, calls: int = 1, iters: int = 
     """Seconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls, as decode steps
     run (no launch overhead, which at small sizes is longer than the kernels themselves); one
     eager call first compiles and warms up."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     fn()
@@ -48,6 +50,7 @@ def copy_bandwidth(device: Any, nbytes: int | None = None, iters: int = 20) -> f
     1 GiB on a GPU, 256 MiB on a CPU unless ``nbytes`` says otherwise: large enough that caches
     do not serve it.
     """
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     if nbytes is None:
@@ -59,6 +62,7 @@ def copy_bandwidth(device: Any, nbytes: int | None = None, iters: int = 20) -> f
 
 
 def _copy_seconds(device: Any, nbytes: int, iters: int) -> float:
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     x = torch.ones(nbytes, dtype=torch.uint8, device=device)

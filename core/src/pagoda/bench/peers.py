@@ -23,6 +23,7 @@ _CB_PAGE = 256  # tokens per page of transformers' paged cache (its default in 5
 
 
 def load_hf_model(hf_dir: str, dtype: Any, device: Any) -> Any:
+    # NOTE: transformers is slow to import: only where it is used.
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, device_map=str(device)).eval()
@@ -30,6 +31,7 @@ def load_hf_model(hf_dir: str, dtype: Any, device: Any) -> Any:
 
 def release(device: Any) -> None:
     """Give the memory of engines no longer referenced back, so the next one has the GPU alone."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     gc.collect()
@@ -41,6 +43,7 @@ def release(device: Any) -> None:
 def run_cb(
     hf_dir: str, dtype: Any, device: Any, prompts: list[list[int]], out_lens: list[int]
 ) -> dict[str, Any]:
+    # NOTE: transformers is slow to import: only where it is used.
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     t0 = time.perf_counter()
@@ -103,6 +106,7 @@ def run_cb(
 def _workload_hints(prompts: list[list[int]], out_lens: list[int]) -> dict[str, Any]:
     """What ``generate_batch`` tells the manager to size its batches, where this version has it."""
     try:
+        # NOTE: transformers is slow to import: only where it is used.
         from transformers.generation.continuous_batching.utils import WorkloadHints
     except ImportError:
         return {}
@@ -123,6 +127,7 @@ def run_static(
     pad_id: int,
     batch_size: int,
 ) -> dict[str, Any]:
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     t0 = time.perf_counter()
@@ -195,6 +200,7 @@ def _generate_static(
     disable_compile: bool,
 ) -> Any:
     """``new`` greedy tokens for each prompt, in one left-padded batch on a static cache."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     width = max(map(len, prompts))

@@ -37,8 +37,10 @@ class Run:
 
 
 def prepare(args: argparse.Namespace, config: Any) -> Run:
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.bench.device import copy_bandwidth
     from pagoda.bench.random_weights import ensure_random_weights
     from pagoda.bench.roofline import decode_weight_bytes, kv_bytes_per_token
@@ -109,6 +111,7 @@ def prepare(args: argparse.Namespace, config: Any) -> Run:
 
 def _with_defaults(config: Any, engine: dict[str, Any]) -> Any:
     """``config`` with a preset's engine settings where the user left the default."""
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.config.loader import flat_names
 
     names = flat_names()

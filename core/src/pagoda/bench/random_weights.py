@@ -25,6 +25,7 @@ MARKER = "pagoda-random-weights.json"
 
 
 def random_weights_dir(config_dir: Path, seed: int) -> Path:
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.loader import cache_dir
 
     return cache_dir() / "random-weights" / f"{config_dir.resolve().name}-seed{seed}"
@@ -59,9 +60,11 @@ def ensure_random_weights(config_dir: Path, seed: int, device: Any) -> tuple[Pat
 
 
 def _build(source: Path, seed: int, device: Any, out: Path) -> None:
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.loader.synthetic import synthetic_tokenizer
 
     cfg = json.loads(source.read_text())
@@ -83,6 +86,7 @@ def _build(source: Path, seed: int, device: Any, out: Path) -> None:
 
 def check_logits(model: Any, vocab: int) -> None:
     """Refuse weights whose logits carry no signal: not finite, or flat over the vocabulary."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     gen = torch.Generator().manual_seed(0)

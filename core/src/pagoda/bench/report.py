@@ -25,6 +25,7 @@ def commit() -> str:
 
 
 def hardware(device: Any) -> str:
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     if device.type == "cuda":
@@ -65,10 +66,12 @@ def throughput_figures(
 
 def versions() -> dict[str, str]:
     """The versions of the libraries a benchmark's figures depend on."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     out = {"torch": torch.__version__}
     try:
+        # NOTE: transformers is slow to import: only where it is used.
         import transformers
 
         out["transformers"] = transformers.__version__

@@ -72,8 +72,10 @@ def decode_weight_bytes(hf_dir: str | Path, itemsize: int) -> int:
     """Bytes of the weights one decode step reads, at ``itemsize`` bytes a value: every tensor of
     the model's safetensors, less the input embedding table when the model has an lm_head of its
     own (tied weights are read once, as the lm_head)."""
+    # NOTE: safetensors loads only where weights are read.
     from safetensors import safe_open
 
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.loader import safetensors_files
 
     sizes: dict[str, int] = {}
@@ -225,6 +227,7 @@ def run_roofline(
     """Decode ``steps`` steady steps at each batch size on ``llm`` (whose engine ``recorder``
     observes); ``prompt_source(n, length, seed)`` gives the prompts, ``floor_args`` is
     (weight bytes, KV bytes per token, copy bandwidth)."""
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda import SamplingParams
 
     info = llm.engine.info

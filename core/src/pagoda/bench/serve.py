@@ -113,6 +113,7 @@ def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    # NOTE: httpx loads only where a client runs.
     import httpx
 
     base = args.base_url.rstrip("/")

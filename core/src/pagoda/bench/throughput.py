@@ -97,6 +97,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
 
 def run_throughput(args: argparse.Namespace, config: Any) -> int:
     """Run the benchmark of ``args`` with the engine configuration ``config``."""
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.bench.prepare import prepare
 
     load_start = os.getloadavg()  # a shared machine's other work slows every engine
@@ -154,6 +155,7 @@ def _pagoda_phase(run: Any) -> tuple[dict[str, Any], dict[str, Any], Any, Any, A
     """Pagoda on the workload, its decode step at the workload's full batch, the run's prefill
     and decode shares, and the roofline table on the same engine; the engine is shut down at the
     end."""
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.plugins import plugin_registered
 
     wl = run.workload
@@ -198,6 +200,7 @@ def _run_pagoda(
     temperature: float = 0.0,
     on_start: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda import LLM, SamplingParams
     from pagoda.process import tuned_gc
 

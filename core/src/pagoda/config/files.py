@@ -50,6 +50,7 @@ def read_config_file(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, 
 
 def _load_toml(text: str) -> Any:
     try:
+        # NOTE: tomllib loads only where a TOML file is read.
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
@@ -57,6 +58,7 @@ def _load_toml(text: str) -> Any:
 
 
 def _load_yaml(text: str) -> tuple[Any, dict[tuple[str, ...], int]]:
+    # NOTE: PyYAML loads only where a YAML file is read.
     import yaml
 
     class StrictLoader(yaml.SafeLoader):

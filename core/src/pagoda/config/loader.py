@@ -115,6 +115,7 @@ def env_layer(cls: type[BaseSettings]) -> Layer:
 def _vllm_alias(layer: Layer, upper: Mapping[str, str]) -> None:
     """vLLM's ``VLLM_BATCH_INVARIANT`` sets ``model.batch_invariant`` unless Pagoda's own
     variable does."""
+    # NOTE: pagoda.ops imports torch; the configuration loads without it.
     from pagoda.ops.batch_invariant import ENV_VAR, env_requests_batch_invariant
 
     if ENV_VAR not in upper or "batch_invariant" in layer.values.get("model", {}):

@@ -54,6 +54,9 @@ def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) 
     out_sock.connect(output_addr)
     encoder = wire.Encoder()
     try:
+        # NOTE: imported here, inside the try, so that a failed import (a broken install, a
+        # plugin) reaches the client as EngineFailed; the client imports this module for this
+        # function only, without torch or the engine.
         from pagoda.engine.core import EngineCore
         from pagoda.model_info import ModelInfo
         from pagoda.process import tune_gc

@@ -14,10 +14,12 @@ import sys
 import time
 import traceback
 import typing
+from importlib import metadata
 from typing import Any
 
 from pagoda.config import ConfigError, EngineConfig, plugin_settings
 from pagoda.config.loader import flat_names, format_effective, sections
+from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.cli")
 
@@ -127,6 +129,7 @@ def config_from_args(
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda import LLM, SamplingParams
 
     params = SamplingParams(
@@ -215,6 +218,7 @@ def _format_answer(i: int, n: int, prompt: str, out: Any, as_json: bool) -> str:
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.plugins import reload_plugins
     from pagoda.plugins.report import format_plugins, has_problems
 
@@ -236,12 +240,14 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.bench.throughput import run_throughput
 
     return run_throughput(args, config_from_args(args))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.entrypoints.openai.api_server import run_server
 
     overrides = {"model": args.model_arg} if args.model_arg else None
@@ -249,19 +255,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.bench.serve import run_bench_serve
 
     return run_bench_serve(args)
 
 
 def _version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("pagoda-core")
     except metadata.PackageNotFoundError:
-        from pagoda import __version__
-
         return __version__
 
 
@@ -346,12 +349,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks", parents=[common])
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput against transformers")
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.bench.throughput import add_throughput_args
 
     add_throughput_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=_cmd_bench)
     bs = bench_sub.add_parser("serve", help="a request workload against a running server")
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.bench.serve import add_serve_args
 
     add_serve_args(bs)
@@ -388,6 +393,7 @@ class _StderrHandler(logging.StreamHandler):
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors a user can act on: bad configuration or input, a missing file or plugin."""
+    # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.plugins import PluginError
 
     # NOTE: RequestRejectedError (an admission rule refused a prompt) is a ValueError.

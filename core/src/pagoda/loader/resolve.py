@@ -94,6 +94,7 @@ def load_tokenizer(hf_dir_or_name: str | os.PathLike[str], trust_remote_code: bo
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    # NOTE: transformers is slow to import: only where it is used.
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(

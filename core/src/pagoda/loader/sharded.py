@@ -48,6 +48,7 @@ def as_slice(w: torch.Tensor | WeightSlice) -> WeightSlice:
 def iter_safetensors_slices(folder: str | Path) -> Iterator[tuple[str, WeightSlice]]:
     """(Hugging Face name, lazy slice) for every tensor of the folder's safetensors files; a
     slice stays readable until the next one is yielded."""
+    # NOTE: safetensors loads only where weights are read.
     from safetensors import safe_open
 
     for file in safetensors_files(folder):

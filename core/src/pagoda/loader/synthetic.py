@@ -10,6 +10,7 @@ from typing import Any
 
 
 def synthetic_tokenizer(vocab_size: int, eos_token_id: int | None = None) -> Any:
+    # NOTE: the tokenizers library loads only where a tokenizer is built.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -81,6 +81,7 @@ def rms_norm(
     if batch_invariant._enabled:
         return batch_invariant.rms_norm(x, weight, eps, residual)
     if _use_triton(x):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
@@ -99,6 +100,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if batch_invariant._enabled and not x.is_cuda:
         return batch_invariant.silu_and_mul(x)
     if _use_triton(x):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_activation import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
@@ -117,6 +119,7 @@ def rotary_embedding(
     ``sin`` [max_position, head_dim / 2]. The fused kernel rotates ``q`` and ``k`` in place (strided
     views, such as the split of a qkv projection, are fine); use the returned tensors."""
     if _use_triton(q):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_rotary import rotary_embedding_triton
 
         return rotary_embedding_triton(positions, q, k, cos, sin)
@@ -138,6 +141,7 @@ def qk_norm_rotary(
     (Qwen3's attention): one fused kernel on CUDA, the two operations elsewhere and in
     batch-invariant mode. The inputs are not modified; use the returned tensors."""
     if not batch_invariant._enabled and _use_triton(q):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
 
         return qk_norm_rotary_triton(positions, q, k, q_weight, k_weight, eps, cos, sin)
@@ -160,6 +164,7 @@ def sample_from_logits(
     :func:`pagoda.ops.draw.sample_from_probs`. One Triton kernel reads the logits once or twice
     where :func:`fused_draw_applies`; elsewhere the sampler's torch code runs."""
     if fused_draw_applies(logits):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_sample import sample_from_logits_triton
 
         return sample_from_logits_triton(logits, temperature, uniform)

@@ -166,6 +166,7 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagoda.ops.rms_norm` with a row's result independent of the batch."""
     if x.is_cuda and _have_triton():
+        # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual, fixed_tiling=True)

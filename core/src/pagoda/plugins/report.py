@@ -26,6 +26,7 @@ class BackendCheck:
 
 def _machine() -> tuple[object, object]:
     """The device and dtype an engine on this machine would use by default."""
+    # NOTE: torch is imported only where this runs, so importing this module stays light.
     import torch
 
     if torch.cuda.is_available():

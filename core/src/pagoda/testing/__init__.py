@@ -50,14 +50,17 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "AttentionBackendConformance":  # imports pytest
+        # NOTE: the suites import pytest: only for a test that asks for one.
         from pagoda.testing.attention_suite import AttentionBackendConformance
 
         return AttentionBackendConformance
     if name == "GrammarBackendConformance":  # imports pytest
+        # NOTE: the suites import pytest: only for a test that asks for one.
         from pagoda.testing.grammar_suite import GrammarBackendConformance
 
         return GrammarBackendConformance
     if name == "SpeculativeProposerConformance":  # imports pytest
+        # NOTE: the suites import pytest: only for a test that asks for one.
         from pagoda.testing.spec_decode_suite import SpeculativeProposerConformance
 
         return SpeculativeProposerConformance

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagoda.attention.backend import AttentionBackend
+from pagoda.plugins import get_registry
 from pagoda.testing.attention import AttentionCase, attention_cases, check_attention_backend
 
 
@@ -37,8 +38,6 @@ class AttentionBackendConformance:
 
     def backend_class(self) -> type[AttentionBackend]:
         if isinstance(self.backend, str):
-            from pagoda.plugins import get_registry
-
             return get_registry("attention_backends").get(self.backend)
         return self.backend
 

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from pagoda.config import StructuredOutputConfig
+from pagoda.loader import convert_gguf, default_model_path, load_tokenizer
+from pagoda.plugins import get_registry
 from pagoda.structured_output.backend import GrammarBackend
 from pagoda.testing.grammar import (
     BAD_CONSTRAINTS,
@@ -44,14 +46,10 @@ class GrammarBackendConformance:
 
     def backend_class(self) -> type[GrammarBackend]:
         if isinstance(self.backend, str):
-            from pagoda.plugins import get_registry
-
             return get_registry("grammar_backends").get(self.backend)
         return self.backend
 
     def make_tokenizer(self) -> Any:
-        from pagoda.loader import convert_gguf, default_model_path, load_tokenizer
-
         return load_tokenizer(convert_gguf(default_model_path()))
 
     @pytest.fixture(scope="class")

@@ -18,6 +18,7 @@ from typing import ClassVar
 import pytest
 
 from pagoda.config import SpeculativeConfig
+from pagoda.plugins import get_registry
 from pagoda.spec_decode import ProposerContext, SpeculativeProposer, TargetModel
 from pagoda.testing.spec_decode import (
     ProposerCase,
@@ -42,8 +43,6 @@ class SpeculativeProposerConformance:
 
     def proposer_class(self) -> type[SpeculativeProposer]:
         if isinstance(self.proposer, str):
-            from pagoda.plugins import get_registry
-
             return get_registry("spec_proposers").get(self.proposer)
         return self.proposer
 

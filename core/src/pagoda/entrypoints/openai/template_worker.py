@@ -17,6 +17,7 @@ from typing import Any
 
 
 def render(template: str, context: dict[str, Any], max_chars: int) -> str:
+    # NOTE: jinja2 loads only in the template worker.
     from jinja2 import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
