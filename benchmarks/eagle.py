@@ -82,11 +82,6 @@ def main() -> None:
     )
     p.add_argument("--training-json", default=None, help="the training command's figures")
     p.add_argument(
-        "--slots",
-        action="store_true",
-        help="also both heads with speculative.async_drafts: slots",
-    )
-    p.add_argument(
         "--governor",
         action="store_true",
         help="also both heads with the engine's speculation governor on (speculative.adaptive, "
@@ -119,12 +114,6 @@ def main() -> None:
         "eagle3": LLM(**base, speculative_config={**spec, "model": args.head}),
         "eagle3_random": LLM(**base, speculative_config={**spec, "model": random_dir}),
     }
-    if args.slots:
-        slots = {**spec, "async_drafts": "slots"}
-        engines["eagle3_slots"] = LLM(**base, speculative_config={**slots, "model": args.head})
-        engines["eagle3_random_slots"] = LLM(
-            **base, speculative_config={**slots, "model": random_dir}
-        )
     if args.governor:
         governed = {key: value for key, value in spec.items() if key != "adaptive"}
         engines["eagle3_governed"] = LLM(
@@ -175,9 +164,6 @@ def main() -> None:
         "attention_backend": args.attention_backend or "auto",
         "greedy_identical": {name: outputs[name] == outputs["none"] for name in drafting},
     }
-    if args.slots:
-        report["speedup_trained_slots"] = tps["eagle3_slots"] / tps["none"]
-        report["speedup_random_slots"] = tps["eagle3_random_slots"] / tps["none"]
     if args.governor:
         report["speedup_trained_governed"] = tps["eagle3_governed"] / tps["none"]
         report["speedup_random_governed"] = tps["eagle3_random_governed"] / tps["none"]
@@ -201,9 +187,8 @@ def main() -> None:
         "",
         str(out_dir / f"eagle3-b1-{Path(args.model).stem.lower()}-{device.type}-{commit()}.json"),
     )
-    keys = ("tokens_per_s", "speedup_trained", "speedup_random", "speedup_trained_slots",
-            "speedup_random_slots", "speedup_trained_governed", "speedup_random_governed",
-            "greedy_identical")  # fmt: skip
+    keys = ("tokens_per_s", "speedup_trained", "speedup_random", "speedup_trained_governed",
+            "speedup_random_governed", "greedy_identical")  # fmt: skip
     print(json.dumps({key: report[key] for key in keys if key in report}))
     print("trained head:", json.dumps(report["eagle3"]))
     print("wrote", path)

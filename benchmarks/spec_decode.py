@@ -225,13 +225,6 @@ def main() -> None:
         "print its N costliest functions by own time",
     )
     p.add_argument(
-        "--async-drafts",
-        choices=["auto", "slots", "alternate", "chain"],
-        default=None,
-        help="speculative.async_drafts: alternate, fill draft slots after reading the step in "
-        "flight, chain, or auto (slots below 8 running requests); default: the engine's",
-    )
-    p.add_argument(
         "--no-adaptive",
         action="store_true",
         help="speculative.adaptive: false (draft every step; no governor measuring whether "
@@ -253,8 +246,6 @@ def main() -> None:
         "prompt_lookup_min": args.prompt_lookup_min,
         "prompt_lookup_max": args.prompt_lookup_max,
     }
-    if args.async_drafts:
-        spec["async_drafts"] = args.async_drafts
     if args.no_adaptive:
         spec["adaptive"] = False
     if args.disable_by_batch_size:
@@ -317,7 +308,6 @@ def main() -> None:
         "kinds": sorted(set(kinds)),
         "max_tokens": args.max_tokens,
         "speculative": spec,
-        "async_drafts": engines["ngram"].engine.engine_core.config.speculative.async_drafts,
         "output_tokens": tokens,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
@@ -367,8 +357,6 @@ def main() -> None:
         }
     model, where = report_slugs(report, runner)
     name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"
-    if args.async_drafts:
-        name += f"-{args.async_drafts}"
     path = save_report(report, name, args.output_json)
     keys = ("tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length")
     print(json.dumps({k: report[k] for k in (*keys, "greedy_outputs_identical")}))

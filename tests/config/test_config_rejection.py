@@ -158,6 +158,18 @@ def test_cross_field_error_names_the_sources_of_both_keys(tmp_path) -> None:
     assert "speculative.num_speculative_tokens from default" in msg
 
 
+def test_a_config_that_sets_the_retired_async_drafts_key_fails_naming_it(tmp_path) -> None:
+    """``speculative.async_drafts`` (chain, slots, alternate, auto) was retired: the policy is
+    auto's alone. An old file that sets it is told so by name, not silently run another way."""
+    path = tmp_path / "engine.yaml"
+    path.write_text(
+        "speculative:\n  method: ngram\n  num_speculative_tokens: 3\n  async_drafts: chain\n"
+    )
+    msg = _error(lambda: EngineConfig.load(path))
+    assert "speculative.async_drafts: unknown key" in msg
+    assert f"[from file {path}, line 4]" in msg
+
+
 def test_a_section_argument_of_none_is_the_defaults_and_not_a_mapping_is_an_error() -> None:
     """vLLM's ``LLM(speculative_config=None)`` means no speculation; a section given as anything
     but a mapping of its keys is named as such, not as an unknown argument."""

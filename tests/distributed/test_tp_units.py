@@ -94,17 +94,6 @@ def test_a_size_that_does_not_divide_the_heads_fails_at_start_naming_them(smollm
     assert "3 KV heads" in msg and msg.endswith("sizes that fit: 1, 3")  # 9: not its MLP
 
 
-def test_chained_drafts_with_two_ranks_fail_at_start_naming_what_works(tiny_models) -> None:
-    """Each rank would plan its bets from the steps it has read (only the first reads them all):
-    the ranks' forwards would differ in size and their collectives would not match."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "async_drafts": "chain"}
-    with pytest.raises(ValueError) as caught:
-        LLM(model=str(tiny_models["llama"]), tensor_parallel_size=2, speculative_config=spec)
-    msg = str(caught.value)
-    assert "async_drafts 'chain'" in msg and "tensor_parallel_size=2" in msg
-    assert msg.endswith("use auto, slots or alternate")
-
-
 def test_step_messages_round_trip_as_msgpack() -> None:
     params = SamplingParams(temperature=0.7, top_k=5, seed=3, stop=["x"], logprobs=2)
     so = SchedulerOutput(

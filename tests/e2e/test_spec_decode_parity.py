@@ -84,16 +84,10 @@ def _continued(prompts, outputs) -> list[list[int]]:
     return [p + o[:-3] for p, o in zip(prompts["source"][-6:], outputs["source"][-6:])]
 
 
-# The default (``auto``: alternating drafts while 8 or more requests run, as the 16-prompt batches
-# start, draft slots below, as they finish), and chained drafts (launched before the step in
-# flight is read, betting on it; lost bets void a step): ``pagoda.spec_decode.chain``.
-MODES = {"default": {}, "chain": {"async_drafts": "chain", "adaptive": False}}
-
-
-@pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, reference, mode) -> None:
-    spec = {**SPEC, **MODES[mode]}
-    llm = LLM(**BASE, **ENGINES["chunked_prefill_and_prefix_caching"], speculative_config=spec)
+# NOTE: alternating drafts while 8 or more requests run, as the 16-prompt batches start, draft
+# slots below, as they finish (``pagoda.spec_decode.inflight``).
+def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, reference) -> None:
+    llm = LLM(**BASE, **ENGINES["chunked_prefill_and_prefix_caching"], speculative_config=SPEC)
     core = llm.engine.engine_core
     total = core.scheduler.spec_stats_total
     got_source = _generate(llm, prompts["source"])
@@ -117,12 +111,10 @@ def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, refere
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 
 
-@pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_output_with_ngram_speculation_is_token_identical_under_preemption(
-    prompts, reference, mode
+    prompts, reference
 ) -> None:
-    spec = {**SPEC, **MODES[mode]}
-    llm = LLM(**BASE, **ENGINES["preempting_small_cache"], speculative_config=spec)
+    llm = LLM(**BASE, **ENGINES["preempting_small_cache"], speculative_config=SPEC)
     core = llm.engine.engine_core
     n = PREEMPTED_PER_GROUP
     subset = prompts["source"][:n] + prompts["counts"][:n]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import pagoda.spec_decode.inflight as inflight
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.spec_decode import Drafts, SpeculativeProposer
@@ -25,6 +26,14 @@ K = 3
 MAX_TOKENS = 48
 # Reference continuations by prompt, which the oracle proposer reads (set by the fixture).
 REFERENCE: dict[tuple[int, ...], list[int]] = {}
+# Where speculation alternates from (``inflight.ALTERNATE_FROM``), to run this batch of 8 in each
+# of the two ways: draft slots every step, alternating every step, or the engine's own split.
+REGIMES = {"slots": 9, "alternate": 1, "auto": None}
+
+
+def _regime(monkeypatch, regime: str) -> None:
+    if REGIMES[regime] is not None:
+        monkeypatch.setattr(inflight, "ALTERNATE_FROM", REGIMES[regime])
 
 
 class OracleProposer(SpeculativeProposer):
@@ -36,8 +45,7 @@ class OracleProposer(SpeculativeProposer):
 
     def propose(self, batch):
         type(self).proposed += len(batch)
-        # NOTE: up to what the runner asks (chained speculation asks k + 1: a guess, k drafts).
-        k = max(self.ctx.num_speculative_tokens, int(batch.max_num_drafts.max()))
+        k = self.ctx.num_speculative_tokens
         out = np.full((len(batch), k), -1, dtype=np.int64)
         for i in range(len(batch)):
             prompt = tuple(batch.token_ids[batch.rows[i], : batch.num_prompt_tokens[i]].tolist())
@@ -90,15 +98,8 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     flight inside a launch; checks the KV cache after every step."""
     core = llm.engine.engine_core
     runner = core.executor.worker.model_runner
-    seen = {"steps": 0, "with_drafts": 0, "slots": 0, "waits": 0, "voided": 0}
+    seen = {"steps": 0, "with_drafts": 0, "slots": 0, "waits": 0}
     schedule, read = core.scheduler.schedule, runner._read_unread
-    update = core.scheduler.update_from_output
-
-    def counting_update(so, output):
-        seen["voided"] += len(output.voided)
-        return update(so, output)
-
-    core.scheduler.update_from_output = counting_update
 
     def counting_schedule():
         so = schedule()
@@ -117,12 +118,13 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     return seen
 
 
-@pytest.mark.parametrize("mode", ["slots", "alternate", "chain", "auto"])
-def test_async_drafts_are_fresh(setup, mode) -> None:
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_async_drafts_are_fresh(setup, regime, monkeypatch) -> None:
     """Draft slots filled once the step in flight is read, or (alternating) requests that sit
     out a step and draft from its tokens: either way no draft is stale."""
     engine, prompts, params, want = setup
-    spec = {"method": "oracle", "num_speculative_tokens": K, "async_drafts": mode}
+    _regime(monkeypatch, regime)
+    spec = {"method": "oracle", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     seen = _instrumented(llm)
     assert _generate(llm, prompts, params) == want
@@ -132,24 +134,23 @@ def test_async_drafts_are_fresh(setup, mode) -> None:
     assert stats.acceptance_rate > 0.95, stats
     assert stats.mean_acceptance_length > K + 0.5, stats
     assert seen["steps"] < 2 + MAX_TOKENS / (K + 1) * 1.5, seen
-    if mode == "chain":  # every bet holds: no launch waited for the step in flight
-        assert seen["waits"] == 0 and seen["voided"] == 0, seen
     core = llm.engine.engine_core
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
 
 
-def test_auto_mode_switches_between_slots_and_alternating_steps(setup) -> None:
-    """``async_drafts: auto``: alternating steps while many requests run, draft slots once few
-    do, and requests cross between the two with steps in flight; drafts stay fresh (the oracle's
-    are all accepted), output stays exact, and every block returns."""
+def test_speculation_switches_between_slots_and_alternating_steps(setup, monkeypatch) -> None:
+    """Alternating steps while many requests run, draft slots once few do, and requests cross
+    between the two with steps in flight; drafts stay fresh (the oracle's are all accepted),
+    output stays exact, and every block returns."""
     engine, prompts, params, want = setup
-    spec = {"method": "oracle", "num_speculative_tokens": K, "async_drafts": "auto"}
+    assert inflight.ALTERNATE_FROM == 8
+    # NOTE: from 4 running requests on, so that this batch of 8 (whose requests end one by one)
+    # spends steps in both ways and switches while requests have steps in flight.
+    monkeypatch.setattr(inflight, "ALTERNATE_FROM", 4)
+    spec = {"method": "oracle", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     core = llm.engine.engine_core
-    assert core.scheduler.spec_alternate_from == 8
-    # NOTE: from 4 running requests on, so that this batch of 8 (whose requests end one by one)
-    # spends steps in both modes and switches while requests have steps in flight.
-    core.scheduler.spec_alternate_from = core.scheduler.draft_backoff.min_batch = 4
+    assert core.scheduler.spec_alternate_from == core.scheduler.draft_backoff.min_batch == 4
     _instrumented(llm)  # (checks the KV cache's bookkeeping after every step)
     modes = {"alternate": 0, "slots": 0}
     schedule = core.scheduler.schedule
@@ -175,12 +176,15 @@ def test_auto_mode_switches_between_slots_and_alternating_steps(setup) -> None:
 
 
 @pytest.mark.parametrize(
-    ("async_scheduling", "mode"),
-    [(True, "slots"), (True, "alternate"), (True, "chain"), (False, "slots")],
+    ("async_scheduling", "regime"),
+    [(True, "slots"), (True, "alternate"), (True, "auto"), (False, "auto")],
 )
-def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling, mode) -> None:
+def test_always_rejected_drafts_back_off_to_plain_steps(
+    setup, async_scheduling, regime, monkeypatch
+) -> None:
     engine, prompts, params, want = setup
-    spec = {"method": "wrong", "num_speculative_tokens": K, "async_drafts": mode}
+    _regime(monkeypatch, regime)
+    spec = {"method": "wrong", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=async_scheduling)
     seen = _instrumented(llm)
     WrongProposer.proposed = 0
@@ -189,14 +193,10 @@ def test_always_rejected_drafts_back_off_to_plain_steps(setup, async_scheduling,
     assert stats.num_drafts and stats.num_accepted_tokens == 0, stats
     # Backing off, requests draft in about 1 step of 16 (aligned), after a few misses each.
     assert seen["with_drafts"] <= seen["steps"] * 0.3, seen
-    if async_scheduling and mode == "alternate":
-        # Requests with drafts in flight sit the next step out: the runner never waits.
+    if async_scheduling and regime != "slots":
+        # (8 requests: every step alternates.) Requests with drafts in flight sit the next step
+        # out: the runner never waits.
         assert seen["waits"] == 0, seen
-    elif async_scheduling and mode == "chain":
-        # Every bet on a step with drafts is lost (the step after it is void), and the output
-        # is still exact. The runner waits only where a request that verified drafts in the
-        # step in flight backs off (no draft slots, so no bet) in the next one.
-        assert seen["voided"] > 0 and seen["waits"] <= seen["with_drafts"], seen
     elif async_scheduling:
         # The runner waits for the step in flight only around steps with drafts: to fill the
         # slots of one, and to learn the lengths its requests reached before the next.
@@ -236,11 +236,12 @@ def test_backoff_doubles_the_period_after_each_miss_and_resets_on_an_accept() ->
     assert backoff.allows("r", 8)
 
 
-def test_alternating_drafts_back_off_at_batch_1_too(setup) -> None:
+def test_alternating_drafts_back_off_at_batch_1_too(setup, monkeypatch) -> None:
     """With alternating drafts a miss costs the step the request sits out, at any batch size:
     a lone request whose drafts always miss drafts in few steps."""
     engine, prompts, params, want = setup
-    spec = {"method": "wrong", "num_speculative_tokens": K, "async_drafts": "alternate"}
+    _regime(monkeypatch, "alternate")
+    spec = {"method": "wrong", "num_speculative_tokens": K}
     spec["adaptive"] = False  # (the back-off alone)
     llm = LLM(**{**engine, "max_num_seqs": 1}, speculative_config=spec, async_scheduling=True)
     seen = _instrumented(llm)
@@ -249,38 +250,3 @@ def test_alternating_drafts_back_off_at_batch_1_too(setup) -> None:
     assert stats.num_drafts and stats.num_accepted_tokens == 0, stats
     assert seen["with_drafts"] <= seen["steps"] * 0.3, seen
     assert seen["waits"] == 0, seen
-
-
-@pytest.mark.parametrize("method", ["ngram", "wrong", "oracle"])
-def test_chained_drafts_are_exact_under_preemption_prefix_caching_and_chunks(setup, method) -> None:
-    """Chained speculation with a KV cache too small for the batch (preemption), prefix
-    caching and chunked prefill: greedy output is unchanged, void steps included, and the
-    cache's bookkeeping holds after every step (nothing leaks once every request ends)."""
-    engine, prompts, params, want = setup
-    spec = {"method": method, "num_speculative_tokens": K, "async_drafts": "chain"}
-    if method == "ngram":
-        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    spec["adaptive"] = False
-    llm = LLM(
-        **{**engine, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 32},
-        speculative_config=spec,
-        async_scheduling=True,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-    )
-    seen = _instrumented(llm)
-    core = llm.engine.engine_core
-    preempted = 0
-    preempt = core.scheduler._preempt
-
-    def counting_preempt(*a, **k):
-        nonlocal preempted
-        preempted += 1
-        return preempt(*a, **k)
-
-    core.scheduler._preempt = counting_preempt
-    assert _generate(llm, prompts + prompts[:3], params) == want + want[:3]
-    assert preempted > 0, "the cache was meant to be too small for the batch"
-    if method == "wrong":
-        assert seen["voided"] > 0, seen
-    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import pagoda.spec_decode.inflight as inflight
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.config import SpeculativeConfig
@@ -267,10 +268,14 @@ def test_a_decode_step_is_one_token_a_request_plus_its_drafts() -> None:
     assert not is_decode_step({"a": 1}, {}, 1)  # a new request
 
 
-@pytest.mark.parametrize("mode", ["alternate", "slots"])
-def test_governor_switching_keeps_greedy_output_token_identical(mode) -> None:
+@pytest.mark.parametrize("alternate_from", [1, inflight.ALTERNATE_FROM])
+def test_governor_switching_keeps_greedy_output_token_identical(
+    alternate_from, monkeypatch
+) -> None:
     """The governor flips drafting every few steps (short epochs, a clock that makes each mode
-    look better in turn): output stays what plain decoding gives, nothing leaks."""
+    look better in turn), with alternating steps or (4 requests, below 8) draft slots: output
+    stays what plain decoding gives, nothing leaks."""
+    monkeypatch.setattr(inflight, "ALTERNATE_FROM", alternate_from)
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
     engine = dict(
         model=str(folder),
@@ -286,7 +291,7 @@ def test_governor_switching_keeps_greedy_output_token_identical(mode) -> None:
     inputs = [{"prompt_token_ids": p} for p in prompts]
     want = [o.outputs[0].token_ids for o in LLM(**engine).generate(inputs, params, use_tqdm=False)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    spec |= {"prompt_lookup_min": 1, "async_drafts": mode}
+    spec |= {"prompt_lookup_min": 1}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     core = llm.engine.engine_core
     flips = {"n": 0}
@@ -320,9 +325,10 @@ def test_drafting_is_measured_again_once_the_batch_has_turned_over() -> None:
     assert not any(_run(quiet, quiet.clock, 22, 1, _host_bound))  # (its own copy of the clock)
 
 
-def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1() -> None:
+def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1(monkeypatch) -> None:
     """Alternating drafts at batch 1: after a step with drafts the schedule is empty (its one
     request sits out); that is not idleness, so the verification step's tokens are measured."""
+    monkeypatch.setattr(inflight, "ALTERNATE_FROM", 1)
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
     llm = LLM(
         model=str(folder),
@@ -336,7 +342,6 @@ def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1() ->
             "num_speculative_tokens": 3,
             "prompt_lookup_min": 1,
             "prompt_lookup_max": 2,
-            "async_drafts": "alternate",
         },
     )
     gov = llm.engine.engine_core.scheduler.spec_governor
@@ -414,16 +419,14 @@ def test_a_turnover_probe_that_wins_brings_probing_back_to_every_turnover() -> N
 
 
 def test_auto_drafts_switch_mode_at_a_bucket_boundary() -> None:
-    """``async_drafts: auto`` changes mode at a bucket boundary, so that no bucket's drafting
-    rate mixes draft slots with alternating steps."""
-    from pagoda.spec_decode.inflight import ALTERNATE_FROM
-
+    """Speculation changes from draft slots to alternating steps at a bucket boundary, so that no
+    bucket's drafting rate mixes the two."""
     below, at = (
-        SpeculationGovernor.bucket_of(ALTERNATE_FROM - 1),
-        SpeculationGovernor.bucket_of(ALTERNATE_FROM),
+        SpeculationGovernor.bucket_of(inflight.ALTERNATE_FROM - 1),
+        SpeculationGovernor.bucket_of(inflight.ALTERNATE_FROM),
     )
     assert below != at
-    assert SpeculationGovernor.bucket_of(2 * ALTERNATE_FROM - 1) == at
+    assert SpeculationGovernor.bucket_of(2 * inflight.ALTERNATE_FROM - 1) == at
 
 
 def test_drafting_that_accepts_nothing_loses_whatever_the_clock_shows() -> None:

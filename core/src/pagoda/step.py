@@ -127,9 +127,6 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> how many of its draft slots the runner filled (and verified) this step.
     draft_counts: dict[str, int] = field(default_factory=dict)
-    # Chained speculation: requests whose step here was void (it bet on the step before
-    # accepting every draft, which it did not): nothing emitted, every scheduled token taken back.
-    voided: set[str] = field(default_factory=set)
     # KV offload: the transfer jobs (``KVTransfers.job_id``) whose copies are done.
     kv_offload_done: list[int] = field(default_factory=list)
 

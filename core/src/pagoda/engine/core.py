@@ -15,7 +15,7 @@ from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.spec_decode.governor import build_governor
 from pagoda.spec_decode.inflight import alternate_from
-from pagoda.spec_decode.proposer import check_parallel
+from pagoda.spec_decode.proposer import check_speculative
 from pagoda.step import EngineCoreOutput, SchedulerOutput
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
@@ -27,7 +27,7 @@ class EngineCore:
         start = time.perf_counter()
         # KV offload's CPU pool (None: off); a bad policy name fails here, before any loading.
         offload = build_offload_manager(config, info)
-        check_parallel(config)  # a proposer tensor parallelism cannot run, before any worker
+        check_speculative(config, info)  # before any worker starts
         executor_cls = get_registry("executors").get(executor_name(config.parallel))
         self.executor = executor_cls(config, info)
         self.num_blocks = self.executor.initialize()

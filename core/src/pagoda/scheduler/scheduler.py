@@ -566,9 +566,7 @@ class Scheduler:
             drafts = scheduled_drafts.get(req_id)
             emitted = 1 + len(drafts) if drafts else len(tokens)  # as ``schedule`` counted
             req.num_output_placeholders = max(req.num_output_placeholders - emitted, 0)
-            if drafts and req_id in model_runner_output.voided:
-                req.num_computed_tokens -= 1 + len(drafts)  # ran at the wrong positions
-            elif drafts:
+            if drafts:
                 filled = model_runner_output.draft_counts.get(req_id, len(drafts))
                 self._apply_drafts(req, len(drafts), filled, len(tokens) - 1)
                 accepted += max(len(tokens) - 1, 0)

@@ -78,7 +78,7 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
     rows = last.sample_rows[sel]
     if any(ib.row_of.get(r) != row for r, row in zip(req_ids, rows.tolist())):
         return None
-    if (last.num_drafts[sel] == 0).any():  # (no bets here: a drafted row verified drafts)
+    if (last.num_drafts[sel] == 0).any():
         return None
     # The farthest N + 1 reaches: N accepts everything (what the scheduler reserved).
     reach = last.sample_pos[sel] + last.num_drafts[sel] + q
@@ -121,8 +121,6 @@ def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
     its KV), each with all ``k`` draft slots, right after ``last``, a verification whose
     outcome is on the device."""
     if last.done or last.pending is not None or last.verified is None:
-        return False
-    if last.premise is not None:
         return False
     if so.scheduled_new_reqs or so.finished_req_ids or so.kv_transfers is not None:
         return False

@@ -1,39 +1,39 @@
 """Speculation that keeps the host ahead of the device: drafts for a request whose previous step
 is still running, and a back-off for requests whose drafts keep failing.
 
-``speculative.async_drafts: alternate``: a request whose step with drafts is in
+With async scheduling the scheduler plans step N+1 while the device runs step N, before it knows
+how many of step N's drafts were accepted. Each step takes one of two ways, by the number of
+requests running (:func:`alternate_from`):
+
+*Draft slots*, below :data:`ALTERNATE_FROM` requests: the scheduler plans optimistically (as
+vLLM's async scheduler does): a decoding request with a step in flight is scheduled as if every
+draft of that step were accepted, with up to ``k`` *draft slots* (``-1`` placeholders in
+``scheduled_spec_decode_tokens``) whose KV cache slots it reserves. The model runner, once step
+N's tokens are on the host, knows each request's true length, asks the proposer for drafts from
+the fresh history and fills the slots (:func:`fill_draft_slots`); slots it cannot fill stay
+empty, and a step where none is filled is an ordinary decode step. Its output says how many
+drafts each request verified (``ModelRunnerOutput.draft_counts``); the scheduler rolls
+``num_computed_tokens`` back by the reserved slots that did not become accepted tokens, as for
+rejected drafts. The host then waits for the device once per step only inside the runner, just
+before it builds the next step, while scheduling and output processing overlap the device as
+without speculation.
+
+*Alternating*, from :data:`ALTERNATE_FROM` requests on: a request whose step with drafts is in
 flight sits out the next step (its length is not known yet) and drafts again, from the tokens
 that step produced, in the one after; a request whose plain step is in flight and whose last
-proposal had drafts sits out once for the same reason. Requests whose drafts do not pay for the
-step they sit out (fewer than 2 accepted) back off and run every step without drafts. No launch
-ever waits for the step in flight: requests of different phases share each step, and plain
-rows take their last token from the device.
+proposal had drafts sits out once for the same reason. No launch ever waits for the step in
+flight: requests of different phases share each step, and plain rows take their last token from
+the device.
 
-``speculative.async_drafts: slots``: with async scheduling the scheduler plans step N+1 while the
-device runs step N, before it knows how many of step N's drafts were accepted. It plans
-optimistically (as vLLM's async scheduler does): a decoding request with a step in flight is
-scheduled as if every draft of that step were accepted, with up to ``k`` *draft slots* (``-1``
-placeholders in ``scheduled_spec_decode_tokens``) whose KV cache slots it reserves. The model
-runner, once step N's tokens are on the host, knows each request's true length, asks the proposer
-for drafts from the fresh history and fills the slots (:func:`fill_draft_slots`); slots it cannot
-fill stay empty, and a step where none is filled is an ordinary decode step. Its output says how
-many drafts each request verified (``ModelRunnerOutput.draft_counts``); the scheduler rolls
-``num_computed_tokens`` back by the reserved slots that did not become accepted tokens, as for
-rejected drafts.
-
-The host then waits for the device once per step only inside the runner, just before it builds
-the next step, while scheduling and output processing overlap the device as without
-speculation. :class:`DraftBackoff` keeps requests whose drafts are rejected (or never found) from
-reserving slots every step, so that with nothing accepted most steps are plain decode steps that
-need no wait at all.
-
-``speculative.async_drafts: auto`` (the default) decides each step by the number of requests
-running: draft slots below :data:`ALTERNATE_FROM`, alternating from there on. The scheduler tells
-the runner (``SchedulerOutput.alternate_drafts``), and a proposer that reads only history is asked
-at launch for a step's draft slots and after an alternating step's output for the drafts its
-requests verify two steps later. Requests switch at any step boundary: one whose slot step with
-drafts is in flight sits out the first alternating step, and one that sat out the last
-alternating step verifies the drafts proposed for it in the first slot step.
+The scheduler tells the runner which way a step goes (``SchedulerOutput.alternate_drafts``), and
+a proposer that reads only history is asked at launch for a step's draft slots and after an
+alternating step's output for the drafts its requests verify two steps later. Requests switch at
+any step boundary: one whose slot step with drafts is in flight sits out the first alternating
+step, and one that sat out the last alternating step verifies the drafts proposed for it in the
+first slot step. :class:`DraftBackoff` keeps requests whose drafts are rejected (or never found)
+from drafting every step, so that with nothing accepted most steps are plain decode steps that
+need no wait at all; where steps alternate, requests whose drafts do not pay for the step they
+sit out (fewer than 2 accepted) back off too.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ _MAX_LEVEL = 4
 _MIN_BATCH = 8
 
 
-#: ``speculative.async_drafts: auto`` fills draft slots while fewer requests than this run and
-#: alternates from this many on. At batch 1 a step's cost is mostly the host's, so waiting for
+#: Speculation fills draft slots while fewer requests than this run and alternates from this
+#: many on. At batch 1 a step's cost is mostly the host's, so waiting for
 #: the step in flight costs little while a step sat out costs a whole step (on an H200, SmolLM2
 #: at batch 1 and k = 8: 2.06x with slots, 1.79x alternating with the governor); at batch 64
 #: the wait exposes the device's latency every step (0.65x with slots, 0.93x alternating).
@@ -74,17 +74,9 @@ def alternate_from(config: EngineConfig) -> int | None:
     """From how many running requests a step's speculation alternates instead of filling draft
     slots (a request whose step with drafts is in flight sits out the next step and drafts
     again, fresh, in the one after, so that the runner never waits for a step in flight; a
-    request drafting nothing runs every step): 1 for ``alternate``, :data:`ALTERNATE_FROM` for
-    ``auto``, None for ``slots`` and ``chain`` and without async scheduling."""
-    if not config.scheduler.async_scheduling:
-        return None
-    return {"alternate": 1, "auto": ALTERNATE_FROM}.get(config.speculative.async_drafts)
-
-
-def alternate_drafts(config: EngineConfig) -> bool:
-    """Whether every step's speculation alternates (``speculative.async_drafts: alternate``
-    with async scheduling): the runner then never fills draft slots."""
-    return alternate_from(config) == 1
+    request drafting nothing runs every step): :data:`ALTERNATE_FROM`, or None without async
+    scheduling (every step is read before the next is scheduled)."""
+    return ALTERNATE_FROM if config.scheduler.async_scheduling else None
 
 
 class DraftBackoff:

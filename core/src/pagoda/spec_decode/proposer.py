@@ -17,9 +17,9 @@ Life cycle, in the process that runs the model (every worker with several):
 3. ``propose(batch)``: once per engine step that sampled tokens, after that step's tokens are on
    the host, for the requests that sampled (a request still prefilling its prompt is not in it).
    Returns :class:`Drafts` for the *next* step. With async scheduling and draft slots
-   (``speculative.async_drafts: slots``) a proposer without ``needs_hidden_states`` is called
-   only for the requests whose next step has draft slots (``max_num_drafts`` is their count),
-   when that step is about to launch.
+   (below 8 running requests) a proposer without ``needs_hidden_states`` is called only for
+   the requests whose next step has draft slots (``max_num_drafts`` is their count), when that
+   step is about to launch.
 4. ``remove(req_ids)``: when requests finish, are aborted or preempted (their state may go).
 
 Drafts are a suggestion: the core may schedule fewer (token budget, ``max_tokens``, the context
@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 from pagoda.config import EngineConfig, SpeculativeConfig
+from pagoda.model_info import ModelInfo
+from pagoda.plugins import get_registry
 
 if TYPE_CHECKING:
     from pagoda.attention.backend import AttentionBackend
@@ -249,8 +251,6 @@ def build_proposer(ctx: ProposerContext) -> SpeculativeProposer | None:
     method = ctx.config.method
     if method is None:
         return None
-    from pagoda.plugins import get_registry
-
     cls = get_registry("spec_proposers").get(method)
     proposer = cls(ctx)
     if not isinstance(proposer, SpeculativeProposer):
@@ -261,29 +261,19 @@ def build_proposer(ctx: ProposerContext) -> SpeculativeProposer | None:
     return proposer
 
 
-def check_parallel(config: EngineConfig) -> None:
-    """Refuse, at start, speculation that tensor parallelism cannot run: a proposer with
-    ``needs_hidden_states`` is called where a step's output is read, on the first rank only,
-    while a draft head runs the target's own sharded layers (embedding, LM head), whose
-    collectives every rank must join. A proposer that reads only the token history runs on
-    every rank alike (the scheduler sends its drafts to all of them). Chained drafts are refused
-    too: each rank plans its bets from the steps it has read, and only the first rank reads
-    every step's output, so the ranks' forwards would differ in size."""
-    method, tp = config.speculative.method, config.parallel.tensor_parallel_size
-    if method is None or tp == 1:
-        return
-    from pagoda.plugins import get_registry
-    from pagoda.spec_decode.chain import chain_drafts
-
-    if chain_drafts(config):
-        raise ValueError(
-            "speculative.async_drafts 'chain' plans its bets on each rank from the steps that "
-            f"rank has read, which tensor parallelism (parallel.tensor_parallel_size={tp}) does "
-            "not keep in step across ranks yet: use auto, slots or alternate"
-        )
-    if get_registry("spec_proposers").get(method).needs_hidden_states:
-        raise ValueError(
-            f"speculative.method {method!r} drafts from the target's hidden states, which "
-            f"tensor parallelism does not support yet (parallel.tensor_parallel_size={tp}): run "
-            "it on one rank, or pick a proposer that reads only the token history (ngram)"
-        )
+def check_speculative(config: EngineConfig, info: ModelInfo) -> None:
+    """At start, before any worker: the ``speculative`` section against the model's length, the
+    step's token budget and the proposer it names (``SpeculativeConfig.check`` holds the rules).
+    An unknown method raises an error that lists the installed ones."""
+    method = config.speculative.method
+    needs_hidden_states = False
+    if method is not None:
+        target = get_registry("spec_proposers").get(method)
+        # NOTE: a factory (not a class) tells nothing before it builds: taken as history only.
+        needs_hidden_states = bool(getattr(target, "needs_hidden_states", False))
+    config.speculative.check(
+        config,
+        max_model_len=info.max_model_len,
+        max_num_batched_tokens=info.max_num_batched_tokens,
+        needs_hidden_states=needs_hidden_states,
+    )

@@ -25,7 +25,6 @@ from pagoda.spec_decode.proposer import ProposalBatch, VerifiedBatch
 from pagoda.spec_decode.rejection import rejection_sample
 
 if TYPE_CHECKING:
-    from pagoda.spec_decode.chain import ChainPlan
     from pagoda.step import ModelRunnerOutput
     from pagoda.worker.model_runner import ModelRunner
     from pagoda.worker.step_output import StepOutput
@@ -53,13 +52,9 @@ def verify_drafts(
     sample_idx: np.ndarray,
     qsl: np.ndarray,
     drafts: dict[str, list[int]],
-    plans: dict[str, ChainPlan] | None = None,
 ) -> None:
     """Score and verify the drafts of the sampling requests ``sample_idx`` of the step; fills
-    ``out`` as ``ModelRunner._sample`` does, with [n, k + 1] tokens.
-
-    ``plans``: chained requests (``pagoda.spec_decode.chain``), whose step starts at their
-    plan's start, which the host rows do not count yet."""
+    ``out`` as ``ModelRunner._sample`` does, with [n, k + 1] tokens."""
     ib = runner.input_batch
     n = len(sample_idx)
     sample_rows = rows[sample_idx]
@@ -68,12 +63,12 @@ def verify_drafts(
     nd = np.array([len(drafts.get(r, ())) for r in sample_req_ids], dtype=np.int64)
     k = int(nd.max())
     tail = runner.greedy_tail
-    if tail is not None and not plans and n == len(req_ids) and k == tail.q - 1:
+    if tail is not None and n == len(req_ids) and k == tail.q - 1:
         if bool((nd == k).all()) and _plain_greedy(runner, sample_rows, sample_req_ids):
             got = tail.run(hidden, n)
             if got is not None:
                 base = ib.num_tokens[sample_rows]
-                _emit(runner, out, sample_idx, sample_rows, base, nd, None, got.tokens)
+                _emit(runner, out, sample_idx, sample_rows, base, nd, got.tokens)
                 runner._prev_sampled = got.last_token
                 out.verified = (got.tokens, got.num_emitted)
                 _hand_over(runner, out, nd, got.last_hidden, got.tokens, got.num_emitted)
@@ -86,11 +81,6 @@ def verify_drafts(
     hidden_idx = np.repeat(qsl[1:][sample_idx] - width, width) + offsets
     rows_exp = np.repeat(sample_rows, width)
     base = ib.num_tokens[sample_rows]
-    bet = None
-    if plans:
-        bet = np.fromiter((r in plans for r in sample_req_ids), dtype=bool, count=n)
-        base = base.copy()
-        base[bet] = [plans[r].start + 1 for r in sample_req_ids if r in plans]
     cols = np.arange(k)
     at = np.minimum(base[:, None] + cols, ib.token_ids.shape[1] - 1)
     draft_ids = ib.token_ids[sample_rows[:, None], at]
@@ -148,19 +138,9 @@ def verify_drafts(
         uniform_final=md.uniform,
     )
     ib.sampling.record_sampled(sample_rows, tokens)
-    _emit(runner, out, sample_idx, sample_rows, base, nd, bet, tokens)
-    if bet is not None:
-        out.premise_step = runner._last_step
-        out.premise = np.array(
-            [plans[r].premise if r in plans else -1 for r in sample_req_ids], dtype=np.int64
-        )
-        out.premise_drafts = np.array(
-            [plans[r].premise_drafts if r in plans else 0 for r in sample_req_ids],
-            dtype=np.int64,
-        )
-    # Each row's last token if every draft is accepted: what a chained step after this one
-    # takes as its first input, on the device.
-    # NOTE: -1 where drafts were rejected: a bet on this row is void then, and reads id 0.
+    _emit(runner, out, sample_idx, sample_rows, base, nd, tokens)
+    # Each row's token at its draft count: a plain row's sampled token, which the next step
+    # takes as its input on the device (a row with drafts is read before its next step).
     runner._prev_sampled = tokens.gather(1, nd_t.unsqueeze(1)).squeeze(1).clamp_(min=0)
     out.verified = (tokens, num_emitted)
     if raw_logprobs is not None:
@@ -193,14 +173,12 @@ def _emit(
     sample_rows: np.ndarray,
     base: np.ndarray,
     nd: np.ndarray,
-    bet: np.ndarray | None,
     tokens: torch.Tensor,
 ) -> None:
     """The step's sampling rows in ``out`` (the sampled ids in flight to the host) and in the
     runner's record of where the next step finds them on the device."""
     ib = runner.input_batch
-    # NOTE: a bet's row is appended to when the step is read, like a row with drafts.
-    drafted = nd > 0 if bet is None else (nd > 0) | bet
+    drafted = nd > 0
     sample_pos = base.copy()
     if not drafted.all():
         sample_pos[~drafted] = ib.append_placeholders(sample_rows[~drafted])

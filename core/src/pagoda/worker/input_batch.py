@@ -25,9 +25,6 @@ class InputBatch:
         device: torch.device,
     ) -> None:
         self.max_num_reqs = max_num_reqs
-        # Chained speculation only (None otherwise): whether each request's latest verification
-        # read back accepted every draft it verified (it bets on a step with drafts only then).
-        self.all_accepted: dict[str, bool] | None = None
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
@@ -92,8 +89,6 @@ class InputBatch:
         self.num_blocks[row] = end
 
     def remove(self, req_id: str) -> None:
-        if self.all_accepted is not None:
-            self.all_accepted.pop(req_id, None)
         row = self.row_of.pop(req_id, None)
         if row is None:
             return

@@ -31,14 +31,8 @@ from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
 from pagoda.spec_decode.ahead import check_ahead, launch_ahead, take_drafts
-from pagoda.spec_decode.chain import chain_drafts, plan_chain, propose_chain, write_chain_drafts
 from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
-from pagoda.spec_decode.inflight import (
-    alternate_drafts,
-    fill_draft_slots,
-    must_read_last,
-    propose_for_slots,
-)
+from pagoda.spec_decode.inflight import fill_draft_slots, must_read_last, propose_for_slots
 from pagoda.spec_decode.proposer import ProposerContext, build_proposer
 from pagoda.spec_decode.tail import GreedyTail
 from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
@@ -114,18 +108,13 @@ class ModelRunner:
             self.proposer is not None
             and config.scheduler.async_scheduling
             and not self.proposer.needs_hidden_states
-            and not alternate_drafts(config)
         )
-        # Chained speculation (``pagoda.spec_decode.chain``): for history-only proposers.
-        self._chain = self._propose_in_launch and chain_drafts(config)
         self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
         self.input_batch = InputBatch(
             self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
         )
-        if self._chain:
-            self.input_batch.all_accepted = {}
         # Structured output: the constrained requests' matchers and each step's bitmask.
         self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs, device)
         self._alloc_buffers()
@@ -278,7 +267,13 @@ class ModelRunner:
             self.kv_caches = list(stacked.unbind(0))
         for module, cache in zip(layers, self.kv_caches):
             module.kv_cache = cache
-        self.kv_offload = build_offload_medium(self)
+        self.kv_offload = build_offload_medium(
+            self.config.cache,
+            self.arch,
+            self.kv_caches,
+            self.attn_backend.get_kv_cache_shape,
+            self.num_kv_heads,
+        )
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         if self.proposer is not None:  # a draft model loads here, before graphs are captured
             self.hidden_feed = bind_proposer(self, num_blocks)
@@ -369,24 +364,17 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         if self._unread and self._unread[-1].pending is not None:
             self._unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
-        plans = None
-        if self._chain and spec:
-            self._settle()  # every step before the one in flight is read: bets are settled
-            plans = plan_chain(self, self._unread[-1] if self._unread else None, so)
         ahead = None
-        if plans is not None:
-            propose_chain(self, plans, spec)  # the step in flight stays unread
-        else:
-            if spec and self.proposer is not None and self.proposer.needs_hidden_states:
-                # The verification graph replays behind the step in flight, which is read
-                # next (``pagoda.spec_decode.ahead``).
-                ahead = launch_ahead(self, so)
-            if ahead is not None or (self._unread and must_read_last(self._unread[-1], so, self)):
-                # NOTE: rows with drafts learn their length only there, and draft slots are
-                # filled with the drafts proposed there.
-                self._read_unread()
-            if spec and self._propose_in_launch:
-                propose_for_slots(self, spec)
+        if spec and self.proposer is not None and self.proposer.needs_hidden_states:
+            # The verification graph replays behind the step in flight, which is read next
+            # (``pagoda.spec_decode.ahead``).
+            ahead = launch_ahead(self, so)
+        if ahead is not None or (self._unread and must_read_last(self._unread[-1], so, self)):
+            # NOTE: rows with drafts learn their length only there, and draft slots are filled
+            # with the drafts proposed there.
+            self._read_unread()
+        if spec and self._propose_in_launch:
+            propose_for_slots(self, spec)
         self._settle()
         if ahead is not None:  # (its launch took the staging region and the new blocks)
             req_ids, starts = ahead.req_ids, ahead.starts
@@ -409,15 +397,9 @@ class ModelRunner:
             # NOTE: a request whose last step had drafts was scheduled as if all were accepted;
             # it goes on from its last known token.
             np.minimum(starts, ib.num_tokens[rows] - 1, out=starts)
-        plans = plans or {}
-        if plans:  # bets start where the step in flight ends if all its drafts are accepted
-            index = {r: i for i, r in enumerate(req_ids)}
-            for req_id, plan in plans.items():
-                starts[index[req_id]] = plan.start
         if spec:
             drafts, filled = fill_draft_slots(self, spec, req_ids, counts)
-            ib.write_drafts({r: d for r, d in drafts.items() if r not in plans})
-            write_chain_drafts(self, plans, drafts)
+            ib.write_drafts(drafts)
         if self._unread and ib.sampling.needs_token_history(rows):
             self._unread.pop().get()  # bad words read the ids on the host: wait for them
         num_reqs, total = len(req_ids), int(counts.sum())
@@ -484,14 +466,10 @@ class ModelRunner:
             q = self.verify_graphs.query_len if verified is not None else None
             self.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
         out.draft_counts = filled
-        if plans:
-            # NOTE: a bet's row lags on the host; it samples whatever the host counts.
-            bet = np.fromiter((r in plans for r in req_ids), dtype=bool, count=len(req_ids))
-            sample_idx = np.union1d(sample_idx, np.flatnonzero(bet))
-        if len(sample_idx) and (drafts or plans):
+        if len(sample_idx) and drafts:
             # Like _sample, with drafts: the rejection sampler keeps each request's accepted
             # drafts and adds one token.
-            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts, plans)
+            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
         if self.proposer is not None and (not self._propose_in_launch or so.alternate_drafts):
@@ -504,7 +482,7 @@ class ModelRunner:
         self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if out.pending is None:
-            self._end_launch(out, bool(drafts or plans))
+            self._end_launch(out, bool(drafts))
         self._unread.append(out)
         return out
 

@@ -67,22 +67,11 @@ class StepOutput:
     pending: Callable[[], None] | None = None
     # Per sampling row: drafts verified (None: a step without drafts).
     num_drafts: np.ndarray | None = None
-    # Chained speculation (``pagoda.spec_decode.chain``): the step these rows bet on, and per
-    # sampling row its sampling index there (-1: no bet) and the drafts it verified there.
-    premise_step: StepOutput | None = None
-    premise: np.ndarray | None = None
-    premise_drafts: np.ndarray | None = None
     # A step that verified drafts: its outcome on the device, (tokens [n, k + 1] with -1 past
     # each row's ``num_emitted``, num_emitted [n]), for a verification launched before this
     # step is read (``pagoda.spec_decode.ahead``).
     verified: tuple[torch.Tensor, torch.Tensor] | None = None
-    _void: np.ndarray | None = None
     _output: ModelRunnerOutput | None = None
-
-    @property
-    def bonus_pos(self) -> np.ndarray:
-        """Per sampling row, where its last token lands if every draft is accepted."""
-        return self.sample_pos if self.num_drafts is None else self.sample_pos + self.num_drafts
 
     @property
     def done(self) -> bool:
@@ -118,13 +107,8 @@ class StepOutput:
                 for i, t in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t]
             else:
-                void = self.void()
-                if void is not None:
-                    tokens = np.where(void[:, None], -1, tokens)
-                    out.voided = {self.req_ids[i] for i in self.sample_idx[void].tolist()}
                 self.num_emitted = (tokens >= 0).sum(axis=1)
-                self._write_back_verified(tokens, void)
-                self._note_acceptance(void)
+                self._write_back_verified(tokens)
                 for i, row in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t for t in row if t >= 0]
         if self.logprobs is not None:
@@ -144,42 +128,17 @@ class StepOutput:
                 out.prompt_logprobs[self.req_ids[i]] = PromptLogprobs(int(part.starts[i]), chunk)
         return out
 
-    def _note_acceptance(self, void: np.ndarray | None) -> None:
-        """Record, per request that verified drafts here, whether it accepted them all."""
-        seen = self.input_batch.all_accepted
-        if seen is None or self.num_drafts is None:
-            return
-        verified = self.num_drafts > 0
-        if void is not None:
-            verified &= ~void
-        for j in np.flatnonzero(verified).tolist():
-            req_id = self.req_ids[self.sample_idx[j]]
-            seen[req_id] = bool(self.num_emitted[j] == self.num_drafts[j] + 1)
-
-    def void(self) -> np.ndarray | None:
-        """Per sampling row: whether it bet on a step that did not accept all its drafts
-        (chained speculation); None when no row bet. Reads that step (if not read yet), then
-        lets it go: steps must not hold each other in a chain as long as a request lives."""
-        if self.premise_step is not None and self.premise is not None:
-            prev, self.premise_step = self.premise_step, None
-            bet = self.premise >= 0
-            prev.get()
-            held = prev.num_emitted[np.maximum(self.premise, 0)] == self.premise_drafts + 1
-            self._void = bet & ~held if bet.any() else None
-        return self._void
-
-    def _write_back_verified(self, tokens: np.ndarray, void: np.ndarray | None = None) -> None:
+    def _write_back_verified(self, tokens: np.ndarray) -> None:
         """A step that verified drafts: rows without drafts replace their placeholder; rows
         with drafts gain their emitted tokens (the engine reads such a step before it schedules
-        the request again, so nothing was appended to them since). Void rows (a chained bet
-        that failed) write nothing."""
+        the request again, so nothing was appended to them since)."""
         ib = self.input_batch
         plain = ~self.drafted
         if plain.any():
             sub = StepOutput(ib, self.req_ids, self.sample_idx[plain], self.sample_rows[plain])
             sub.sample_pos = self.sample_pos[plain]
             sub._write_back(tokens[plain, 0])
-        drafted = np.flatnonzero(self.drafted if void is None else self.drafted & ~void)
+        drafted = np.flatnonzero(self.drafted)
         rows = self.sample_rows[drafted]
         owned = [
             ib.row_of.get(self.req_ids[i]) == r

@@ -1,7 +1,7 @@
-"""With draft slots (``speculative.async_drafts: slots``) at batch 1, a head whose drafts miss
-pauses drafting (``SpeculativeProposer.resume_at``), and the runner then launches the steps
-with slots without waiting for the step in flight (the slots stay empty): a random head costs
-plain decode steps, not a host wait each, and greedy output is unchanged."""
+"""With draft slots (every step at batch 1), a head whose drafts miss pauses drafting
+(``SpeculativeProposer.resume_at``), and the runner then launches the steps with slots without
+waiting for the step in flight (the slots stay empty): a random head costs plain decode steps,
+not a host wait each, and greedy output is unchanged."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_paused_requests_slots_do_not_wait_for_the_step_in_flight(
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     if "adaptive" in SpeculativeConfig.model_fields:  # the drafts' own back-off, no governor
         spec["adaptive"] = False
-    llm = LLM(model=str(folder), **ENGINE, speculative_config={**spec, "async_drafts": "slots"})
+    llm = LLM(model=str(folder), **ENGINE, speculative_config=spec)
     runner = llm.engine.engine_core.executor.worker.model_runner
     skipped, reads = [], []
     paused = inflight._paused

@@ -62,7 +62,6 @@ def test_the_replay_takes_the_engines_steps(k: int, lo: int, hi: int) -> None:
         num_speculative_tokens=k,
         prompt_lookup_min=lo,
         prompt_lookup_max=hi,
-        async_drafts="slots",
         adaptive=False,
     )
     llm = LLM(**engine, max_num_seqs=1, speculative_config=spec)

@@ -92,15 +92,13 @@ class NgramProposer(SpeculativeProposer):
         self.k = ctx.num_speculative_tokens
 
     def propose(self, batch: ProposalBatch) -> Drafts:
-        # NOTE: chained speculation asks for one token more than k (its first is a guess).
-        width = max(self.k, int(batch.max_num_drafts.max()) if len(batch) else 0)
         ids = ngram_drafts(
             batch.token_ids,
             batch.rows,
             batch.num_tokens,
             self.min_n,
             self.max_n,
-            width,
+            self.k,
             batch.max_num_drafts,
         )
         return Drafts(ids)

@@ -8,8 +8,8 @@ proposes from the history so far, accepts as far as the drafts agree with the ou
 on. Replaying that takes milliseconds, so ``num_speculative_tokens``, ``prompt_lookup_min`` and
 ``prompt_lookup_max`` can be chosen for a workload from one generation without speculation
 (``benchmarks/ngram_settings.py``). The replay takes the steps that an engine drafting on every
-step takes at batch 1 (``speculative.async_drafts: slots``, ``adaptive: false``), one request at
-a time; at larger batches it is the drafts' side of the trade only.
+step takes at batch 1 (draft slots, with ``adaptive: false``), one request at a time; at larger
+batches it is the drafts' side of the trade only.
 """
 
 from __future__ import annotations
