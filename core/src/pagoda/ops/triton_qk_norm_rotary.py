@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagoda.ops.triton_norm import _normalize_rows, launch_shape, rms_norm_triton
-from pagoda.ops.triton_rotary import rotary_embedding_triton
+from pagoda.ops import triton_norm, triton_rotary
+from pagoda.ops.triton_norm import _normalize_rows, launch_shape
 
 
 @triton.jit
@@ -149,8 +149,9 @@ def qk_norm_rotary_triton(
     # The norm kernel's tile for all of q's rows and all of k's, and for a row count without end.
     full = launch_shape(dim, 1 << 30)
     if launch_shape(dim, tokens * q_heads) != full or launch_shape(dim, tokens * k_heads) != full:
-        qn, kn = rms_norm_triton(q, q_weight, eps), rms_norm_triton(k, k_weight, eps)
-        return rotary_embedding_triton(positions, qn, kn, cos, sin)
+        qn = triton_norm.rms_norm_triton(q, q_weight, eps)
+        kn = triton_norm.rms_norm_triton(k, k_weight, eps)
+        return triton_rotary.rotary_embedding_triton(positions, qn, kn, cos, sin)
     rows, block_n, warps = full
     # Dtypes as the norm kernel gives them (the weight's and the input's, promoted).
     q_out = torch.empty(
