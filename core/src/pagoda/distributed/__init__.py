@@ -1,5 +1,9 @@
-"""Tensor parallelism: the rank's place in its group, the collectives the model needs, and the
-channel between an executor and its worker processes (msgpack over ZMQ, never pickle)."""
+"""Tensor parallelism's parallel state: the rank's place in its group, its shard shapes and the
+collectives the model needs.
+
+Floor: leaves. It imports only other leaves (the loader's architecture config); the worker
+processes and their channel are the executor's (``pagoda.executor``).
+"""
 
 from __future__ import annotations
 

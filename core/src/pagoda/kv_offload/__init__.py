@@ -7,6 +7,9 @@ The scheduler's side (:class:`OffloadManager`, no torch) decides what to store, 
 copies. Configuration: ``cache.cpu_offload_gb``, ``cache.offload_policy``,
 ``cache.offload_store``, ``cache.offload_medium``, ``cache.offload_overlap``; the plugin guide
 (docs/plugins.md) has the contract.
+
+Floor: contracts and features. Imports config, the plugin kernel and the leaves; it sees the KV
+cache manager only through the ``BlockSource`` Protocol it declares (``manager.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Model loading: resolve `model=` to a Hugging Face folder, parse its config, yield its weights."""
+"""Model loading: resolve `model=` to a Hugging Face folder, parse its config, yield its weights.
+
+Floor: leaves. It imports no other part of Pagoda; torch, transformers and gguf load where used.
+"""
 
 from __future__ import annotations
 

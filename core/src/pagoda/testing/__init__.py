@@ -11,6 +11,8 @@
 - :func:`grammar_cases` and the ``check_*`` functions of ``pagoda.testing.grammar``: the same
   without pytest.
 - :func:`plugin_registered`: register a plugin object for the duration of a ``with`` block.
+
+Floor: faces. Nothing in the core imports it.
 """
 
 from __future__ import annotations
