@@ -6,19 +6,25 @@ Inside, lowest first: ``errors.py`` (ConfigError), ``model.py`` (the sections),
 (the generated key reference). See ``docs/configuration.md``.
 """
 
-from pagoda.config.engine import EngineConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pagoda.config.errors import ConfigError
-from pagoda.config.loader import explicit_layer
-from pagoda.config.model import (
-    AttentionConfig,
-    CacheConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    ServerConfig,
-    SpeculativeConfig,
-    StructuredOutputConfig,
-)
+
+if TYPE_CHECKING:
+    from pagoda.config.engine import EngineConfig
+    from pagoda.config.model import (
+        AttentionConfig,
+        CacheConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        ServerConfig,
+        SpeculativeConfig,
+        StructuredOutputConfig,
+    )
 
 __all__ = [
     "AttentionConfig",
@@ -34,7 +40,35 @@ __all__ = [
     "nest_flat_overrides",
 ]
 
+# NOTE: the models are built on first use: pydantic and its schemas cost about 0.3 s, which
+# plugin discovery (it imports ``plugin_settings``, a cheap module of this package) must not pay.
+_LAZY = {
+    "EngineConfig": "pagoda.config.engine",
+    **dict.fromkeys(
+        [
+            "AttentionConfig",
+            "CacheConfig",
+            "ModelConfig",
+            "ParallelConfig",
+            "SchedulerConfig",
+            "ServerConfig",
+            "SpeculativeConfig",
+            "StructuredOutputConfig",
+        ],
+        "pagoda.config.model",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagoda.config' has no attribute {name!r}")
+
 
 def nest_flat_overrides(values: dict) -> dict:
     """Flat (vLLM-style) or nested engine arguments -> ``{section: {key: value}}``."""
+    # NOTE: the loader builds the models (above): on first use.
+    from pagoda.config.loader import explicit_layer
+
     return explicit_layer(values).values

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Protocol
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagoda.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 SECTION = "plugins"
 ENV_PREFIX = "PAGODA_PLUGINS__"

@@ -9,13 +9,14 @@ registry is consulted only when some value is given, or when a plugin asks for i
 from __future__ import annotations
 
 import difflib
-from typing import Any
-
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Any
 
 from pagoda.config.errors import ConfigError
 from pagoda.config.plugin_settings import SECTION
 from pagoda.plugins.manager import get_registry
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 
 def _hint(word: str, choices: Any) -> str:
@@ -40,6 +41,9 @@ class RegistrySettings:
     def validate(
         self, values: dict[str, dict[str, Any]], sources: dict[str, str]
     ) -> tuple[dict[str, dict[str, Any]], list[str]]:
+        # NOTE: pydantic loads where a setting is checked; plugin discovery does not pay for it.
+        from pydantic import ValidationError
+
         errors = []
         for name, given in values.items():
             where = sources.get(f"{SECTION}.{name}.{next(iter(given), '')}", "?")
@@ -83,7 +87,7 @@ class RegistrySettings:
             for key in type(settings).model_fields:
                 dotted = f"{SECTION}.{name}.{key}"
                 value = getattr(settings, key)
-                if isinstance(value, BaseModel):
+                if hasattr(value, "model_dump"):  # a nested pydantic model
                     value = value.model_dump()
                 rows.append((dotted, value, sources.get(dotted, "default")))
         return rows
