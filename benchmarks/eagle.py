@@ -78,7 +78,7 @@ def main() -> None:
         "--attention-backend",
         default=None,
         help="attention.backend for every engine (default: auto); with triton a verification "
-        "is launched before the step in flight is read (pagoda.spec_decode.ahead)",
+        "is launched before the step in flight is read (pagoda.worker.drafts_ahead)",
     )
     p.add_argument("--training-json", default=None, help="the training command's figures")
     p.add_argument(
@@ -176,7 +176,7 @@ def main() -> None:
                 a / st.num_drafts if st.num_drafts else 0.0 for a in st.accepted_per_pos
             ],
             "num_drafts": st.num_drafts,
-            "verifications_launched_ahead": _runner(engines[name]).ahead_launches,
+            "verifications_launched_ahead": _runner(engines[name]).spec.ahead_launches,
         }
     if args.profile:  # after the figures: the profile's steps count in no statistic
         _profile(engines, prompts[0], params, out_dir)

@@ -48,10 +48,11 @@ import torch
 from pagoda_spec_eagle.checkpoint import llama_head_config, random_head_weights, write_head
 from safetensors.torch import load_file, save_file
 
-import pagoda.spec_decode.hidden as hd
-import pagoda.spec_decode.verify as vf
+import pagoda.worker.hidden_states as hd
 import pagoda.worker.model_runner as mr
+import pagoda.worker.spec_propose as sp
 import pagoda.worker.step_output as so_mod
+import pagoda.worker.steps_in_flight as sif
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.bench.report import commit, hardware, save_report
@@ -90,7 +91,7 @@ def wrap(owner, name, label):
     setattr(owner, name, w)
 
 
-wrap(vf, "propose", "verify.propose")
+wrap(sp, "propose", "verify.propose")
 wrap(mr, "must_read_last", "must_read_last")
 wrap(mr, "propose_for_slots", "propose_for_slots")
 wrap(mr, "fill_draft_slots", "fill_draft_slots")
@@ -100,7 +101,7 @@ wrap(hd.HiddenFeed, "take", "hidden.take")
 wrap(ep.EagleProposer, "propose", "eagle.propose")
 wrap(ep.EagleProposer, "draft_after_verify", "eagle.draft_after_verify")
 wrap(mr.ModelRunner, "launch", "runner.launch")
-wrap(mr.ModelRunner, "_read_unread", "runner.read_unread")
+wrap(sif.StepsInFlight, "read_all", "runner.read_unread")
 wrap(so_mod.StepOutput, "get", "step.get")
 wrap(so_mod.StepOutput, "_build", "step._build")
 wrap(mr, "verify_drafts", "verify_drafts")
@@ -249,7 +250,7 @@ print(ratios)
 print(
     "verifications launched ahead:",
     {
-        v: e.engine.engine_core.executor.worker.model_runner.ahead_launches
+        v: e.engine.engine_core.executor.worker.model_runner.spec.ahead_launches
         for v, e in engines.items()
     },
 )
@@ -291,7 +292,7 @@ report = {
     "us_per_step_excluding_eager_compute": per_step,
     "accepted_tokens": dict(accepted),
     "verifications_launched_ahead": {
-        v: llm.engine.engine_core.executor.worker.model_runner.ahead_launches
+        v: llm.engine.engine_core.executor.worker.model_runner.spec.ahead_launches
         for v, llm in engines.items()
     },
     "host_us_per_call": {

@@ -35,7 +35,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.bench.report import commit, hardware, save_report
 from pagoda.process import tuned_gc
-from pagoda.spec_decode.governor import build_governor
+from pagoda.scheduler.spec_governor import build_governor
 
 # (module, attribute or None for the module's docstring)
 _SOURCES = [

@@ -85,7 +85,7 @@ def _continued(prompts, outputs) -> list[list[int]]:
 
 
 # NOTE: alternating drafts while 8 or more requests run, as the 16-prompt batches start, draft
-# slots below, as they finish (``pagoda.spec_decode.inflight``).
+# slots below, as they finish (``pagoda.scheduler.draft_policy``).
 def test_greedy_output_with_ngram_speculation_is_token_identical(prompts, reference) -> None:
     llm = LLM(**BASE, **ENGINES["chunked_prefill_and_prefix_caching"], speculative_config=SPEC)
     core = llm.engine.engine_core

@@ -2,7 +2,7 @@
 equals greedy output without speculation on a random-weight Qwen3-0.6B in bf16 (except at
 near-ties), with the target's decode and verification CUDA graphs replayed (the head's hidden
 states are copied inside the graphs), all-greedy verifications of small batches replayed from
-their graphs too (``GreedyTail``, checked against the same operations run eagerly) and the
+their graphs too (``GreedyVerifyGraphs``, checked against the same operations run eagerly) and the
 head's own drafts replayed from its graphs."""
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ def test_greedy_with_an_eagle_head_matches_without_on_cuda(
 
 
 def _cross_check_tail(runner) -> list[int]:
-    """Each greedy verification replayed as a graph (``GreedyTail``) is also computed eagerly
-    on the same rows, before the replay, and must give the same tokens, counts and rows; the
-    batch sizes it verified."""
-    tail = runner.greedy_tail
+    """Each greedy verification replayed as a graph (``GreedyVerifyGraphs``) is also computed
+    eagerly on the same rows, before the replay, and must give the same tokens, counts and rows;
+    the batch sizes it verified."""
+    tail = runner.spec.greedy_graphs
     assert tail is not None and tail.graphs
     run, seen = tail.run, []
 
@@ -86,7 +86,7 @@ def _cross_check_tail(runner) -> list[int]:
             names = ("tokens", "num_emitted", "last_token", "last_hidden")
             for name, a, b in zip(names, (got.tokens, got.num_emitted, got.last_token,
                                           got.last_hidden), eager):  # fmt: skip
-                assert torch.equal(a, b), f"the greedy tail's {name} differ from eager"
+                assert torch.equal(a, b), f"the greedy graphs' {name} differ from eager"
             seen.append(n)
         return got
 
@@ -99,8 +99,8 @@ def _check(on, off, prompts, ids, want) -> None:
     tail_batches = _cross_check_tail(runner)
     got = [o.outputs[0].token_ids for o in on.generate(ids, PARAMS, use_tqdm=False)]
     assert on.engine.engine_core.scheduler.spec_stats_total.num_draft_tokens > 0
-    assert tail_batches, "no greedy verification went through the tail's graphs"
-    assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
+    assert tail_batches, "no greedy verification went through the greedy graphs"
+    assert runner.spec.verify_graphs is not None and runner.spec.verify_graphs.replays > 0
     for p, g, w in zip(prompts, got, want):
         check_same_or_near_tie(off, p, w, g)
     # One request at a time: decoding steps draft through the fixed-shape CUDA graph.
@@ -118,7 +118,7 @@ def test_verifications_launched_ahead_build_the_inputs_the_host_would(
     qwen3_dir: Path, tmp_path, monkeypatch, num_prompts
 ):
     """With the Triton backend the next verification's inputs are built on the device and its
-    graph replays before the step in flight is read (``pagoda.spec_decode.ahead``). Both final
+    graph replays before the step in flight is read (``pagoda.worker.drafts_ahead``). Both final
     norms are zero, so target and head pick token 0; the head's drafts turn wrong from a point
     that moves each draft (0 to 4 accepted, by turns). The runner checks each such step's
     inputs (ids, positions, slots, lengths) against those the host builds after the read."""
@@ -145,7 +145,7 @@ def test_verifications_launched_ahead_build_the_inputs_the_host_would(
     on = LLM(model=str(qwen3_dir), **COMMON, attention_backend="triton", speculative_config=spec)
     try:
         runner = on.engine.engine_core.executor.worker.model_runner
-        runner.check_ahead = True
+        runner.spec.check_ahead = True
         with torch.no_grad():
             runner.model.model.norm.weight.zero_()
             runner.proposer.head.norm.weight.zero_()
@@ -154,6 +154,6 @@ def test_verifications_launched_ahead_build_the_inputs_the_host_would(
         assert got == [[0] * PARAMS.max_tokens] * num_prompts
         stats = on.engine.engine_core.scheduler.spec_stats_total
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-        assert runner.ahead_launches >= 3
+        assert runner.spec.ahead_launches >= 3
     finally:
         on.engine.shutdown()

@@ -72,7 +72,7 @@ def _check(on, off, prompts, ids, params, want) -> None:
     stats = on.engine.engine_core.scheduler.spec_stats_total
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert runner.decode_graphs.replays > 0  # steps without drafts still replay graphs
-    assert runner.verify_graphs is not None and runner.verify_graphs.replays > 0
+    assert runner.spec.verify_graphs is not None and runner.spec.verify_graphs.replays > 0
     for p, g, w in zip(prompts, got, want):
         check_same_or_near_tie(off, p, w, g)
     # One request at a time too (batch 1: graph bucket 1 and verification steps alternate).

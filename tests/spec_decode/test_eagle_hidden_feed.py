@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_verify_graph_layout import TINY, EagerVerifyGraphs
+from test_verify_graph_layout import TINY, eager_verify_graphs
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
@@ -26,8 +26,7 @@ def _run(folder: Path, head: Path, graphs: bool):
     llm = LLM(**common, speculative_config=spec)
     runner = llm.engine.engine_core.executor.worker.model_runner
     if graphs:
-        runner.verify_graphs = EagerVerifyGraphs(runner, query_len=K + 1)
-        runner.verify_graphs.capture()
+        runner.spec.verify_graphs = eager_verify_graphs(runner, K + 1)
     seen = []
     propose = runner.proposer.propose
 
@@ -49,7 +48,7 @@ def test_hidden_rows_from_verification_graphs_equal_the_eager_ones(tmp_path: Pat
     eagle.write_head(tmp_path / "head", cfg, eagle.random_head_weights(cfg, 0, std=0.3))
     want, eager_rows, _ = _run(folder, tmp_path / "head", graphs=False)
     got, graph_rows, runner = _run(folder, tmp_path / "head", graphs=True)
-    assert runner.verify_graphs.replays > 0
+    assert runner.spec.verify_graphs.replays > 0
     assert got == want
     assert len(graph_rows) == len(eager_rows) > 3
     for (n_a, loc_a, h_a), (n_b, loc_b, h_b) in zip(eager_rows, graph_rows):

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import pagoda.spec_decode.inflight as inflight
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.scheduler import draft_policy
+from pagoda.scheduler.draft_policy import DraftBackoff
 from pagoda.spec_decode import Drafts, SpeculativeProposer
-from pagoda.spec_decode.inflight import DraftBackoff
 from pagoda.testing import plugin_registered
 from pagoda.testing.kv_cache import check_kv_cache
 
@@ -26,14 +26,14 @@ K = 3
 MAX_TOKENS = 48
 # Reference continuations by prompt, which the oracle proposer reads (set by the fixture).
 REFERENCE: dict[tuple[int, ...], list[int]] = {}
-# Where speculation alternates from (``inflight.ALTERNATE_FROM``), to run this batch of 8 in each
-# of the two ways: draft slots every step, alternating every step, or the engine's own split.
+# Where speculation alternates from (``draft_policy.ALTERNATE_FROM``), to run this batch of 8 in
+# each of the two ways: draft slots every step, alternating every step, or the engine's own split.
 REGIMES = {"slots": 9, "alternate": 1, "auto": None}
 
 
 def _regime(monkeypatch, regime: str) -> None:
     if REGIMES[regime] is not None:
-        monkeypatch.setattr(inflight, "ALTERNATE_FROM", REGIMES[regime])
+        monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", REGIMES[regime])
 
 
 class OracleProposer(SpeculativeProposer):
@@ -99,7 +99,7 @@ def _instrumented(llm: LLM) -> dict[str, int]:
     core = llm.engine.engine_core
     runner = core.executor.worker.model_runner
     seen = {"steps": 0, "with_drafts": 0, "slots": 0, "waits": 0}
-    schedule, read = core.scheduler.schedule, runner._read_unread
+    schedule, read = core.scheduler.schedule, runner.in_flight.read_all
 
     def counting_schedule():
         so = schedule()
@@ -110,11 +110,11 @@ def _instrumented(llm: LLM) -> dict[str, int]:
         return so
 
     def counting_read():
-        seen["waits"] += any(not s.done for s in runner._unread)
+        seen["waits"] += any(not s.done for s in runner.in_flight.unread)
         read()
 
     core.scheduler.schedule = counting_schedule
-    runner._read_unread = counting_read
+    runner.in_flight.read_all = counting_read
     return seen
 
 
@@ -143,10 +143,10 @@ def test_speculation_switches_between_slots_and_alternating_steps(setup, monkeyp
     between the two with steps in flight; drafts stay fresh (the oracle's are all accepted),
     output stays exact, and every block returns."""
     engine, prompts, params, want = setup
-    assert inflight.ALTERNATE_FROM == 8
+    assert draft_policy.ALTERNATE_FROM == 8
     # NOTE: from 4 running requests on, so that this batch of 8 (whose requests end one by one)
     # spends steps in both ways and switches while requests have steps in flight.
-    monkeypatch.setattr(inflight, "ALTERNATE_FROM", 4)
+    monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", 4)
     spec = {"method": "oracle", "num_speculative_tokens": K}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     core = llm.engine.engine_core

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagoda.sample.ops import sample_from_probs
-from pagoda.spec_decode.rejection import rejection_sample
+from pagoda.sample.rejection import rejection_sample
 
 N = 60_000  # requests verified at once; each one is a draw
 P_MIN = 1e-3  # chi-square p-value below which a sampler is wrong

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import pagoda.spec_decode.inflight as inflight
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.config import SpeculativeConfig
-from pagoda.spec_decode.governor import SpeculationGovernor, build_governor, is_decode_step
+from pagoda.scheduler import draft_policy
+from pagoda.scheduler.spec_governor import SpeculationGovernor, build_governor, is_decode_step
 
 TINY = Path(__file__).parents[2] / "benchmarks" / "configs" / "tiny-llama"
 
@@ -252,14 +252,16 @@ def test_prompt_steps_and_idle_gaps_are_not_measured() -> None:
 
 
 def test_disable_by_batch_size_alone_is_a_fixed_threshold() -> None:
-    gov = build_governor(SpeculativeConfig(adaptive=False, disable_by_batch_size=16))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    gov = build_governor(SpeculativeConfig(**ngram, adaptive=False, disable_by_batch_size=16))
     assert gov.drafting(15) and not gov.drafting(16) and not gov.drafting(100)
     clock = FakeClock()
     gov.clock = clock
     assert all(_run(gov, clock, 500, 4, _host_bound))  # never measured, never turned off
-    assert build_governor(SpeculativeConfig(adaptive=False)) is None
-    measured = build_governor(SpeculativeConfig(disable_by_batch_size=16))
+    assert build_governor(SpeculativeConfig(**ngram, adaptive=False)) is None
+    measured = build_governor(SpeculativeConfig(**ngram, disable_by_batch_size=16))
     assert not measured.fixed and not measured.drafting(16)
+    assert build_governor(SpeculativeConfig(disable_by_batch_size=16)) is None  # no speculation
 
 
 def test_a_decode_step_is_one_token_a_request_plus_its_drafts() -> None:
@@ -268,14 +270,14 @@ def test_a_decode_step_is_one_token_a_request_plus_its_drafts() -> None:
     assert not is_decode_step({"a": 1}, {}, 1)  # a new request
 
 
-@pytest.mark.parametrize("alternate_from", [1, inflight.ALTERNATE_FROM])
+@pytest.mark.parametrize("alternate_from", [1, draft_policy.ALTERNATE_FROM])
 def test_governor_switching_keeps_greedy_output_token_identical(
     alternate_from, monkeypatch
 ) -> None:
     """The governor flips drafting every few steps (short epochs, a clock that makes each mode
     look better in turn), with alternating steps or (4 requests, below 8) draft slots: output
     stays what plain decoding gives, nothing leaks."""
-    monkeypatch.setattr(inflight, "ALTERNATE_FROM", alternate_from)
+    monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", alternate_from)
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
     engine = dict(
         model=str(folder),
@@ -328,7 +330,7 @@ def test_drafting_is_measured_again_once_the_batch_has_turned_over() -> None:
 def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1(monkeypatch) -> None:
     """Alternating drafts at batch 1: after a step with drafts the schedule is empty (its one
     request sits out); that is not idleness, so the verification step's tokens are measured."""
-    monkeypatch.setattr(inflight, "ALTERNATE_FROM", 1)
+    monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", 1)
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
     llm = LLM(
         model=str(folder),
@@ -422,11 +424,11 @@ def test_auto_drafts_switch_mode_at_a_bucket_boundary() -> None:
     """Speculation changes from draft slots to alternating steps at a bucket boundary, so that no
     bucket's drafting rate mixes the two."""
     below, at = (
-        SpeculationGovernor.bucket_of(inflight.ALTERNATE_FROM - 1),
-        SpeculationGovernor.bucket_of(inflight.ALTERNATE_FROM),
+        SpeculationGovernor.bucket_of(draft_policy.ALTERNATE_FROM - 1),
+        SpeculationGovernor.bucket_of(draft_policy.ALTERNATE_FROM),
     )
     assert below != at
-    assert SpeculationGovernor.bucket_of(2 * inflight.ALTERNATE_FROM - 1) == at
+    assert SpeculationGovernor.bucket_of(2 * draft_policy.ALTERNATE_FROM - 1) == at
 
 
 def test_drafting_that_accepts_nothing_loses_whatever_the_clock_shows() -> None:

@@ -1,4 +1,4 @@
-"""What a proposer is handed after a verification step (``_draft_after_verify``): the requests
+"""What a proposer is handed after a verification step (``draft_after_verify``): the requests
 that verified drafts and own their row, each with its own hidden rows, whether or not they are
 one slice of the step's rows."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from pagoda.spec_decode.verify import _draft_after_verify
+from pagoda.worker.spec_verify import draft_after_verify
 
 
 def _handed(nd: list[int], counts: list[int], pending: tuple[str, ...] = ()):
@@ -18,10 +18,10 @@ def _handed(nd: list[int], counts: list[int], pending: tuple[str, ...] = ()):
     n = len(counts)
     req_ids = [f"r{i}" for i in range(n)]
     rows_t = torch.arange(int(qsl[-1]), dtype=torch.float32)[:, None]  # row j holds j
-    runner = SimpleNamespace(
+    spec = SimpleNamespace(
         hidden_feed=SimpleNamespace(pending={r: None for r in pending}),
         input_batch=SimpleNamespace(row_of={r: 10 + i for i, r in enumerate(req_ids)}),
-        _as_device=lambda a: torch.from_numpy(np.ascontiguousarray(a)),
+        buffers=SimpleNamespace(as_device=lambda a: torch.from_numpy(np.ascontiguousarray(a))),
         proposer=SimpleNamespace(draft_after_verify=got.append),
     )
     out = SimpleNamespace(
@@ -32,7 +32,7 @@ def _handed(nd: list[int], counts: list[int], pending: tuple[str, ...] = ()):
     )
     tokens = torch.arange(n * 3, dtype=torch.int64).view(n, 3)
     emitted = torch.arange(1, n + 1, dtype=torch.int64)
-    _draft_after_verify(runner, out, np.asarray(nd), tokens, emitted)
+    draft_after_verify(spec, out, np.asarray(nd), tokens, emitted)
     return got[0] if got else None
 
 

@@ -33,13 +33,13 @@ class EagerVerifyGraphs(DecodeGraphs):
         return 0.0
 
     def run(self, common: CommonAttentionMetadata, b: int) -> torch.Tensor:
-        r, n, q = self.runner, common.num_reqs, self.query_len
+        r, n, q = self.buffers, common.num_reqs, self.query_len
         self._pad(n, b)
         padded = CommonAttentionMetadata(
             num_reqs=b,
             num_actual_tokens=b * q,
             max_query_len=q,
-            max_seq_len=r.max_model_len,
+            max_seq_len=self.max_model_len,
             query_start_loc=r.query_start_loc[: b + 1],
             seq_lens=r.seq_lens[:b],
             block_table=r.block_table[:b],
@@ -50,10 +50,19 @@ class EagerVerifyGraphs(DecodeGraphs):
             seq_lens_cpu=r.seq_lens[:b].numpy().astype(np.int64),
             block_size=r.block_size,
         )
-        with set_forward_context(r.attn_backend.build_metadata(padded)):
-            out = r.model(r.input_ids[: b * q], r.positions[: b * q])
+        with set_forward_context(self.attn_backend.build_metadata(padded)):
+            out = self.model(r.input_ids[: b * q], r.positions[: b * q])
         self.replays += 1
         return out[: n * q]
+
+
+def eager_verify_graphs(runner, query_len: int) -> EagerVerifyGraphs:
+    """Stand-ins for ``runner``'s verification graphs, captured (nothing to capture)."""
+    graphs = EagerVerifyGraphs(
+        runner.model, runner.attn_backend, runner.buffers, runner.max_model_len, query_len
+    )
+    graphs.capture()
+    return graphs
 
 
 def test_padded_verification_steps_keep_greedy_output() -> None:
@@ -66,23 +75,21 @@ def test_padded_verification_steps_keep_greedy_output() -> None:
     want = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
     llm = LLM(**common, speculative_config=SPEC)
     runner = llm.engine.engine_core.executor.worker.model_runner
-    runner.verify_graphs = EagerVerifyGraphs(runner, query_len=SPEC["num_speculative_tokens"] + 1)
-    runner.verify_graphs.capture()
+    runner.spec.verify_graphs = eager_verify_graphs(runner, SPEC["num_speculative_tokens"] + 1)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert runner.verify_graphs.replays > 0
+    assert runner.spec.verify_graphs.replays > 0
     assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
     assert got == want
 
 
 def test_a_runner_with_graphs_goes_with_its_engine_without_a_collection() -> None:
-    """The runner holds its graphs and the graphs reach the runner: were that a strong reference,
-    the runner (its KV cache: on a GPU most of the device) would outlive its dropped engine until
-    the interpreter's next full garbage collection."""
+    """The runner holds its graphs, which hold its buffers and its model but never the runner:
+    were there a cycle back to it, the runner (its KV cache: on a GPU most of the device) would
+    outlive its dropped engine until the interpreter's next full garbage collection."""
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
     llm = LLM(model=str(folder), device="cpu", max_model_len=256, speculative_config=SPEC)
     runner = llm.engine.engine_core.executor.worker.model_runner
-    runner.verify_graphs = EagerVerifyGraphs(runner, query_len=SPEC["num_speculative_tokens"] + 1)
-    runner.verify_graphs.capture()
+    runner.spec.verify_graphs = eager_verify_graphs(runner, SPEC["num_speculative_tokens"] + 1)
     llm.generate([{"prompt_token_ids": [7, 8, 9, 10] * 6}], SamplingParams(max_tokens=8))
     gone = weakref.ref(runner)
     gc.disable()

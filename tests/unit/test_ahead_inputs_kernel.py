@@ -1,4 +1,4 @@
-"""The kernel that builds a verification's inputs ahead (``pagoda.spec_decode.ahead_kernel``)
+"""The kernel that builds a verification's inputs ahead (``pagoda.worker.verify_inputs_kernel``)
 writes what its torch reference writes, for requests that accepted every number of drafts.
 
 On a machine without CUDA the kernel runs in Triton's interpreter on CPU tensors."""
@@ -38,7 +38,7 @@ def _buffers(n: int, q: int):
 @pytest.mark.parametrize("k", [1, 3, 4, 7])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_kernel_matches_the_torch_reference(k: int, block_size: int) -> None:
-    from pagoda.spec_decode.ahead_kernel import build_inputs
+    from pagoda.worker.verify_inputs_kernel import build_inputs
 
     gen = torch.Generator().manual_seed(k * 100 + block_size)
     n, q = 5, k + 1
@@ -70,7 +70,7 @@ def test_kernel_matches_the_torch_reference(k: int, block_size: int) -> None:
 
 
 def test_start_up_check_keeps_the_torch_path_when_the_kernel_differs(monkeypatch) -> None:
-    import pagoda.spec_decode.ahead_kernel as ak
+    import pagoda.worker.verify_inputs_kernel as ak
 
     monkeypatch.setattr(ak, "_failed", [])
     monkeypatch.setattr(ak, "available", lambda device: not ak._failed)

@@ -24,8 +24,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("k", [1, 3, 4, 7])
 @pytest.mark.parametrize("seed", range(4))
 def test_kernel_matches_the_torch_rejection_sampler(k: int, seed: int) -> None:
-    from pagoda.spec_decode.greedy_kernel import greedy_verify
-    from pagoda.spec_decode.rejection import rejection_sample
+    from pagoda.sample.greedy_verify_kernel import greedy_verify
+    from pagoda.sample.rejection import rejection_sample
 
     gen = torch.Generator().manual_seed(seed)
     n = 6

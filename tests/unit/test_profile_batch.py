@@ -3,8 +3,6 @@ prompt among them so that long-prefill kernel launches compile at start-up."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from pagoda.worker.profile import LONG_PROMPT, _profile_batch
@@ -17,8 +15,7 @@ from pagoda.worker.profile import LONG_PROMPT, _profile_batch
 def test_profile_batch_fills_the_step_and_holds_one_long_prompt(
     tokens: int, reqs: int, model_len: int
 ) -> None:
-    runner = SimpleNamespace(max_num_tokens=tokens, max_num_reqs=reqs, max_model_len=model_len)
-    lens = _profile_batch(runner)
+    lens = _profile_batch(tokens, reqs, model_len)
     n_tok = min(tokens, reqs * model_len)
     assert int(lens.sum()) == n_tok and len(lens) == min(reqs, n_tok)
     assert lens.min() >= 1 and lens.max() <= model_len

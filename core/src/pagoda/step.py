@@ -73,20 +73,29 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # req_id -> the draft tokens scheduled for it (speculative decoding); they are the last
     # ``len(drafts)`` of its ``num_scheduled_tokens`` and follow its last known token. All -1:
-    # draft slots that the runner fills (``pagoda.spec_decode.inflight``).
+    # draft slots that the runner fills (``is_draft_slots``; ``pagoda.worker.draft_slots``).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # KV offload: this step's copies between the device and the CPU pool (and waits), if any.
     kv_transfers: KVTransfers | None = None
     # Speculative decoding: whether the runner proposes drafts after this step (false while
-    # the governor has drafting off: ``pagoda.spec_decode.governor``).
+    # the governor has drafting off: ``pagoda.scheduler.spec_governor``).
     propose_drafts: bool = True
-    # Alternating async speculation this step (``pagoda.spec_decode.inflight``): the runner
+    # Alternating async speculation this step (``pagoda.scheduler.draft_policy``): the runner
     # proposes once the step's output is read, for the step after the one its requests sit out.
     alternate_drafts: bool = False
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+#: A draft slot in ``SchedulerOutput.scheduled_spec_decode_tokens``: a draft the runner fills.
+DRAFT_SLOT = -1
+
+
+def is_draft_slots(draft_ids: list[int]) -> bool:
+    """Whether scheduled drafts are slots for the runner to fill (``DRAFT_SLOT`` placeholders)."""
+    return bool(draft_ids) and draft_ids[0] == DRAFT_SLOT
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ from pagoda.model_info import ModelInfo
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
+from pagoda.scheduler.draft_policy import draft_policy
 from pagoda.scheduler.scheduler import Scheduler
-from pagoda.spec_decode.governor import build_governor
-from pagoda.spec_decode.inflight import alternate_from
+from pagoda.scheduler.spec_governor import build_governor
 from pagoda.spec_decode.proposer import check_speculative
 from pagoda.step import EngineCoreOutput, SchedulerOutput
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
@@ -44,22 +44,18 @@ class EngineCore:
         sched_config = config.scheduler.model_copy(
             update={"max_num_batched_tokens": info.max_num_batched_tokens}
         )
-        self.scheduler = Scheduler(
-            sched_config, config.cache, self.kv_cache_manager, info.max_model_len
-        )
         # Structured output: grammars compile in its threads; this process's runner finds them.
         self.structured_output = StructuredOutputManager(config, info)
         register_manager(config, self.structured_output)
-        self.scheduler.structured_output = self.structured_output
-        if config.speculative.method is not None:
-            self.scheduler.num_spec_tokens = config.speculative.num_speculative_tokens
-            alternate = self.scheduler.spec_alternate_from = alternate_from(config)
-            if alternate is not None:
-                self.scheduler.draft_backoff.min_accepted = 2  # a step sat out must pay
-                # NOTE: at any batch size where steps alternate (below it, with draft slots,
-                # a verification costs about what a decode step does).
-                self.scheduler.draft_backoff.min_batch = alternate
-            self.scheduler.spec_governor = build_governor(config.speculative)
+        self.scheduler = Scheduler(
+            sched_config,
+            config.cache,
+            self.kv_cache_manager,
+            info.max_model_len,
+            structured_output=self.structured_output,
+            drafts=draft_policy(config),
+            spec_governor=build_governor(config.speculative),
+        )
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
         self.async_scheduling = config.scheduler.async_scheduling

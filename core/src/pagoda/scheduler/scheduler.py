@@ -37,10 +37,11 @@ from pagoda.kv_cache.block_pool import KVCacheBlock
 from pagoda.kv_cache.manager import KVCacheManager, cdiv
 from pagoda.plugins.seams import check_admission, seam
 from pagoda.request import Request, RequestStatus
-from pagoda.spec_decode.governor import SpeculationGovernor, is_decode_step
-from pagoda.spec_decode.inflight import DraftBackoff
+from pagoda.scheduler.draft_policy import DraftBackoff, DraftPolicy
+from pagoda.scheduler.spec_governor import SpeculationGovernor, is_decode_step
 from pagoda.spec_decode.metrics import SpecDecodingStats
 from pagoda.step import (
+    DRAFT_SLOT,
     CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -147,7 +148,15 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        *,
+        structured_output: StructuredOutputManager | None = None,
+        drafts: DraftPolicy | None = None,
+        spec_governor: SpeculationGovernor | None = None,
     ) -> None:
+        """``structured_output`` compiles grammars (None: requests with one are refused);
+        ``drafts`` is how drafts are scheduled (``pagoda.scheduler.draft_policy``; None:
+        speculation is off); ``spec_governor`` turns drafting off for the batch while it does
+        not pay (None: drafts every step)."""
         self.num_preemptions_total = 0
         chunked = scheduler_config.enable_chunked_prefill
         budget = scheduler_config.max_num_batched_tokens
@@ -188,28 +197,26 @@ class Scheduler:
         self._admit_hook = seam("admit_request")
         # Leader id -> the samples that wait for its prompt's blocks (see Request.prefill_leader).
         self.parked: dict[str, list[Request]] = {}
-        # Structured output: compiles grammars (set by the engine core); requests whose compile
-        # failed, for the next outputs.
-        self.structured_output: StructuredOutputManager | None = None
+        # Structured output: requests whose compile failed, for the next outputs.
+        self.structured_output = structured_output
         self.grammar_errors: list[EngineCoreOutput] = []
         # KV offload: requests loading from the CPU pool wait there, not in ``waiting``.
         self.offload = kv_cache_manager.offload
         # Speculative decoding: drafts verified since the last ``make_spec_stats`` (and ever);
-        # ``num_spec_tokens`` (k, 0: off) is set by the engine core. A request with a step in
-        # flight gets k draft slots that the runner fills (``pagoda.spec_decode.inflight``).
+        # k drafts a request at most (0: off). A request with a step in flight gets k draft
+        # slots that the runner fills, or sits a step out (``pagoda.scheduler.draft_policy``).
         self.spec_stats = SpecDecodingStats()
         self.spec_stats_total = SpecDecodingStats()
-        self.num_spec_tokens = 0
-        self.draft_backoff = DraftBackoff()
-        # Async speculation that alternates from this many running requests on
-        # (``inflight.alternate_from``; None: never), set by the engine core; whether this step
-        # alternates; the requests whose last proposal had drafts.
-        self.spec_alternate_from: int | None = None
+        self.num_spec_tokens = 0 if drafts is None else drafts.num_spec_tokens
+        self.draft_backoff = DraftBackoff() if drafts is None else drafts.backoff()
+        # Speculation alternates from this many running requests on (None: never); whether
+        # this step alternates; the requests whose last proposal had drafts.
+        self.spec_alternate_from = None if drafts is None else drafts.alternate_from
         self._alternate = False
         self._proposing: set[str] = set()
-        # Whether this step drafts: the governor (set by the engine core; None: always) turns
-        # drafting off for the batch while it does not pay (``pagoda.spec_decode.governor``).
-        self.spec_governor: SpeculationGovernor | None = None
+        # Whether this step drafts: the governor (None: always) turns drafting off for the
+        # batch while it does not pay (``pagoda.scheduler.spec_governor``).
+        self.spec_governor = spec_governor
         self._drafting = True
 
     def add_request(self, request: Request) -> None:
@@ -347,7 +354,7 @@ class Scheduler:
 
     def _alternates(self) -> bool:
         """Whether speculation alternates with the requests running now
-        (``inflight.alternate_from``)."""
+        (``DraftPolicy.alternate_from``)."""
         return (
             self.spec_alternate_from is not None and len(self.running) >= self.spec_alternate_from
         )
@@ -383,7 +390,7 @@ class Scheduler:
         if req.num_output_placeholders:
             if self._alternate or req.sampling_params.structured_outputs is not None:
                 return []
-            drafts = [-1] * self.num_spec_tokens
+            drafts = [DRAFT_SLOT] * self.num_spec_tokens
         else:
             drafts = req.spec_token_ids
         limit = min(len(drafts), budget - 1, self.max_model_len - known)

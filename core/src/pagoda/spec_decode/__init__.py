@@ -1,11 +1,16 @@
-"""Speculative decoding: the proposer contract, the rejection sampler and its counters.
+"""Speculative decoding's contract: what a proposer receives and returns, and the counters of
+drafts and accepted tokens.
 
 Proposers are plugins (``register_spec_proposers``), selected with ``speculative.method``; the
-core verifies their drafts (``pagoda.spec_decode.rejection``) so that output stays lossless.
+core verifies their drafts (the rejection sampler, ``pagoda.sample.rejection``, re-exported
+here) so that output stays lossless. Floor: a contract, beside attention and the models; the
+scheduler's and the runner's sides of speculation live in ``pagoda.scheduler`` and
+``pagoda.worker``.
 """
 
 from __future__ import annotations
 
+from pagoda.sample.rejection import rejection_sample
 from pagoda.spec_decode.metrics import SpecDecodingStats
 from pagoda.spec_decode.proposer import (
     Drafts,
@@ -16,7 +21,6 @@ from pagoda.spec_decode.proposer import (
     VerifiedBatch,
     build_proposer,
 )
-from pagoda.spec_decode.rejection import rejection_sample
 
 __all__ = [
     "Drafts",

@@ -2,7 +2,7 @@
 
 A proposer guesses the next few tokens of each running request (its *drafts*); the target model
 scores every draft in the next step's forward and the rejection sampler keeps the longest prefix
-the target agrees with, plus one token of its own (``pagoda.spec_decode.rejection``). Output is
+the target agrees with, plus one token of its own (``pagoda.sample.rejection``). Output is
 the same as without speculation (greedy) or has the same distribution (sampling), whatever the
 proposer returns: a bad proposer only costs time.
 
@@ -24,9 +24,9 @@ Life cycle, in the process that runs the model (every worker with several):
 
 Drafts are a suggestion: the core may schedule fewer (token budget, ``max_tokens``, the context
 limit, KV cache pressure) or none (a request whose drafts keep being rejected backs off:
-``pagoda.spec_decode.inflight``), or a request that alternates sits a step out before its drafts are
-verified. A proposer must not assume its drafts were scheduled; the accepted tokens reach it as
-ordinary history in ``batch.token_ids`` at its next call.
+``pagoda.scheduler.draft_policy``), or a request that alternates sits a step out before its
+drafts are verified. A proposer must not assume its drafts were scheduled; the accepted tokens
+reach it as ordinary history in ``batch.token_ids`` at its next call.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class SpeculativeProposer(ABC):
         both [n, k] int64 (the host copy may be in flight until the step's output is read), or
         None where any request's drafts could differ (then the runner waits for the step).
         With it the runner launches the next verification before reading the step in flight
-        (``pagoda.spec_decode.ahead``). Default None."""
+        (``pagoda.worker.drafts_ahead``). Default None."""
         return None
 
     def remove(self, req_ids: Iterable[str]) -> None:  # noqa: B027 (optional to override)

@@ -6,7 +6,7 @@ writes its key and value into block 0 (never handed out) and attends to that one
 
 With ``query_len`` q > 1 the same holds for steps where every request has q tokens (speculative
 verification: the last known token and k drafts, q = k + 1); the runner pads requests with
-fewer drafts to q tokens whose keys and values go to block 0 (``pagoda.spec_decode.verify``).
+fewer drafts to q tokens whose keys and values go to block 0 (``pagoda.worker.spec_verify``).
 """
 
 from __future__ import annotations
@@ -14,17 +14,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import set_forward_context
-
-if TYPE_CHECKING:
-    from pagoda.worker.model_runner import ModelRunner
+from pagoda.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +32,23 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, query_len: int = 1) -> None:
-        # NOTE: not a strong reference: the runner holds these graphs, and a cycle would keep
-        # the runner (its KV cache: most of the device) alive until a full garbage collection,
-        # after its engine was dropped.
-        self.runner = weakref.proxy(runner)
+    """Graphs of ``model`` over ``buffers`` for steps of ``query_len`` tokens a request, up to as
+    many requests as the buffers hold."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend: type[AttentionBackend],
+        buffers: StepBuffers,
+        max_model_len: int,
+        query_len: int = 1,
+    ) -> None:
+        self.model = model
+        self.attn_backend = attn_backend
+        self.buffers = buffers
+        self.max_model_len = max_model_len
         self.query_len = q = query_len
-        self.buckets = graph_buckets(min(runner.max_num_reqs, runner.max_num_tokens // q))
+        self.buckets = graph_buckets(min(buffers.max_num_reqs, buffers.max_num_tokens // q))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metadata: dict[int, object] = {}  # the attention metadata each graph captured
@@ -61,30 +67,17 @@ class DecodeGraphs:
         return bool(self._replan)
 
     def _metadata(self, b: int) -> object:
-        r, q = self.runner, self.query_len
         # NOTE: captured with worst-case lengths, so launch parameters baked into the graph
         # (grids, context splits) hold for every step it replays.
-        common = CommonAttentionMetadata(
-            num_reqs=b,
-            num_actual_tokens=b * q,
-            max_query_len=q,
-            max_seq_len=r.max_model_len,
-            query_start_loc=r.query_start_loc[: b + 1],
-            seq_lens=r.seq_lens[:b],
-            block_table=r.block_table[:b],
-            slot_mapping=r.slot_mapping[: b * q],
-            query_start_loc_cpu=np.arange(b + 1) * q,
-            seq_lens_cpu=np.full(b, r.max_model_len),
-            block_size=r.block_size,
-        )
-        return r.attn_backend.build_graph_metadata(common)
+        common = self.buffers.uniform_step(b, self.query_len, np.full(b, self.max_model_len))
+        return self.attn_backend.build_graph_metadata(common)
 
     def _pad(self, n: int, b: int) -> None:
         """Fill the buffers' rows of requests ``n .. b`` for a replay of bucket ``b`` with ``n``
         real requests (whose rows, query start locations included, the caller wrote)."""
         if n == b and n:
             return  # NOTE: nothing to pad; every write below would be an empty launch
-        r, q = self.runner, self.query_len
+        r, q = self.buffers, self.query_len
         r.input_ids[n * q : b * q] = 0
         r.positions[n * q : b * q] = 0
         r.slot_mapping[n * q : b * q] = 0
@@ -94,7 +87,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        r = self.runner
+        r, model = self.buffers, self.model
         self._arange = torch.arange(self.max_batch + 1, dtype=torch.int32, device=r.device)
         self._arange_np = np.arange(self.max_batch + 1, dtype=np.int64)
         start = time.perf_counter()
@@ -103,14 +96,14 @@ class DecodeGraphs:
         for b in reversed(self.buckets):
             self._pad(0, b)
             md = self.metadata[b] = self._metadata(b)
-            if r.attn_backend.graph_replans(md):
+            if self.attn_backend.graph_replans(md):
                 self._replan.add(b)
             with set_forward_context(md):
-                r.model(r.input_ids[: b * q], r.positions[: b * q])  # warm-up: compile, tune
+                model(r.input_ids[: b * q], r.positions[: b * q])  # warm-up: compile, tune
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[b] = r.model(r.input_ids[: b * q], r.positions[: b * q])
+                    self.outputs[b] = model(r.input_ids[: b * q], r.positions[: b * q])
             self.graphs[b] = graph
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -136,18 +129,19 @@ class DecodeGraphs:
         self._pad(n, b)
         if b in self._replan:
             pad_lens = np.full(b - n, q, dtype=np.int64)
+            r = self.buffers
             padded = dataclasses.replace(
                 common,
                 num_reqs=b,
                 num_actual_tokens=b * q,
-                query_start_loc=self.runner.query_start_loc[: b + 1],
-                seq_lens=self.runner.seq_lens[:b],
-                block_table=self.runner.block_table[:b],
-                slot_mapping=self.runner.slot_mapping[: b * q],
+                query_start_loc=r.query_start_loc[: b + 1],
+                seq_lens=r.seq_lens[:b],
+                block_table=r.block_table[:b],
+                slot_mapping=r.slot_mapping[: b * q],
                 query_start_loc_cpu=self._arange_np[: b + 1] * q,
                 seq_lens_cpu=np.concatenate([common.seq_lens_cpu, pad_lens]),
             )
-            self.runner.attn_backend.prepare_graph_replay(self.metadata[b], padded)
+            self.attn_backend.prepare_graph_replay(self.metadata[b], padded)
         self.replays += 1
         self.graphs[b].replay()
         return self.outputs[b][: n * q]

@@ -1,8 +1,10 @@
 """The model runner: turns a scheduler output into one forward pass and sampled tokens.
 
 The flat batch (token ids, positions, slot mapping, block tables, query start offsets, sequence
-lengths) is written into buffers allocated once at the largest step size, so a GPU runner can
-replay CUDA graphs over the same memory.
+lengths) is written into buffers allocated once at the largest step size (``StepBuffers``), so a
+GPU runner can replay CUDA graphs over the same memory. Speculative decoding's side of a step
+(proposing, filling draft slots, verifying) works on the runner's ``Speculation``, not on the
+runner.
 """
 
 from __future__ import annotations
@@ -30,21 +32,25 @@ from pagoda.plugins.seams import build_logits_processors
 from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
-from pagoda.spec_decode.ahead import check_ahead, launch_ahead, take_drafts
-from pagoda.spec_decode.hidden import HiddenFeed, bind_proposer
-from pagoda.spec_decode.inflight import fill_draft_slots, must_read_last, propose_for_slots
-from pagoda.spec_decode.proposer import ProposerContext, build_proposer
-from pagoda.spec_decode.tail import GreedyTail
-from pagoda.spec_decode.verify import propose_after, run_verify_graph, verify_drafts
+from pagoda.spec_decode.proposer import ProposerContext, TargetModel, build_proposer
 from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.runner import grammar_rows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
+from pagoda.worker.draft_slots import fill_draft_slots, must_read_last, propose_for_slots
+from pagoda.worker.drafts_ahead import check_ahead, launch_ahead, plan_ahead, take_drafts
+from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
+from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
-from pagoda.worker.pinned_stage import STAGED_DTYPES, PinnedStage
 from pagoda.worker.profile import profile_peak_activations
+from pagoda.worker.spec_propose import propose_after
+from pagoda.worker.spec_verify import run_verify_graph, verify_drafts
+from pagoda.worker.speculation import Speculation
+from pagoda.worker.step_buffers import StepBuffers
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
+from pagoda.worker.steps_in_flight import StepsInFlight
+from pagoda.worker.verify_inputs_kernel import warm as warm_verify_inputs_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -98,18 +104,6 @@ class ModelRunner:
                 dtype,
             )
         )
-        self._draft_probs: dict[str, torch.Tensor] = {}  # req_id -> q of its drafts, if given
-        # req_id -> the drafts proposed after the last step read (fill draft slots). With async
-        # scheduling a proposer that reads only history proposes in ``launch``, for the
-        # requests with draft slots, from the last step launched; others after each step.
-        self._proposals: dict[str, list[int]] = {}
-        self._last_step: StepOutput | None = None
-        self._propose_in_launch = (
-            self.proposer is not None
-            and config.scheduler.async_scheduling
-            and not self.proposer.needs_hidden_states
-        )
-        self.hidden_feed: HiddenFeed | None = None  # the hidden states the proposer asked for
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
         self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
         self.input_batch = InputBatch(
@@ -117,7 +111,29 @@ class ModelRunner:
         )
         # Structured output: the constrained requests' matchers and each step's bitmask.
         self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs, device)
-        self._alloc_buffers()
+        self.buffers = StepBuffers.allocate(
+            device, self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.block_size
+        )
+        self.in_flight = StepsInFlight(self.max_num_reqs, device)
+        # Speculative decoding's state between steps (None: off). With async scheduling a
+        # proposer that reads only history proposes in ``launch``, for the requests with draft
+        # slots, from the last step launched; others after each step.
+        self.spec: Speculation | None = None
+        if self.proposer is not None:
+            self.spec = Speculation(
+                self.proposer,
+                config.speculative.num_speculative_tokens,
+                arch.vocab_size,
+                max_model_len,
+                self.input_batch,
+                self.buffers,
+                self.in_flight,
+                self.sampler,
+                self.grammar,
+                propose_in_launch=(
+                    config.scheduler.async_scheduling and not self.proposer.needs_hidden_states
+                ),
+            )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_offload: OffloadMedium | None = None  # KV offload's pool and copies
@@ -125,26 +141,6 @@ class ModelRunner:
         # graph_capture_s (those that ran).
         self.startup_times: dict[str, float] = {}
         self.memory_profile: dict[str, int] = {}
-
-    def _alloc_buffers(self) -> None:
-        d, n, r = self.device, self.max_num_tokens, self.max_num_reqs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=d)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=d)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=d)
-        self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=d)
-        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=d)
-        self.block_table = torch.zeros(r, self.max_blocks_per_req, dtype=torch.int32, device=d)
-        self.logits_indices = torch.zeros(r, dtype=torch.int64, device=d)
-        self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
-        self._pin = d.type == "cuda"
-        self._stage = PinnedStage() if self._pin else None
-        # Launched steps whose output was not read yet (at most one after ``_settle``), and the
-        # ids the last sampling step drew, on the device, with each row's index in them.
-        self._unread: list[StepOutput] = []
-        self._prev_sampled = torch.zeros(r, dtype=torch.int64, device=d)
-        self._prev_index = np.full(r, -1, dtype=np.int64)
-        self.ahead_launches = 0  # verifications launched before the step in flight was read
-        self.check_ahead = False  # (tests) compare their inputs with the host's, waiting
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -219,7 +215,15 @@ class ModelRunner:
         weights, everything else on the device (CUDA context, libraries' workspaces, other
         processes) and the activations of the largest step (measured) are counted."""
         start = time.perf_counter()
-        activations = profile_peak_activations(self)
+        activations = profile_peak_activations(
+            self.model,
+            self.attn_backend,
+            self.buffers,
+            self.num_kv_heads,
+            self.arch.head_dim,
+            self.dtype,
+            self.max_model_len,
+        )
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # Decode graphs keep their own pool: activations of up to max_num_reqs tokens.
@@ -227,7 +231,7 @@ class ModelRunner:
         if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
             graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
             if self.proposer is not None and self.config.parallel.tensor_parallel_size == 1:
-                graphs += GreedyTail.reserve_bytes(self.arch.vocab_size, self.dtype)
+                graphs += GreedyVerifyGraphs.reserve_bytes(self.arch.vocab_size, self.dtype)
         limit = total * self.config.cache.gpu_memory_utilization
         budget = int(limit - (total - free) - activations - graphs)
         self.startup_times["profile_s"] = time.perf_counter() - start
@@ -275,36 +279,70 @@ class ModelRunner:
             self.num_kv_heads,
         )
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
-        if self.proposer is not None:  # a draft model loads here, before graphs are captured
-            self.hidden_feed = bind_proposer(self, num_blocks)
+        spec = self.spec
+        if spec is not None:  # a draft model loads here, before graphs are captured
+            self._bind_proposer(spec, num_blocks)
         self.decode_graphs: DecodeGraphs | None = None
-        # Speculative verification steps (k + 1 tokens a request) as graphs too.
-        self.verify_graphs: DecodeGraphs | None = None
-        # All-greedy verifications of small batches: their sampling as graphs too.
-        self.greedy_tail: GreedyTail | None = None
         self.graph_capture_s = 0.0
         if (
             self.device.type == "cuda"
             and not self.config.model.enforce_eager
             and self.attn_backend.supports_cuda_graph
         ):
-            self.decode_graphs = DecodeGraphs(self)
+            self.decode_graphs = self._graphs()
             self.graph_capture_s = self.decode_graphs.capture()
-            if self.proposer is not None:
-                k = self.config.speculative.num_speculative_tokens
-                self.verify_graphs = DecodeGraphs(self, query_len=k + 1)
-                self.graph_capture_s += self.verify_graphs.capture()
+            if spec is not None:
+                # Speculative verification steps (k + 1 tokens a request) as graphs too, and
+                # all-greedy verifications of small batches: their sampling as graphs too.
+                spec.verify_graphs = self._graphs(query_len=spec.num_spec_tokens + 1)
+                self.graph_capture_s += spec.verify_graphs.capture()
                 if self.config.parallel.tensor_parallel_size == 1:
-                    self.greedy_tail = GreedyTail(self, self.verify_graphs)
-                    self.graph_capture_s += self.greedy_tail.capture()
+                    spec.greedy_graphs = GreedyVerifyGraphs(
+                        self.model, self.buffers.input_ids, spec.verify_graphs
+                    )
+                    self.graph_capture_s += spec.greedy_graphs.capture()
             self.startup_times["graph_capture_s"] = self.graph_capture_s
-        if self.device.type == "cuda" and self.proposer is not None:
+        if self.device.type == "cuda" and spec is not None:
             # The greedy verification kernel compiles here, not in the first step that verifies.
-            from pagoda.spec_decode import ahead_kernel, greedy_kernel  # NOTE: import Triton
+            # NOTE: imported here: it imports Triton, a heavy optional dependency that only CUDA
+            # engines with speculation need.
+            from pagoda.sample import greedy_verify_kernel
 
-            greedy_kernel.warm(self.device, self.config.speculative.num_speculative_tokens)
-            if self.verify_graphs is not None and self.proposer.needs_hidden_states:
-                ahead_kernel.warm(self.device, self.config.speculative.num_speculative_tokens)
+            greedy_verify_kernel.warm(self.device, spec.num_spec_tokens)
+            if spec.verify_graphs is not None and spec.needs_hidden_states:
+                warm_verify_inputs_kernel(self.device, spec.num_spec_tokens)
+
+    def _graphs(self, query_len: int = 1) -> DecodeGraphs:
+        """CUDA graphs of steps of ``query_len`` tokens a request over the step buffers."""
+        return DecodeGraphs(
+            self.model, self.attn_backend, self.buffers, self.max_model_len, query_len
+        )
+
+    def _bind_proposer(self, spec: Speculation, num_blocks: int) -> None:
+        """Hand the proposer the target (``bind_target``), and keep the hidden states it asked
+        for."""
+        ib = self.input_batch
+        target = TargetModel(
+            model=self.model,
+            num_hidden_layers=self.arch.num_hidden_layers,
+            attn_backend=self.attn_backend,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            block_table=ib.block_table,
+            num_row_blocks=ib.num_blocks,
+        )
+        spec.model = self.model
+        spec.proposer.bind_target(target)
+        if spec.needs_hidden_states:
+            spec.hidden_feed = HiddenFeed(
+                spec.proposer,
+                self.model,
+                self.buffers,
+                ib.row_of,
+                self.max_model_len,
+                self.arch.hidden_size,
+                self.dtype,
+            )
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -313,16 +351,13 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             ib.remove(req_id)
             self.grammar.remove(req_id)
-            self._draft_probs.pop(req_id, None)
-        if self.proposer is not None and so.finished_req_ids:
-            self.proposer.remove(so.finished_req_ids)
-            if self.hidden_feed is not None:
-                self.hidden_feed.remove(so.finished_req_ids)
+        if self.spec is not None:
+            self.spec.forget(so.finished_req_ids)
         req_ids: list[str] = []
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request may still hold its old row
-            self._prev_index[ib.add(new)] = -1
+            self.in_flight.forget_row(ib.add(new))
             self.grammar.add(new.req_id, new.sampling_params.structured_outputs)
             req_ids.append(new.req_id)
             computed.append(new.num_computed_tokens)
@@ -331,24 +366,6 @@ class ModelRunner:
             req_ids.append(cached.req_id)
             computed.append(cached.num_computed_tokens)
         return req_ids, np.asarray(computed, dtype=np.int64)
-
-    def _to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
-        """Copy ``src`` into the persistent buffer view ``dst`` without making the host wait: on
-        CUDA through page-locked memory (the launch's staging region, or a pinned block the
-        allocator keeps until the copy has run)."""
-        dst.copy_(self._host(src), non_blocking=True)
-
-    def _as_device(self, a: np.ndarray) -> torch.Tensor:
-        """A new device tensor holding ``a``, copied like ``_to_device``."""
-        return self._host(a).to(self.device, non_blocking=True)
-
-    def _host(self, a: np.ndarray) -> torch.Tensor:
-        if self._stage is not None and a.dtype in STAGED_DTYPES:
-            t = self._stage.host(a)
-            if t is not None:
-                return t
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        return t.pin_memory() if self._pin else t
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its output."""
@@ -361,27 +378,34 @@ class ModelRunner:
         The tokens sampled by the previous step may still be on the device (their rows hold -1):
         they reach this step's input ids there, without a host round trip.
         """
-        spec = so.scheduled_spec_decode_tokens
-        if self._unread and self._unread[-1].pending is not None:
-            self._unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
+        scheduled = so.scheduled_spec_decode_tokens
+        spec, in_flight, buffers = self.spec, self.in_flight, self.buffers
+        if in_flight.unread and in_flight.unread[-1].pending is not None:
+            in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None
-        if spec and self.proposer is not None and self.proposer.needs_hidden_states:
+        if scheduled and spec is not None and spec.needs_hidden_states:
             # The verification graph replays behind the step in flight, which is read next
-            # (``pagoda.spec_decode.ahead``).
-            ahead = launch_ahead(self, so)
-        if ahead is not None or (self._unread and must_read_last(self._unread[-1], so, self)):
+            # (``pagoda.worker.drafts_ahead``).
+            plan = plan_ahead(spec, so)
+            if plan is not None:
+                in_flight.settle()  # every step before the one in flight is read (not it)
+                buffers.next_launch()
+                req_ids, starts = self._update_states(so)  # cached requests: their new blocks
+                ahead = launch_ahead(spec, plan, req_ids, starts)
+        if ahead is not None or (
+            in_flight.unread and must_read_last(spec, in_flight.unread[-1], so)
+        ):
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
-            self._read_unread()
-        if spec and self._propose_in_launch:
-            propose_for_slots(self, spec)
-        self._settle()
+            in_flight.read_all()
+        if scheduled and spec is not None and spec.propose_in_launch:
+            propose_for_slots(spec, scheduled)
+        in_flight.settle()
         if ahead is not None:  # (its launch took the staging region and the new blocks)
             req_ids, starts = ahead.req_ids, ahead.starts
-            take_drafts(self, ahead)
+            take_drafts(spec, ahead)
         else:
-            if self._stage is not None:
-                self._stage.next_launch()
+            buffers.next_launch()
             if so.kv_transfers is not None and self.kv_offload is not None:
                 self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait
             req_ids, starts = self._update_states(so)
@@ -393,26 +417,28 @@ class ModelRunner:
             (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
         drafts, filled = {}, {}
-        if self.proposer is not None:
+        if spec is not None:
             # NOTE: a request whose last step had drafts was scheduled as if all were accepted;
             # it goes on from its last known token.
             np.minimum(starts, ib.num_tokens[rows] - 1, out=starts)
-        if spec:
-            drafts, filled = fill_draft_slots(self, spec, req_ids, counts)
+        if scheduled:
+            drafts, filled = fill_draft_slots(spec, scheduled, req_ids, counts)
             ib.write_drafts(drafts)
-        if self._unread and ib.sampling.needs_token_history(rows):
-            self._unread.pop().get()  # bad words read the ids on the host: wait for them
+        if in_flight.unread and ib.sampling.needs_token_history(rows):
+            in_flight.unread.pop().get()  # bad words read the ids on the host: wait for them
         num_reqs, total = len(req_ids), int(counts.sum())
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
-        tok_req = np.repeat(self._arange[:num_reqs], counts)
-        positions = np.repeat(starts - qsl[:-1], counts) + self._arange[:total]
+        tok_req = np.repeat(buffers.arange[:num_reqs], counts)
+        positions = np.repeat(starts - qsl[:-1], counts) + buffers.arange[:total]
         seq_lens = starts + counts
 
+        verify_graphs = None if spec is None else spec.verify_graphs
+        check = spec is not None and spec.check_ahead
         verified = None
-        if ahead is not None and (counts == self.verify_graphs.query_len).all():
+        if ahead is not None and (counts == verify_graphs.query_len).all():
             verified = ahead.hidden  # these inputs, built on the device, replayed already
-        if verified is None or self.check_ahead:
+        if verified is None or check:
             token_rows = rows[tok_req]
             input_ids = ib.token_ids[token_rows, positions]
             max_blocks = cdiv(int(seq_lens.max()), self.block_size)
@@ -423,30 +449,30 @@ class ModelRunner:
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
         if verified is not None:
-            if self.check_ahead:
-                check_ahead(self, input_ids, positions, slots, seq_lens)
-        elif bucket is None and self.verify_graphs is not None:
+            if check:
+                check_ahead(spec, input_ids, positions, slots, seq_lens)
+        elif bucket is None and verify_graphs is not None:
             # NOTE: a verification graph copies its own (padded) inputs: none are copied here.
             step = (counts, starts, qsl, input_ids, positions, slots, rows)
-            verified = run_verify_graph(self, *step, unknown, token_rows[unknown])
+            verified = run_verify_graph(spec, *step, unknown, token_rows[unknown])
         if verified is None:
-            self._to_device(self.input_ids[:total], input_ids)
+            buffers.to_device(buffers.input_ids[:total], input_ids)
             if len(unknown):
-                self._fill_from_device(unknown, token_rows[unknown])
-            self._to_device(self.positions[:total], positions)
-            self._to_device(self.slot_mapping[:total], slots)
-            self._to_device(self.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
-            self._to_device(self.seq_lens[:num_reqs], seq_lens.astype(np.int32))
-            self._to_device(self.block_table[:num_reqs, :max_blocks], block_table)
+                in_flight.fill_from_device(buffers, unknown, token_rows[unknown])
+            buffers.to_device(buffers.positions[:total], positions)
+            buffers.to_device(buffers.slot_mapping[:total], slots)
+            buffers.to_device(buffers.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
+            buffers.to_device(buffers.seq_lens[:num_reqs], seq_lens.astype(np.int32))
+            buffers.to_device(buffers.block_table[:num_reqs, :max_blocks], block_table)
             common = CommonAttentionMetadata(
                 num_reqs=num_reqs,
                 num_actual_tokens=total,
                 max_query_len=int(counts.max()),
                 max_seq_len=int(seq_lens.max()),
-                query_start_loc=self.query_start_loc[: num_reqs + 1],
-                seq_lens=self.seq_lens[:num_reqs],
-                block_table=self.block_table[:num_reqs],
-                slot_mapping=self.slot_mapping[:total],
+                query_start_loc=buffers.query_start_loc[: num_reqs + 1],
+                seq_lens=buffers.seq_lens[:num_reqs],
+                block_table=buffers.block_table[:num_reqs],
+                slot_mapping=buffers.slot_mapping[:total],
                 query_start_loc_cpu=qsl,
                 seq_lens_cpu=seq_lens,
                 block_size=bs,
@@ -457,33 +483,32 @@ class ModelRunner:
             hidden = verified
         else:
             with set_forward_context(self.attn_backend.build_metadata(common)):
-                hidden = self.model(self.input_ids[:total], self.positions[:total])
+                hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
 
         out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
-        if self.hidden_feed is not None:
-            q = self.verify_graphs.query_len if verified is not None else None
-            self.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
+        if spec is not None and spec.hidden_feed is not None:
+            q = verify_graphs.query_len if verified is not None else None
+            spec.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)
         out.draft_counts = filled
         if len(sample_idx) and drafts:
             # Like _sample, with drafts: the rejection sampler keeps each request's accepted
             # drafts and adds one token.
-            verify_drafts(self, hidden, out, rows, sample_idx, qsl, drafts)
+            verify_drafts(spec, hidden, out, rows, sample_idx, qsl, drafts)
         elif len(sample_idx):
             self._sample(hidden, out, rows, sample_idx, qsl)
-        if self.proposer is not None and (not self._propose_in_launch or so.alternate_drafts):
+        if spec is not None and (not spec.propose_in_launch or so.alternate_drafts):
             # NOTE: with drafting off (the governor) the proposer is not asked: its drafts would
             # not be scheduled; one that reads hidden states has them kept for its next call. A
-            # step that alternates (``inflight.alternate_from``) proposes here even where slots
-            # are filled at launch.
-            if so.propose_drafts or self.proposer.needs_hidden_states:
+            # step that alternates (``SchedulerOutput.alternate_drafts``) proposes here even
+            # where slots are filled at launch.
+            if so.propose_drafts or spec.needs_hidden_states:
                 out.on_output = self._propose if so.propose_drafts else self._hold_hidden
-        self._last_step = out
         self._prompt_logprobs(hidden, out, rows, starts, counts, qsl)
         if out.pending is None:
             self._end_launch(out, bool(drafts))
-        self._unread.append(out)
+        in_flight.launched(out)
         return out
 
     def _end_launch(self, out: StepOutput, drafted: bool) -> None:
@@ -494,29 +519,6 @@ class ModelRunner:
             out.event.record()
         if self.grammar.entries and out.sampled is not None and not drafted:
             self.grammar.after_launch(out, self.device)
-
-    def _settle(self) -> None:
-        """Keep at most one launched step unread, the last: the next step may take its sampled
-        ids from the device, but older placeholders must be on the host by now. (The engine reads
-        each output before the launch after next, so this does not wait.)"""
-        *older, last = self._unread or [None]
-        for step in older:
-            step.get()
-        self._unread = [last] if last is not None and not last.done else []
-
-    def _read_unread(self) -> None:
-        """Bring every launched step's sampled ids to the host rows (waits for the device)."""
-        for step in self._unread:
-            step.get()
-
-    def _fill_from_device(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        """Input ids at flat ``positions`` are the tokens the previous step sampled for ``rows``,
-        still on the device."""
-        src = self._prev_index[rows]
-        if not self._unread or (src < 0).any():
-            raise RuntimeError("an input token is neither on the host nor just sampled; runner bug")
-        idx = self._as_device(np.stack([positions, src]).astype(np.int64))
-        self.input_ids[idx[0]] = self._prev_sampled[idx[1]]
 
     # ---- sampling and logprobs -----------------------------------------------------------------
 
@@ -532,16 +534,17 @@ class ModelRunner:
         from the hidden state of their last scheduled token."""
         ib = self.input_batch
         n = len(sample_idx)
-        self._to_device(self.logits_indices[:n], qsl[1:][sample_idx] - 1)
-        logits = self.model.compute_logits(hidden[self.logits_indices[:n]])
+        li = self.buffers.logits_indices[:n]
+        self.buffers.to_device(li, qsl[1:][sample_idx] - 1)
+        logits = self.model.compute_logits(hidden[li])
         sample_rows = rows[sample_idx]
         md = ib.sampling_metadata(sample_rows)
         if self.sampler.logits_processors:
             md.req_ids = [out.req_ids[i] for i in sample_idx]
         out.sample_idx = sample_idx
         out.sample_rows = sample_rows
-        if self.proposer is not None and self.proposer.needs_hidden_states:
-            out.proposer_hidden = hidden[self.logits_indices[:n]]
+        if self.spec is not None and self.spec.needs_hidden_states:
+            out.proposer_hidden = hidden[li]
         constrained = self.grammar.entries and any(
             out.req_ids[i] in self.grammar.entries for i in sample_idx.tolist()
         )
@@ -565,11 +568,11 @@ class ModelRunner:
                 ib.token_ids,
                 num_tokens,
                 ib.num_prompt,
-                lambda: [s.get() for s in self._unread if s is not out],
+                lambda: [s.get() for s in self.in_flight.unread if s is not out],
                 self.device,
             )
             self._sample_logits(logits, md, out)
-            self.grammar.after_sample(out, self._prev_sampled)
+            self.grammar.after_sample(out, self.in_flight.sampled)
 
         if self.proposer is not None:  # NOTE: a proposer reads this step's sample at once
             sample()
@@ -581,12 +584,9 @@ class ModelRunner:
         next step's input on the device and are copied to the host behind the step."""
         ib = self.input_batch
         sample_rows = out.sample_rows
-        n = len(sample_rows)
         result = self.sampler(logits, md)
         ib.sampling.record_sampled(sample_rows, result.sampled)
-        self._prev_sampled = result.sampled
-        self._prev_index[:] = -1
-        self._prev_index[sample_rows] = np.arange(n)
+        self.in_flight.drew(sample_rows, result.sampled)
         out.sampled = result.sampled.to("cpu", non_blocking=True)
         if result.logprobs is not None:
             out.logprobs = result.logprobs.to_host()
@@ -594,11 +594,11 @@ class ModelRunner:
 
     def _propose(self, step: StepOutput, output: ModelRunnerOutput) -> None:
         """Once a step's output is on the host: the proposer's drafts for the next step."""
-        propose_after(self, step, output)
+        propose_after(self.spec, step, output)
 
     def _hold_hidden(self, step: StepOutput, output: ModelRunnerOutput) -> None:
         """Drafting is off (the governor): the proposer is not asked, its hidden states wait."""
-        propose_after(self, step, output, draft=False)
+        propose_after(self.spec, step, output, draft=False)
 
     def _prompt_logprobs(
         self,
@@ -622,11 +622,11 @@ class ModelRunner:
             return
         n_pos = ends[want] - starts[want]
         first = np.cumsum(n_pos) - n_pos
-        local = self._arange[: int(n_pos.sum())] - np.repeat(first, n_pos)
+        local = self.buffers.arange[: int(n_pos.sum())] - np.repeat(first, n_pos)
         positions = np.repeat(starts[want], n_pos) + local
-        hidden_idx = self._as_device(np.repeat(qsl[want], n_pos) + local)
+        hidden_idx = self.buffers.as_device(np.repeat(qsl[want], n_pos) + local)
         targets = ib.token_ids[np.repeat(rows[want], n_pos), positions + 1]
-        targets_t = self._as_device(targets)
+        targets_t = self.buffers.as_device(targets)
         k = int(ks[want].max())
         parts = []
         for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):

@@ -9,35 +9,30 @@ cache, is what every step may need besides the weights and the KV cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.ops import fused_draw_applies, sample_from_logits
 from pagoda.sample.ops import sample_from_probs
 from pagoda.utils import cdiv
-
-if TYPE_CHECKING:
-    from pagoda.worker.model_runner import ModelRunner
-
+from pagoda.worker.step_buffers import StepBuffers
 
 LONG_PROMPT = 512  # tokens of the profiled step's longest prompt, where the limits allow
 
 
-def _profile_batch(runner: ModelRunner) -> np.ndarray:
+def _profile_batch(max_num_tokens: int, max_num_reqs: int, max_model_len: int) -> np.ndarray:
     """Prompt lengths of the profiled step: as many tokens as one step may hold, over as many
     requests as may run, none longer than the model's limit."""
-    n_tok = min(runner.max_num_tokens, runner.max_num_reqs * runner.max_model_len)
-    n_req = min(runner.max_num_reqs, n_tok)
+    n_tok = min(max_num_tokens, max_num_reqs * max_model_len)
+    n_req = min(max_num_reqs, n_tok)
     lens = np.full(n_req, n_tok // n_req, dtype=np.int64)
     lens[: n_tok % n_req] += 1
     # One long prompt among them: attention kernels launch long prefill chunks their own way
     # (the Triton backend's 128-row tiles from 128 query tokens), which then compiles here, not
     # inside the first long prompt's step (0.9 s of a 6 s benchmark on an H200).
-    long = min(runner.max_model_len, n_tok - (n_req - 1), LONG_PROMPT)
+    long = min(max_model_len, n_tok - (n_req - 1), LONG_PROMPT)
     if n_req > 1 and long > lens[0]:
         rest = n_tok - long
         lens[1:] = rest // (n_req - 1)
@@ -47,13 +42,22 @@ def _profile_batch(runner: ModelRunner) -> np.ndarray:
 
 
 @torch.inference_mode()
-def profile_peak_activations(runner: ModelRunner) -> int:
-    """Bytes of device memory the largest step takes beyond the weights (CUDA only)."""
-    dev, bs, a = runner.device, runner.block_size, runner.arch
-    lens = _profile_batch(runner)
+def profile_peak_activations(
+    model: torch.nn.Module,
+    attn_backend: type[AttentionBackend],
+    buffers: StepBuffers,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> int:
+    """Bytes of device memory the largest step the ``buffers`` hold takes beyond the weights of
+    ``model`` (CUDA only); its KV heads are ``num_kv_heads`` of ``head_dim``."""
+    dev, bs = buffers.device, buffers.block_size
+    lens = _profile_batch(buffers.max_num_tokens, buffers.max_num_reqs, max_model_len)
     n_req, n_tok = len(lens), int(lens.sum())
     blocks_per_req = cdiv(lens, bs)
-    layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
 
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
@@ -61,10 +65,10 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     torch.cuda.reset_peak_memory_stats(dev)
     # One throwaway cache shared by every layer: the pass needs somewhere to write, not a
     # faithful cache; block 0 stays unused as in the real one.
-    shape = runner.attn_backend.get_kv_cache_shape(
-        int(blocks_per_req.sum()) + 1, bs, runner.num_kv_heads, a.head_dim
+    shape = attn_backend.get_kv_cache_shape(
+        int(blocks_per_req.sum()) + 1, bs, num_kv_heads, head_dim
     )
-    cache = torch.zeros(shape, dtype=runner.dtype, device=dev)
+    cache = torch.zeros(shape, dtype=dtype, device=dev)
     for m in layers:
         m.kv_cache = cache
 
@@ -77,29 +81,29 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     table = first_block[:, None] + np.arange(width)[None, :]
     table = np.where(np.arange(width)[None, :] < blocks_per_req[:, None], table, 0)
 
-    runner.input_ids[:n_tok].zero_()
-    runner.positions[:n_tok].copy_(torch.from_numpy(positions))
-    runner.slot_mapping[:n_tok].copy_(torch.from_numpy(slots))
-    runner.query_start_loc[: n_req + 1].copy_(torch.from_numpy(qsl.astype(np.int32)))
-    runner.seq_lens[:n_req].copy_(torch.from_numpy(lens.astype(np.int32)))
-    runner.block_table[:n_req, :width].copy_(torch.from_numpy(table.astype(np.int32)))
+    buffers.input_ids[:n_tok].zero_()
+    buffers.positions[:n_tok].copy_(torch.from_numpy(positions))
+    buffers.slot_mapping[:n_tok].copy_(torch.from_numpy(slots))
+    buffers.query_start_loc[: n_req + 1].copy_(torch.from_numpy(qsl.astype(np.int32)))
+    buffers.seq_lens[:n_req].copy_(torch.from_numpy(lens.astype(np.int32)))
+    buffers.block_table[:n_req, :width].copy_(torch.from_numpy(table.astype(np.int32)))
     common = CommonAttentionMetadata(
         num_reqs=n_req,
         num_actual_tokens=n_tok,
         max_query_len=int(lens.max()),
         max_seq_len=int(lens.max()),
-        query_start_loc=runner.query_start_loc[: n_req + 1],
-        seq_lens=runner.seq_lens[:n_req],
-        block_table=runner.block_table[:n_req],
-        slot_mapping=runner.slot_mapping[:n_tok],
+        query_start_loc=buffers.query_start_loc[: n_req + 1],
+        seq_lens=buffers.seq_lens[:n_req],
+        block_table=buffers.block_table[:n_req],
+        slot_mapping=buffers.slot_mapping[:n_tok],
         query_start_loc_cpu=qsl,
         seq_lens_cpu=lens,
         block_size=bs,
     )
-    with set_forward_context(runner.attn_backend.build_metadata(common)):
-        hidden = runner.model(runner.input_ids[:n_tok], runner.positions[:n_tok])
+    with set_forward_context(attn_backend.build_metadata(common)):
+        hidden = model(buffers.input_ids[:n_tok], buffers.positions[:n_tok])
     last = torch.from_numpy(qsl[1:] - 1).to(dev)
-    raw = runner.model.compute_logits(hidden[last])  # the model's dtype
+    raw = model.compute_logits(hidden[last])  # the model's dtype
     # NOTE: the sampler's general path works on a float32 copy: its peak is the one to measure.
     logits = raw.float()
     probs = logits.softmax(dim=-1)
@@ -117,6 +121,6 @@ def profile_peak_activations(runner: ModelRunner) -> int:
     del hidden, raw, logits, probs, cache
     for m in layers:
         m.kv_cache = torch.empty(0)
-    runner.block_table.zero_()
+    buffers.block_table.zero_()
     torch.cuda.empty_cache()
     return max(int(peak), 0)

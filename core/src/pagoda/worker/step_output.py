@@ -69,7 +69,7 @@ class StepOutput:
     num_drafts: np.ndarray | None = None
     # A step that verified drafts: its outcome on the device, (tokens [n, k + 1] with -1 past
     # each row's ``num_emitted``, num_emitted [n]), for a verification launched before this
-    # step is read (``pagoda.spec_decode.ahead``).
+    # step is read (``pagoda.worker.drafts_ahead``).
     verified: tuple[torch.Tensor, torch.Tensor] | None = None
     _output: ModelRunnerOutput | None = None
 

@@ -1,4 +1,4 @@
-"""Verification launched ahead (``pagoda.spec_decode.ahead``): the next verification's inputs
+"""Verification launched ahead (``pagoda.worker.drafts_ahead``): the next verification's inputs
 are built on the device from the outcome of the step in flight and its drafts, and the graph
 replays before that step is read. On the CPU the verification "graph" here runs the model
 eagerly over the runner's buffers (as a replay reads them), and the runner compares each such
@@ -17,7 +17,7 @@ from eagle_helpers import TINY_LLAMA, write_random_head
 from pagoda import LLM, SamplingParams
 from pagoda.attention.layer import set_forward_context
 from pagoda.bench.random_weights import ensure_random_weights
-from pagoda.spec_decode.tail import GreedyTail
+from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 
 ENGINE = {"device": "cpu", "max_model_len": 256, "max_num_seqs": 4, "enable_prefix_caching": False}
 K = 3
@@ -46,7 +46,8 @@ class EagerVerifyGraphs:
 
     def run(self, common, b: int) -> torch.Tensor:
         r, q, n = self.runner, self.query_len, common.num_reqs
-        seq_lens = r.seq_lens[:n].numpy().astype(np.int64)
+        buffers = r.buffers
+        seq_lens = buffers.seq_lens[:n].numpy().astype(np.int64)
         real = dataclasses.replace(
             common,
             max_seq_len=int(seq_lens.max()),
@@ -55,20 +56,24 @@ class EagerVerifyGraphs:
         )
         self.replays += 1
         with set_forward_context(r.attn_backend.build_metadata(real)):
-            return r.model(r.input_ids[: n * q], r.positions[: n * q])
+            return r.model(buffers.input_ids[: n * q], buffers.positions[: n * q])
 
 
 def _engine(target: str, head: Path | None, tail: bool = True) -> LLM:
-    """With ``tail``, all-greedy verifications go through ``GreedyTail`` (run eagerly here)."""
+    """With ``tail``, all-greedy verifications go through ``GreedyVerifyGraphs`` (run eagerly
+    here)."""
     if head is None:
         return LLM(model=target, **ENGINE)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "adaptive": False}
     llm = LLM(model=target, **ENGINE, speculative_config=spec)
     runner = llm.engine.engine_core.executor.worker.model_runner
-    runner.verify_graphs = EagerVerifyGraphs(runner)
+    spec = runner.spec
+    spec.verify_graphs = EagerVerifyGraphs(runner)
     if tail:
-        runner.greedy_tail = GreedyTail(runner, runner.verify_graphs, graphs=False)
-    runner.check_ahead = True
+        spec.greedy_graphs = GreedyVerifyGraphs(
+            runner.model, runner.buffers.input_ids, spec.verify_graphs, graphs=False
+        )
+    spec.check_ahead = True
     return llm
 
 
@@ -106,7 +111,7 @@ def test_every_draft_accepted_launches_each_verification_ahead(tmp_path: Path, t
     # 40 tokens, K + 1 a verification: after the prompt's step and the first verification,
     # every verification but the last steps' is launched ahead (the runner checked each
     # one's inputs against the host's).
-    assert runner.ahead_launches >= 40 // (K + 1) - 3
+    assert runner.spec.ahead_launches >= 40 // (K + 1) - 3
 
 
 def _accepting(tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, right) -> LLM:
@@ -142,7 +147,7 @@ def test_steps_that_accept_some_drafts_start_the_next_where_they_end(
     assert _generate(llm, _prompts(num_prompts)) == [[0] * 40] * num_prompts
     stats = llm.engine.engine_core.scheduler.spec_stats_total
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert runner.ahead_launches >= 4
+    assert runner.spec.ahead_launches >= 4
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3])
@@ -152,7 +157,7 @@ def test_random_head_output_is_the_target_s_own(tmp_path: Path, target: str, num
     llm = _engine(target, head)
     runner = llm.engine.engine_core.executor.worker.model_runner
     assert _generate(llm, _prompts(num_prompts)) == reference
-    assert runner.ahead_launches > 0
+    assert runner.spec.ahead_launches > 0
 
 
 def test_requests_that_end_at_different_steps_keep_their_output(
@@ -169,7 +174,7 @@ def test_requests_that_end_at_different_steps_keep_their_output(
         use_tqdm=False,
     )
     assert [list(o.outputs[0].token_ids) for o in outs] == [[0] * m for m in lengths]
-    assert runner.ahead_launches >= 5
+    assert runner.spec.ahead_launches >= 5
 
 
 def _runner(llm: LLM):
@@ -177,9 +182,9 @@ def _runner(llm: LLM):
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3])
-def test_greedy_tail_verifies_as_the_eager_sampler(tmp_path: Path, target: str, num_prompts: int):
-    """The same engine with all-greedy verifications in ``GreedyTail`` and in the sampler and
-    rejection sampler: the same tokens, and the same acceptance."""
+def test_greedy_graphs_verify_as_the_eager_sampler(tmp_path: Path, target: str, num_prompts: int):
+    """The same engine with all-greedy verifications in ``GreedyVerifyGraphs`` and in the
+    sampler and rejection sampler: the same tokens, and the same acceptance."""
     head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256, std=0.3)
     got = {}
     for tail in (True, False):
@@ -187,38 +192,39 @@ def test_greedy_tail_verifies_as_the_eager_sampler(tmp_path: Path, target: str, 
         got[tail] = _generate(llm, _prompts(num_prompts))
         stats = llm.engine.engine_core.scheduler.spec_stats_total
         got[tail, "accepted"] = (stats.num_draft_tokens, stats.num_accepted_tokens)
-        tail_runs = _runner(llm).greedy_tail.replays if tail else 0
+        tail_runs = _runner(llm).spec.greedy_graphs.replays if tail else 0
         assert (tail_runs > 0) == tail
     assert got[True] == got[False] == _generate(_engine(target, None), _prompts(num_prompts))
     assert got[True, "accepted"] == got[False, "accepted"]
 
 
-def test_greedy_tail_takes_the_accepted_counts_of_each_step(
+def test_greedy_graphs_take_the_accepted_counts_of_each_step(
     tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch
 ):
-    """0 to K drafts accepted by turns, all through ``GreedyTail``: each step's emitted tokens,
-    the next step's start (launched ahead) and the proposer's hidden rows follow its count."""
+    """0 to K drafts accepted by turns, all through ``GreedyVerifyGraphs``: each step's emitted
+    tokens, the next step's start (launched ahead) and the proposer's hidden rows follow its
+    count."""
     llm = _accepting(tmp_path, target, monkeypatch, lambda call: call % (K + 1))
     runner = _runner(llm)
     assert _generate(llm, _prompts(2)) == [[0] * 40] * 2
     stats = llm.engine.engine_core.scheduler.spec_stats_total
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert runner.greedy_tail.replays >= 10
+    assert runner.spec.greedy_graphs.replays >= 10
 
 
 @pytest.mark.parametrize(
     "setting", [{"logprobs": 2}, {"presence_penalty": 0.5}, {"min_tokens": 20}]
 )
-def test_steps_the_argmax_alone_does_not_verify_skip_the_greedy_tail(
+def test_steps_the_argmax_alone_does_not_verify_skip_the_greedy_graphs(
     tmp_path: Path, target: str, setting: dict
 ):
-    """Logprobs, a penalty or a minimum length: the sampler verifies (not ``GreedyTail``), and the
-    output is the target's own."""
+    """Logprobs, a penalty or a minimum length: the sampler verifies (not
+    ``GreedyVerifyGraphs``), and the output is the target's own."""
     head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256, std=0.3)
     params = SamplingParams(**{"max_tokens": 24, "temperature": 0.0, "ignore_eos": True, **setting})
     want = [o.outputs[0] for o in _engine(target, None).generate(_prompts(2), params)]
     llm = _engine(target, head)
     got = [o.outputs[0] for o in llm.generate(_prompts(2), params, use_tqdm=False)]
     assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want]
-    assert _runner(llm).greedy_tail.replays == 0
+    assert _runner(llm).spec.greedy_graphs.replays == 0
     assert llm.engine.engine_core.scheduler.spec_stats_total.num_draft_tokens > 0

@@ -14,6 +14,7 @@ from pagoda_spec_eagle.proposer import EagleProposer
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.worker.hidden_states import HiddenFeed
 
 ENGINE = {"device": "cpu", "max_model_len": 512, "max_num_seqs": 1, "async_scheduling": True}
 
@@ -48,7 +49,7 @@ def test_a_head_is_not_asked_while_drafting_is_off(tmp_path: Path, monkeypatch) 
     core = llm.engine.engine_core
     core.scheduler.spec_governor = _Switch(on=30)
     runner = core.executor.worker.model_runner
-    feed = runner.hidden_feed
+    feed = runner.spec.hidden_feed
     asked, held = [], []
     propose = EagleProposer.propose
 
@@ -87,14 +88,12 @@ class _Phases(_Switch):
 def _catch_ups(folder: Path, head: Path, monkeypatch, eager: bool) -> tuple[list, dict]:
     """The head's calls once drafting is back on (request ids, first positions, rows), and what
     the feed holds when the requests are done; ``eager``: each deferred step is held at once."""
-    from pagoda.spec_decode.hidden import HiddenFeed
-
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
     engine = {**ENGINE, "max_num_seqs": 2}
     llm = LLM(model=str(folder), **engine, speculative_config=spec)
     core = llm.engine.engine_core
     core.scheduler.spec_governor = gov = _Phases(on=12, off=40)
-    feed = core.executor.worker.model_runner.hidden_feed
+    feed = core.executor.worker.model_runner.spec.hidden_feed
     if eager:
         monkeypatch.setattr(
             feed, "defer", lambda step: (HiddenFeed.defer(feed, step), feed._flush())
@@ -173,7 +172,7 @@ def test_preemption_while_steps_are_deferred_keeps_greedy_output(tmp_path: Path)
         return preempt(req, step)
 
     core.scheduler._preempt = counting_preempt
-    feed = core.executor.worker.model_runner.hidden_feed
+    feed = core.executor.worker.model_runner.spec.hidden_feed
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert preempted, "the cache was meant to be too small for the batch"

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from eagle_helpers import TINY_LLAMA, write_random_head
 
-import pagoda.spec_decode.inflight as inflight
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.config import SpeculativeConfig
+from pagoda.worker import draft_slots
 
 ENGINE = {"device": "cpu", "max_model_len": 256, "max_num_seqs": 1}
 
@@ -32,20 +32,20 @@ def test_paused_requests_slots_do_not_wait_for_the_step_in_flight(
     llm = LLM(model=str(folder), **ENGINE, speculative_config=spec)
     runner = llm.engine.engine_core.executor.worker.model_runner
     skipped, reads = [], []
-    paused = inflight._paused
+    paused = draft_slots._paused
 
     def spy_paused(*args) -> bool:
         skipped.append(paused(*args))
         return skipped[-1]
 
-    read = runner._read_unread
+    read = runner.in_flight.read_all
 
     def spy_read() -> None:
         reads.append(1)
         read()
 
-    monkeypatch.setattr(inflight, "_paused", spy_paused)
-    runner._read_unread = spy_read
+    monkeypatch.setattr(draft_slots, "_paused", spy_paused)
+    runner.in_flight.read_all = spy_read
     got = llm.generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert sum(skipped) > 40  # launches with slots that did not wait

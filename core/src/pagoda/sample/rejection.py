@@ -12,7 +12,7 @@ with the argmax, so greedy output is token for token what it is without speculat
 
 Everything is batched on the device, with no Python loop over requests or positions, and with no
 host synchronisation; where every row is greedy, on CUDA, one Triton kernel does it all
-(:mod:`pagoda.spec_decode.greedy_kernel`).
+(:mod:`pagoda.sample.greedy_verify_kernel`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,12 @@ def rejection_sample(
         ``num_emitted`` (>= 1) tokens: the accepted drafts, then one token of the target.
     """
     if kernel and target_probs is None and draft_ids.is_cuda:
-        from pagoda.spec_decode import greedy_kernel  # NOTE: imports Triton, CUDA only
+        # NOTE: imported here, not at the top: it imports Triton, a heavy optional dependency
+        # that only CUDA steps with drafts need.
+        from pagoda.sample import greedy_verify_kernel
 
-        if greedy_kernel.available(draft_ids.device):
-            return greedy_kernel.greedy_verify(target_argmax, draft_ids, num_drafts, starts)
+        if greedy_verify_kernel.available(draft_ids.device):
+            return greedy_verify_kernel.greedy_verify(target_argmax, draft_ids, num_drafts, starts)
     n, k = draft_ids.shape
     dev = draft_ids.device
     cols = torch.arange(k, device=dev)

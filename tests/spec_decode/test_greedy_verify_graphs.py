@@ -1,14 +1,15 @@
-"""``GreedyTail``: a step's all-greedy verification (logits, argmax, the greedy comparison, each
-request's last token and last emitted hidden row) as the rejection sampler and the eager
-gathers give it. On the CPU it runs eagerly (the same operations a CUDA graph captures)."""
+"""``GreedyVerifyGraphs``: a step's all-greedy verification (logits, argmax, the greedy
+comparison, each request's last token and last emitted hidden row) as the rejection sampler and
+the eager gathers give it. On the CPU it runs eagerly (the same operations a CUDA graph
+captures)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagoda.spec_decode.rejection import rejection_sample
-from pagoda.spec_decode.tail import MAX_ROWS, GreedyTail
+from pagoda.sample.rejection import rejection_sample
+from pagoda.worker.greedy_verify_graphs import MAX_ROWS, GreedyVerifyGraphs
 
 HIDDEN, VOCAB = 16, 50
 
@@ -22,8 +23,6 @@ class _Model:
 
 
 class _Runner:
-    device = torch.device("cpu")
-
     def __init__(self) -> None:
         self.model = _Model()
         self.input_ids = torch.zeros(MAX_ROWS * 2, dtype=torch.int64)
@@ -37,10 +36,10 @@ class _VerifyGraphs:
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_tail_is_the_rejection_sampler_and_the_gathers(k: int, n: int) -> None:
+def test_greedy_graphs_are_the_rejection_sampler_and_the_gathers(k: int, n: int) -> None:
     q = k + 1
     runner = _Runner()
-    tail = GreedyTail(runner, _VerifyGraphs(q), graphs=False)
+    tail = GreedyVerifyGraphs(runner.model, runner.input_ids, _VerifyGraphs(q), graphs=False)
     g = torch.Generator().manual_seed(n * 10 + k)
     hidden = torch.randn(n * q, HIDDEN, generator=g)
     argmax = runner.model.compute_logits(hidden).argmax(dim=-1).view(n, q)
@@ -67,10 +66,10 @@ def test_tail_is_the_rejection_sampler_and_the_gathers(k: int, n: int) -> None:
     assert torch.equal(got.last_hidden, hidden[starts + emitted - 1])
 
 
-def test_steps_the_tail_does_not_cover_go_back_to_the_caller() -> None:
+def test_steps_the_greedy_graphs_do_not_cover_go_back_to_the_caller() -> None:
     q = 4
     runner = _Runner()
-    tail = GreedyTail(runner, _VerifyGraphs(q), graphs=False)
+    tail = GreedyVerifyGraphs(runner.model, runner.input_ids, _VerifyGraphs(q), graphs=False)
     assert max(tail.buckets) == MAX_ROWS // q  # the largest bucket within the limit
     too_many = max(tail.buckets) + 1
     assert tail.run(torch.zeros(too_many * q, HIDDEN), too_many) is None

@@ -3,10 +3,11 @@
 A verification step whose requests are all plain greedy (no setting acts on the logits, no
 logprobs) and each verify all ``k`` drafts needs, after the target's forward, only this: the
 logits of the ``k + 1`` scored rows, their argmax, the greedy comparison with the drafts
-(:func:`pagoda.spec_decode.rejection.rejection_sample`), each request's last token (what the next
+(:func:`pagoda.sample.rejection.rejection_sample`), each request's last token (what the next
 step takes as its first input on the device) and the hidden state of its last emitted row (for
 the proposer). Run eagerly that is about a dozen launches, each tens of microseconds of the
-host's time on a step that is host-bound at small batches. :class:`GreedyTail` captures them once
+host's time on a step that is host-bound at small batches. :class:`GreedyVerifyGraphs` captures
+them once
 per verification-graph bucket, over that bucket's output rows and the input ids the verification
 read (the drafts are those ids after each request's first), so such a step is two replays.
 
@@ -19,17 +20,12 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.spec_decode.rejection import rejection_sample
-
-if TYPE_CHECKING:
-    from pagoda.worker.cuda_graph import DecodeGraphs
-    from pagoda.worker.model_runner import ModelRunner
+from pagoda.sample.rejection import rejection_sample
+from pagoda.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +34,7 @@ MAX_ROWS = 64
 
 
 @dataclass
-class TailOutput:
+class GreedyVerified:
     """A greedy verification's outcome on the device."""
 
     tokens: torch.Tensor  # [n, k + 1] int64: the accepted drafts, the target's token, then -1
@@ -48,13 +44,22 @@ class TailOutput:
     last_hidden: torch.Tensor  # [n, hidden]: the hidden state of each request's last emitted row
 
 
-class GreedyTail:
+class GreedyVerifyGraphs:
     """Greedy verification of steps that fill a verification graph's bucket with ``n`` requests
-    of ``q = k + 1`` tokens each (no padding inside a request). ``graphs=False``: no capture,
-    the same operations run eagerly on the given rows (CPU stand-ins of the graphs, in tests)."""
+    of ``q = k + 1`` tokens each (no padding inside a request). ``model``: the target (its
+    ``compute_logits``); ``input_ids``: the buffer the verification graphs read their input ids
+    from. ``graphs=False``: no capture, the same operations run eagerly on the given rows (CPU
+    stand-ins of the graphs, in tests)."""
 
-    def __init__(self, runner: ModelRunner, verify: DecodeGraphs, graphs: bool = True) -> None:
-        self.runner = weakref.proxy(runner)
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        verify: DecodeGraphs,
+        graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.input_ids = input_ids
         self.verify = verify
         self.q = q = verify.query_len
         self.buckets = [b for b in verify.buckets if b * q <= MAX_ROWS]
@@ -62,7 +67,7 @@ class GreedyTail:
         self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.use_graphs = graphs
         self.replays = 0
-        dev = runner.device
+        dev = input_ids.device
         b = max(self.buckets, default=0)
         self._num_drafts = torch.full((b,), q - 1, dtype=torch.int64, device=dev)
         self._starts = torch.arange(b, dtype=torch.int64, device=dev) * q
@@ -80,11 +85,11 @@ class GreedyTail:
         return None
 
     def _compute(self, hidden: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
-        """The tail over ``b`` requests' ``b * q`` rows ``hidden`` (their input ids in the
-        runner's buffer, as the verification read them)."""
-        r, q = self.runner, self.q
-        argmax = r.model.compute_logits(hidden).argmax(dim=-1)
-        drafts = r.input_ids[: b * q].view(b, q)[:, 1:]
+        """The verification of ``b`` requests' ``b * q`` rows ``hidden`` (their input ids in the
+        buffer, as the verification read them)."""
+        q = self.q
+        argmax = self.model.compute_logits(hidden).argmax(dim=-1)
+        drafts = self.input_ids[: b * q].view(b, q)[:, 1:]
         tokens, emitted = rejection_sample(
             argmax, None, drafts, self._num_drafts[:b], self._starts[:b]
         )
@@ -116,7 +121,7 @@ class GreedyTail:
         )
         return elapsed
 
-    def run(self, hidden: torch.Tensor, n: int) -> TailOutput | None:
+    def run(self, hidden: torch.Tensor, n: int) -> GreedyVerified | None:
         """Verify the step whose ``n`` requests' rows are ``hidden`` ([n * q, hidden], the
         verification graph's output as it returned it); None where no graph covers it (then
         the caller verifies eagerly)."""
@@ -126,7 +131,7 @@ class GreedyTail:
         if not self.use_graphs:
             got = self._compute(hidden, n)
             self.replays += 1
-            return TailOutput(*got)
+            return GreedyVerified(*got)
         if hidden.data_ptr() != self.verify.outputs[b].data_ptr():
             return None  # not that bucket's rows as the graph left them
         self.graphs[b].replay()
@@ -136,6 +141,6 @@ class GreedyTail:
         # last token is read (on the device) only by the next step's launch, before the next
         # replay: every verification replaces the runner's copy of it.
         tokens, emitted, last_token, last_hidden = self.outputs[b]
-        return TailOutput(
+        return GreedyVerified(
             tokens[:n].clone(), emitted[:n].clone(), last_token[:n], last_hidden[:n].clone()
         )

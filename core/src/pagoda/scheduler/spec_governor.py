@@ -371,8 +371,9 @@ def is_decode_step(num_scheduled: dict[str, int], drafts: dict[str, list[int]], 
 
 def build_governor(config: SpeculativeConfig) -> SpeculationGovernor | None:
     """The governor ``speculative`` asks for: measured (``adaptive``), with vLLM's
-    ``disable_by_batch_size`` on top; None when drafting runs every step."""
-    if not config.adaptive and config.disable_by_batch_size is None:
+    ``disable_by_batch_size`` on top; None when drafting runs every step, or never (no
+    ``method``)."""
+    if config.method is None or (not config.adaptive and config.disable_by_batch_size is None):
         return None
     if not config.adaptive:  # the threshold alone: never measured, never probed
         return SpeculationGovernor(disable_by_batch_size=config.disable_by_batch_size, fixed=True)

@@ -4,7 +4,7 @@ Where every row is greedy the rejection sampler only compares each draft with th
 at its position, counts the leading matches and appends the argmax after them. In torch that is
 about twenty small operations, each a kernel launch and tens of microseconds of host time on the
 step's critical path at batch 1; here it is one launch (through :class:`CachedLaunch`), one
-program a request. :func:`pagoda.spec_decode.rejection.rejection_sample` is the reference it must
+program a request. :func:`pagoda.sample.rejection.rejection_sample` is the reference it must
 equal (``tests/unit/test_greedy_verify_kernel.py``).
 """
 

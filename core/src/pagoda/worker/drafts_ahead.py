@@ -1,6 +1,6 @@
 """Verification launched ahead: step N + 1's verification graph replays before step N is read.
 
-With draft slots (``pagoda.spec_decode.inflight``) a request whose step N verified drafts is
+With draft slots (``pagoda.worker.draft_slots``) a request whose step N verified drafts is
 scheduled for step N + 1 as if all were accepted, and the runner reads N before building N + 1:
 N's accepted count decides where N + 1 starts, and N's last token and the drafts made behind it
 are N + 1's input ids. At batch 1 that read puts the host's whole preparation of N + 1 between two
@@ -14,7 +14,8 @@ outcome is there too, so the inputs of N + 1's verification can be built there:
   case that N accepts everything, the farthest N + 1 can reach);
 - its input ids are N's last token (``tokens_N[num_emitted_N - 1]``) and the k drafts.
 
-The runner enqueues that and the graph replay behind step N, then reads N and does the rest of
+The runner enqueues that and the graph replay behind step N (:func:`plan_ahead` says whether the
+step allows it, :func:`launch_ahead` does it), then reads N and does the rest of
 N + 1's launch (sampling, verification, the next drafts) on the host as usual, with N + 1's true
 start known by then: the device starts N + 1 as soon as N ends. Only the graph's inputs move to
 the device; everything the host keeps (rows, positions, the hidden-state feed) is computed after
@@ -30,20 +31,27 @@ device (no re-planning before a replay: Triton, not FlashInfer).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagoda.spec_decode.ahead_kernel import build_inputs
-from pagoda.spec_decode.inflight import is_slots
-from pagoda.spec_decode.verify import graph_metadata
+from pagoda.step import SchedulerOutput, is_draft_slots
 from pagoda.utils import cdiv
+from pagoda.worker.speculation import Speculation
+from pagoda.worker.step_output import StepOutput
+from pagoda.worker.verify_inputs_kernel import build_inputs
 
-if TYPE_CHECKING:
-    from pagoda.step import SchedulerOutput
-    from pagoda.worker.model_runner import ModelRunner
-    from pagoda.worker.step_output import StepOutput
+
+@dataclass
+class AheadPlan:
+    """A verification that may launch before the step in flight, ``last``, is read."""
+
+    last: StepOutput
+    sel: np.ndarray  # [n]: each request's index among ``last``'s sampling rows
+    rows: np.ndarray  # [n]: their rows
+    reach: np.ndarray  # [n]: the farthest each reaches (``last`` accepts every draft)
+    dev_drafts: torch.Tensor  # [n, k] on the device (``SpeculativeProposer.drafts_ahead``)
+    host_drafts: torch.Tensor  # [n, k] on the host (in flight until ``last`` is read)
 
 
 @dataclass
@@ -56,17 +64,18 @@ class AheadLaunch:
     hidden: torch.Tensor  # [n * q, hidden]: the graph's output
 
 
-def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None:
-    """Replay ``so``'s verification graph behind the step in flight, before reading it, where
-    the step allows (see the module); None otherwise (nothing was done)."""
-    graphs = runner.verify_graphs
-    proposer = runner.proposer
-    if graphs is None or proposer is None or graphs.replans or not runner._unread:
+def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
+    """Whether ``so``'s verification graph can replay behind the step in flight, before it is
+    read (see the module), with the drafts the proposer promises; None otherwise (nothing was
+    done but asking the proposer)."""
+    graphs = spec.verify_graphs
+    in_flight = spec.in_flight
+    if graphs is None or graphs.replans or not in_flight.unread:
         return None
-    last = runner._unread[-1]
-    if not _fits(runner, last, so):
+    last = in_flight.unread[-1]
+    if not _fits(spec, last, so):
         return None
-    ib = runner.input_batch
+    ib = spec.input_batch
     q = graphs.query_len
     req_ids = [c.req_id for c in so.scheduled_cached_reqs]
     n = len(req_ids)
@@ -82,41 +91,48 @@ def launch_ahead(runner: ModelRunner, so: SchedulerOutput) -> AheadLaunch | None
         return None
     # The farthest N + 1 reaches: N accepts everything (what the scheduler reserved).
     reach = last.sample_pos[sel] + last.num_drafts[sel] + q
-    if int(reach.max()) > runner.max_model_len:
+    if int(reach.max()) > spec.max_model_len:
         return None
-    got = proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
+    got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
     if got is None:
         return None
-    dev_drafts, host_drafts = got
-    runner._settle()  # every step before the one in flight is read (it stays unread)
-    if runner._stage is not None:
-        runner._stage.next_launch()
-    ids, starts = runner._update_states(so)  # cached requests only: their new blocks
+    return AheadPlan(last, sel, rows, reach, *got)
+
+
+def launch_ahead(
+    spec: Speculation, plan: AheadPlan, req_ids: list[str], starts: np.ndarray
+) -> AheadLaunch:
+    """Build the planned verification's inputs on the device and replay its graph, behind the
+    step in flight. The runner has settled its older steps and taken the step's new blocks into
+    its rows (``req_ids``, ``starts``: what that gave)."""
+    graphs, buffers, last = spec.verify_graphs, spec.buffers, plan.last
+    q, n, sel = graphs.query_len, len(plan.sel), plan.sel
     bucket = graphs.bucket_for(n)
     full = n == len(last.sample_idx) and bool((sel == np.arange(n)).all())
     tokens, emitted = last.verified
     if not full:
-        sel_t = runner._as_device(sel)
+        sel_t = buffers.as_device(sel)
         tokens, emitted = tokens[sel_t], emitted[sel_t]
-    bs = runner.block_size
-    max_blocks = min(cdiv(int(reach.max()), bs), runner.block_table.shape[1])
-    runner._to_device(runner.block_table[:n, :max_blocks], ib.block_table[rows, :max_blocks])
-    base = runner._as_device(last.sample_pos[sel] - 1)  # each one's first position in N
-    buffers = (
-        runner.input_ids,
-        runner.positions,
-        runner.slot_mapping,
-        runner.seq_lens,
-        runner.query_start_loc,
+    bs = buffers.block_size
+    max_blocks = min(cdiv(int(plan.reach.max()), bs), buffers.block_table.shape[1])
+    table = spec.input_batch.block_table[plan.rows, :max_blocks]
+    buffers.to_device(buffers.block_table[:n, :max_blocks], table)
+    base = buffers.as_device(last.sample_pos[sel] - 1)  # each one's first position in N
+    out = (
+        buffers.input_ids,
+        buffers.positions,
+        buffers.slot_mapping,
+        buffers.seq_lens,
+        buffers.query_start_loc,
     )
-    build_inputs(tokens, emitted, base, dev_drafts, runner.block_table, bs, buffers)
+    build_inputs(tokens, emitted, base, plan.dev_drafts, buffers.block_table, bs, out)
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
-    hidden = graphs.run(graph_metadata(runner, n, q, reach), bucket)
-    runner.ahead_launches += 1
-    return AheadLaunch(ids, starts, host_drafts, hidden)
+    hidden = graphs.run(buffers.uniform_step(n, q, plan.reach), bucket)
+    spec.ahead_launches += 1
+    return AheadLaunch(req_ids, starts, plan.host_drafts, hidden)
 
 
-def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
+def _fits(spec: Speculation, last: StepOutput, so: SchedulerOutput) -> bool:
     """Whether ``so`` is a step of requests that only go on (no request comes, leaves or moves
     its KV), each with all ``k`` draft slots, right after ``last``, a verification whose
     outcome is on the device."""
@@ -124,46 +140,46 @@ def _fits(runner: ModelRunner, last: StepOutput, so: SchedulerOutput) -> bool:
         return False
     if so.scheduled_new_reqs or so.finished_req_ids or so.kv_transfers is not None:
         return False
-    if not so.scheduled_cached_reqs or runner.grammar.entries:
+    if not so.scheduled_cached_reqs or spec.grammar.entries:
         return False
-    k = runner.verify_graphs.query_len - 1
-    spec = so.scheduled_spec_decode_tokens
-    if len(spec) != len(so.scheduled_cached_reqs) or len(so.scheduled_cached_reqs) > (
-        runner.verify_graphs.max_batch
+    k = spec.verify_graphs.query_len - 1
+    scheduled = so.scheduled_spec_decode_tokens
+    if len(scheduled) != len(so.scheduled_cached_reqs) or len(so.scheduled_cached_reqs) > (
+        spec.verify_graphs.max_batch
     ):
         return False
     for c in so.scheduled_cached_reqs:
-        ids = spec.get(c.req_id)
-        if ids is None or len(ids) != k or not is_slots(ids):
+        ids = scheduled.get(c.req_id)
+        if ids is None or len(ids) != k or not is_draft_slots(ids):
             return False
         if so.num_scheduled_tokens.get(c.req_id) != k + 1:
             return False
     return True
 
 
-def take_drafts(runner: ModelRunner, ahead: AheadLaunch) -> None:
+def take_drafts(spec: Speculation, ahead: AheadLaunch) -> None:
     """Once the step before is read: the drafts the replayed graph verifies fill the draft
-    slots (``runner._proposals``), whatever the proposer returned when that step was read.
+    slots (``spec.proposals``), whatever the proposer returned when that step was read.
     (A new dict: the one there is also that step's output.)"""
     host = ahead.drafts.numpy().tolist()
-    runner._proposals = {**runner._proposals, **dict(zip(ahead.req_ids, host))}
+    spec.proposals = {**spec.proposals, **dict(zip(ahead.req_ids, host))}
 
 
 def check_ahead(
-    runner: ModelRunner,
+    spec: Speculation,
     input_ids: np.ndarray,
     positions: np.ndarray,
     slots: np.ndarray,
     seq_lens: np.ndarray,
 ) -> None:
     """Compare the inputs built on the device with those the host built once the step before
-    was read (``ModelRunner.check_ahead``, for tests: it waits for the device)."""
-    n, total = len(seq_lens), len(positions)
+    was read (``Speculation.check_ahead``, for tests: it waits for the device)."""
+    n, total, r = len(seq_lens), len(positions), spec.buffers
     got = {
-        "input ids": (runner.input_ids[:total], input_ids),
-        "positions": (runner.positions[:total], positions),
-        "slots": (runner.slot_mapping[:total], slots),
-        "sequence lengths": (runner.seq_lens[:n], seq_lens),
+        "input ids": (r.input_ids[:total], input_ids),
+        "positions": (r.positions[:total], positions),
+        "slots": (r.slot_mapping[:total], slots),
+        "sequence lengths": (r.seq_lens[:n], seq_lens),
     }
     for what, (dev, host) in got.items():
         dev = dev.cpu().numpy().astype(np.int64)

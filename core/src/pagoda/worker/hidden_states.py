@@ -11,36 +11,13 @@ them (``ProposalBatch.new_hidden_states``).
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagoda.spec_decode.proposer import SpeculativeProposer, TargetModel
-
-if TYPE_CHECKING:
-    from pagoda.worker.model_runner import ModelRunner
-    from pagoda.worker.step_output import StepOutput
-
-
-def bind_proposer(runner: ModelRunner, num_blocks: int) -> HiddenFeed | None:
-    """Hand the proposer the target (``bind_target``); the feed of hidden states it asked for,
-    or None."""
-    proposer = runner.proposer
-    ib = runner.input_batch
-    target = TargetModel(
-        model=runner.model,
-        num_hidden_layers=runner.arch.num_hidden_layers,
-        attn_backend=runner.attn_backend,
-        num_blocks=num_blocks,
-        block_size=runner.block_size,
-        block_table=ib.block_table,
-        num_row_blocks=ib.num_blocks,
-    )
-    proposer.bind_target(target)
-    if not proposer.needs_hidden_states:
-        return None
-    return HiddenFeed(runner, proposer)
+from pagoda.spec_decode.proposer import SpeculativeProposer
+from pagoda.worker.step_buffers import StepBuffers
+from pagoda.worker.step_output import StepOutput
 
 
 def _decoder_layers(model: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module]:
@@ -62,13 +39,24 @@ class HiddenFeed:
     #: steps would otherwise hold (each kept row also keeps its step's rows alive).
     max_hold = 64
 
-    def __init__(self, runner: ModelRunner, proposer: SpeculativeProposer) -> None:
+    def __init__(
+        self,
+        proposer: SpeculativeProposer,
+        model: torch.nn.Module,
+        buffers: StepBuffers,
+        row_of: dict[str, int],
+        max_model_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """``row_of``: the runner's rows by request id (``InputBatch.row_of``), read as they
+        change."""
         self.layers = tuple(proposer.hidden_state_layers)
-        self.device = runner.device
-        self._as_device = runner._as_device
-        self._row_of = runner.input_batch.row_of
-        self._max_model_len = runner.max_model_len
-        h = runner.arch.hidden_size
+        self.device = buffers.device
+        self._as_device = buffers.as_device
+        self._row_of = row_of
+        self._max_model_len = max_model_len
+        h = hidden_size
         self.buf: torch.Tensor | None = None
         # req_id -> (first position, row blocks, their row count): joined when taken
         self._pending: dict[str, tuple[int, list[torch.Tensor], int]] = {}
@@ -76,7 +64,7 @@ class HiddenFeed:
         self._deferred: deque[StepOutput] = deque(maxlen=self.max_hold)
         if not self.layers:
             return
-        decoder, norm = _decoder_layers(runner.model)
+        decoder, norm = _decoder_layers(model)
         n_layers = len(decoder)
         bad = [i for i in self.layers if not 0 <= i <= n_layers]
         if bad:
@@ -84,8 +72,8 @@ class HiddenFeed:
                 f"the proposer asks for the hidden states entering layers {list(self.layers)}; "
                 f"the target has {n_layers} layers (valid: 0..{n_layers}), not {bad}"
             )
-        rows = max(runner.max_num_tokens, runner.max_num_reqs)
-        self.buf = torch.empty(rows, h * len(self.layers), dtype=runner.dtype, device=self.device)
+        rows = max(buffers.max_num_tokens, buffers.max_num_reqs)
+        self.buf = torch.empty(rows, h * len(self.layers), dtype=dtype, device=self.device)
         for j, i in enumerate(self.layers):
             module = decoder[i] if i < n_layers else norm
             # Layers take (positions, x, residual); the final norm takes (x, residual).

@@ -1,4 +1,5 @@
-"""The inputs of a verification launched ahead (``pagoda.spec_decode.ahead``) in one Triton kernel.
+"""The inputs of a verification launched ahead (``pagoda.worker.drafts_ahead``) in one Triton
+kernel.
 
 Request ``i`` of the step starts at ``p = base[i] + emitted[i]`` (its last token's position in
 the verification before, which is still on the device); it gets positions ``p .. p + q - 1``,

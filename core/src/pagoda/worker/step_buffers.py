@@ -1,0 +1,108 @@
+"""The persistent buffers a step's forward reads, and the copies that fill them.
+
+Allocated once, at the largest step (``max_num_batched_tokens`` tokens, ``max_num_seqs``
+requests), so that CUDA graphs captured over them replay any step that fits. The model runner
+owns them and writes each step's flat batch into their first rows; the decode and verification
+graphs, the profiling pass and a verification launched ahead read and write the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.worker.pinned_stage import STAGED_DTYPES, PinnedStage
+
+
+@dataclass
+class StepBuffers:
+    device: torch.device
+    block_size: int
+    input_ids: torch.Tensor  # [max tokens] int64
+    positions: torch.Tensor  # [max tokens] int64
+    slot_mapping: torch.Tensor  # [max tokens] int64: each token's KV cache slot
+    query_start_loc: torch.Tensor  # [max requests + 1] int32
+    seq_lens: torch.Tensor  # [max requests] int32
+    block_table: torch.Tensor  # [max requests, max blocks a request] int32
+    logits_indices: torch.Tensor  # [max requests] int64: the rows a step samples from
+    arange: np.ndarray  # 0 .. max(tokens, requests), int64, on the host
+    # On CUDA, the page-locked staging regions host-to-device copies go through (None: CPU).
+    stage: PinnedStage | None
+
+    @classmethod
+    def allocate(
+        cls,
+        device: torch.device,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+    ) -> StepBuffers:
+        n, r = max_num_tokens, max_num_reqs
+        i64 = {"dtype": torch.int64, "device": device}
+        i32 = {"dtype": torch.int32, "device": device}
+        return cls(
+            device=device,
+            block_size=block_size,
+            input_ids=torch.zeros(n, **i64),
+            positions=torch.zeros(n, **i64),
+            slot_mapping=torch.zeros(n, **i64),
+            query_start_loc=torch.zeros(r + 1, **i32),
+            seq_lens=torch.zeros(r, **i32),
+            block_table=torch.zeros(r, max_blocks_per_req, **i32),
+            logits_indices=torch.zeros(r, **i64),
+            arange=np.arange(max(n, r) + 1, dtype=np.int64),
+            stage=PinnedStage() if device.type == "cuda" else None,
+        )
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def next_launch(self) -> None:
+        """A new step's launch: its copies take the next staging region."""
+        if self.stage is not None:
+            self.stage.next_launch()
+
+    def to_device(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Copy ``src`` into the buffer view ``dst`` without making the host wait: on CUDA
+        through page-locked memory (the launch's staging region, or a pinned block the allocator
+        keeps until the copy has run)."""
+        dst.copy_(self._host(src), non_blocking=True)
+
+    def as_device(self, a: np.ndarray) -> torch.Tensor:
+        """A new device tensor holding ``a``, copied like :meth:`to_device`."""
+        return self._host(a).to(self.device, non_blocking=True)
+
+    def _host(self, a: np.ndarray) -> torch.Tensor:
+        if self.stage is not None and a.dtype in STAGED_DTYPES:
+            t = self.stage.host(a)
+            if t is not None:
+                return t
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.pin_memory() if self.stage is not None else t
+
+    def uniform_step(self, n: int, q: int, seq_lens: np.ndarray) -> CommonAttentionMetadata:
+        """A step of ``n`` requests of ``q`` tokens each whose inputs are in these buffers (a
+        decode or verification graph's); ``seq_lens`` [n] on the host (an upper bound where no
+        backend re-plans before a replay)."""
+        return CommonAttentionMetadata(
+            num_reqs=n,
+            num_actual_tokens=n * q,
+            max_query_len=q,
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.seq_lens[:n],
+            block_table=self.block_table[:n],
+            slot_mapping=self.slot_mapping[: n * q],
+            query_start_loc_cpu=self.arange[: n + 1] * q,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
