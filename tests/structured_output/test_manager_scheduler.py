@@ -58,8 +58,7 @@ def _setup(timeout_s: float = 30.0) -> tuple[Scheduler, StructuredOutputManager,
     backend = GatedBackend()
     manager._backend = backend
     kv = KVCacheManager(64, 16, True, 256)
-    scheduler = Scheduler(SchedulerConfig(), CacheConfig(), kv, 256)
-    scheduler.structured_output = manager
+    scheduler = Scheduler(SchedulerConfig(), CacheConfig(), kv, 256, structured_output=manager)
     return scheduler, manager, backend
 
 
