@@ -21,7 +21,7 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     try:
-        import psutil
+        import psutil  # NOTE: optional (not a dependency): imported only where /proc is not
 
         return int(psutil.virtual_memory().available)
     except ImportError:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from eagle_helpers import TINY_LLAMA, write_random_head
+from pagoda_spec_eagle.chain import DenseChain
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention.layer import set_forward_context
@@ -117,8 +118,6 @@ def test_every_draft_accepted_launches_each_verification_ahead(tmp_path: Path, t
 def _accepting(tmp_path: Path, target: str, monkeypatch: pytest.MonkeyPatch, right) -> LLM:
     """An engine whose target and head pick token 0 always, but whose drafts turn to 7 from
     position ``right(call)`` on, for the head's ``call``-th draft: that many are accepted."""
-    from pagoda_spec_eagle.chain import DenseChain
-
     calls = [0]
     run = DenseChain.run
 

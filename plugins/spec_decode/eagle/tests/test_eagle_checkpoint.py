@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from eagle_helpers import tiny_target, write_random_head
+from eagle_helpers import TINY_LLAMA, tiny_target, write_random_head
 from pagoda_spec_eagle.checkpoint import llama_head_config, random_head_weights, write_head
 from pagoda_spec_eagle.proposer import Eagle3Proposer, EagleProposer
 from safetensors.torch import load_file
 
+from pagoda import LLM
+from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.config import SpeculativeConfig
 from pagoda.testing.spec_decode import make_batch, make_context, proposer_cases
 
@@ -125,11 +127,6 @@ def test_an_eagle3_head_needs_as_many_target_layers_as_fc_reads(tmp_path: Path) 
 def test_a_head_with_tensor_parallelism_is_refused_at_start(tmp_path: Path) -> None:
     """A draft head runs on the first rank only, where the target's sharded layers wait for the
     other ranks: refused before any worker starts, with the reason and what works instead."""
-    from eagle_helpers import TINY_LLAMA
-
-    from pagoda import LLM
-    from pagoda.bench.random_weights import ensure_random_weights
-
     folder, _ = ensure_random_weights(TINY_LLAMA, 0, torch.device("cpu"))
     head = write_random_head(tmp_path / "h", "eagle3", 64, 1024, draft_vocab=256)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}

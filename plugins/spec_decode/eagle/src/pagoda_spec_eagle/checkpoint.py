@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 _KINDS = {"eagle": "EAGLE", "eagle3": "EAGLE-3"}
 
@@ -56,8 +57,6 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     out: dict[str, torch.Tensor] = {}
     if files:
-        from safetensors.torch import load_file
-
         for f in files:
             out.update(load_file(str(f)))
         return out
@@ -166,8 +165,6 @@ def check_fits(ck: HeadCheckpoint, hidden_size: int, vocab_size: int) -> None:
 
 def write_head(path: str | Path, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
     """Write a head folder: ``config.json`` and ``model.safetensors`` (names as published)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -30,6 +30,7 @@ from pagoda.spec_decode import (
     VerifiedBatch,
 )
 from pagoda.spec_decode.proposer import TargetModel
+from pagoda.worker.host_memory import lazily_zeroed
 from pagoda_spec_eagle.chain import DenseChain, table_width
 from pagoda_spec_eagle.checkpoint import check_fits, read_head
 from pagoda_spec_eagle.draft import EagleHead
@@ -105,8 +106,6 @@ class EagleProposer(SpeculativeProposer):
         num_blocks = target.num_blocks + ctx.max_num_reqs * self.scratch + 1
         shape = target.attn_backend.get_kv_cache_shape(num_blocks, bs, ck.num_kv_heads, ck.head_dim)
         if ctx.device.type == "cpu":
-            from pagoda.worker.host_memory import lazily_zeroed
-
             head.attn.kv_cache = lazily_zeroed(shape, ctx.dtype)
         else:
             head.attn.kv_cache = torch.zeros(shape, dtype=ctx.dtype, device=ctx.device)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagoda import LLM, SamplingParams, hookimpl
+from pagoda.plugins import plugin_registered
 from pagoda.spec_decode import Drafts, ProposalBatch, SpeculativeProposer, TargetModel
 from pagoda_spec_eagle.proposer import default_aux_layers
 
@@ -203,8 +204,6 @@ def generate_and_record(
     """Greedy continuations of the first ``num_train`` messages by the model, with the hidden
     states the target computed for them (prefix caching off, so every position is computed);
     also the token ids of the other messages (held out)."""
-    from pagoda.testing import plugin_registered
-
     args = {**engine_args, "enable_prefix_caching": False}
     # NOTE: no governor: with drafting off the recorder would not be called (every step counts).
     args["speculative_config"] = {

@@ -37,6 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from pagoda import LLM, SamplingParams
+from pagoda.config import SpeculativeConfig
+from pagoda.models.layers import RotaryEmbedding
 from pagoda_spec_eagle.checkpoint import llama_head_config, write_head
 from pagoda_spec_eagle.record import Recorded, corpus, generate_and_record
 
@@ -311,8 +314,6 @@ def train_head(
     def target_logits(x: torch.Tensor) -> torch.Tensor:
         return x.float() @ lm_w.T
 
-    from pagoda.models.layers import RotaryEmbedding
-
     rope = RotaryEmbedding(cfg.head_dim, 8, cfg.rope_theta, cfg.rope_scaling)
     inv_freq = torch.atan2(rope.sin[1], rope.cos[1]).to(device)  # the angles at position 1
     gen = torch.Generator().manual_seed(seed)
@@ -387,9 +388,6 @@ def heldout_acceptance(
 ) -> dict[str, Any]:
     """Serve ``prompts`` greedily with the head: mean acceptance length (tokens per
     verification step, the target's own included) and acceptance per draft position."""
-    from pagoda import LLM, SamplingParams
-    from pagoda.config import SpeculativeConfig
-
     spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": k}
     if "adaptive" in SpeculativeConfig.model_fields:  # every step drafts: the head is measured
         spec["adaptive"] = False
