@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagoda.sample.sampler import Sampler
 from pagoda.sample.state import SamplingRows
 from pagoda.sampling_params import SamplingParams
 
@@ -52,3 +53,36 @@ def test_a_row_with_a_setting_gets_full_metadata(setting: dict, check) -> None:
     assert not rows.plain[1] and rows.plain[0]
     assert check(_md(rows, 2))
     assert _md(rows, 1).all_greedy  # the plain row alone
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"logprobs": 0},
+        {"min_tokens": 5},  # min_tokens alone (no stop ids beyond the model's): still not plain
+        {"allowed_token_ids": [1, 2]},
+        {"logit_bias": {3: 1.5}},
+        {"bad_words_token_ids": [[4, 5]]},  # a word that matches nothing yet
+        {"frequency_penalty": 0.2},
+        {"repetition_penalty": 1.1},
+    ],
+)
+def test_a_row_is_plain_exactly_when_its_metadata_is(setting: dict) -> None:
+    """``SamplingRows.plain`` is ``SamplingMetadata.plain`` of the row's own metadata at its
+    first output position: the settings that break the fast paths are listed once, there."""
+    rows = _rows(SamplingParams(temperature=0.0, **setting), SamplingParams(temperature=0.0))
+    assert not _md(rows, 1).plain and not rows.plain[0]
+    assert _md(rows, 2).all_greedy and not _md(rows, 2).plain
+    assert rows.plain[1]  # its plain neighbour stays plain
+
+
+def test_a_random_row_is_never_plain_greedy_but_its_metadata_can_be_plain() -> None:
+    """A random row at its temperature alone: the one-kernel draw's case (``Sampler.plain``)."""
+    rows = _rows(SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_k=5))
+    assert not rows.plain[0]
+    md = _md(rows, 1)
+    assert md.all_random and md.plain and Sampler().plain(md)
+    processed = Sampler()
+    processed.logits_processors.append(lambda logits, md: logits)
+    assert not processed.plain(md)
+    assert not _md(rows, 2).plain  # top-k filters the second row's draw

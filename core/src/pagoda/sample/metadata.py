@@ -55,6 +55,27 @@ class SamplingMetadata:
     def greedy(cls) -> SamplingMetadata:
         return cls(all_greedy=True, all_random=False)
 
+    @property
+    def plain(self) -> bool:
+        """Whether the rows draw from the model's logits as they are: no row asks for logprobs,
+        and no setting masks, biases, penalises or filters them (greedy rows take the argmax,
+        random rows draw at their temperature). Every fast path reads this, and only this, about
+        the settings: the one-kernel draw (``Sampler``), a step of greedy rows built with no
+        metadata (``SamplingRows.plain``), the greedy verification graphs.
+
+        NOTE: a new setting that acts on the logits is an optional field above, named here."""
+        return (
+            self.max_num_logprobs is None
+            and self.top_k is None
+            and self.top_p is None
+            and self.min_p is None
+            and self.allowed_mask is None
+            and self.banned is None
+            and self.logit_bias is None
+            and self.penalties is None
+            and self.grammar is None
+        )
+
 
 @dataclass(slots=True)
 class LogprobsTensors:

@@ -46,7 +46,7 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """``logits``: [num_rows, vocab], consumed (changed in place when float32)."""
-        if self._plain_random(md) and ops.fused_draw_applies(logits):
+        if md.all_random and self.plain(md) and ops.fused_draw_applies(logits):
             # Temperature alone: one kernel from the logits to the tokens (batch 256 over Qwen3's
             # vocabulary on an H200: 81 us where the separate passes took 545, fused_draw.py).
             return SamplerOutput(ops.sample_from_logits(logits, md.temperature, md.uniform), None)
@@ -62,22 +62,10 @@ class Sampler(nn.Module):
             return SamplerOutput(sampled, None)
         return SamplerOutput(sampled, gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled))
 
-    def _plain_random(self, md: SamplingMetadata) -> bool:
-        """Every row draws at its temperature from the model's logits: nothing filters, masks,
-        biases or penalises them, and no row wants logprobs."""
-        return (
-            md.all_random
-            and md.max_num_logprobs is None
-            and md.top_k is None
-            and md.top_p is None
-            and md.min_p is None
-            and md.grammar is None
-            and md.allowed_mask is None
-            and md.banned is None
-            and md.logit_bias is None
-            and md.penalties is None
-            and not self.logits_processors
-        )
+    def plain(self, md: SamplingMetadata) -> bool:
+        """Whether the rows of ``md`` draw from the model's logits as they are: no setting acts
+        on them (``SamplingMetadata.plain``) and no logits processor runs."""
+        return md.plain and not self.logits_processors
 
     def process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Steps 2-6 and the logits processors: what greedy and random rows both see."""

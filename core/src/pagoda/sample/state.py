@@ -59,9 +59,10 @@ class SamplingRows:
         self.presence = np.zeros(r, dtype=np.float32)
         self.frequency = np.zeros(r, dtype=np.float32)
         self.repetition = np.ones(r, dtype=np.float32)
-        # Greedy rows with no setting that acts on the logits or asks for logprobs: a step of
-        # only such rows needs no metadata but ``all_greedy``.
+        # Greedy rows whose metadata is plain (``SamplingMetadata.plain``) at every step: a step
+        # of only such rows needs no metadata but ``all_greedy``.
         self.plain = np.ones(r, dtype=bool)
+        self._no_history = np.full((r, 1), -1, dtype=np.int64)  # (see ``add``)
         self._counts: torch.Tensor | None = None  # [rows, vocab] float32 output token counts
         self._prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool
 
@@ -95,15 +96,15 @@ class SamplingRows:
         )
         if self.penalized[row]:
             self._reset_penalty_state(row, prompt_ids, output_ids)
-        self.plain[row] = (
-            greedy
-            and sp.logprobs is None
-            and not sp.min_tokens
-            and not sp.allowed_token_ids
-            and not bias
-            and not self.bad_words.has[row]
-            and not self.penalized[row]
-        )
+        # NOTE: the greedy row's own metadata at its first output position, where every setting
+        # it has acts (min_tokens too), says which fields it fills at some step; built over no
+        # token history (whether a row has bad words decides ``banned``, its history the ids).
+        if greedy:
+            first = np.zeros(1, dtype=np.int64)  # as many tokens as prompt tokens
+            alone = self._settings(np.array([row]), self._no_history, first, first)
+            self.plain[row] = alone.plain
+        else:
+            self.plain[row] = False
 
     def _reset_penalty_state(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         if self._counts is None:
@@ -155,14 +156,22 @@ class SamplingRows:
         """
         if self.plain[rows].all():
             return SamplingMetadata.greedy()
+        n_tok = num_tokens[rows] if offsets is None else num_tokens[rows] + offsets
+        md = self._settings(rows, token_ids, n_tok, num_prompt[rows])
+        if not md.all_greedy:
+            self._random(md, rows, n_tok)
+        return md
+
+    def _settings(
+        self, rows: np.ndarray, token_ids: np.ndarray, n_tok: np.ndarray, n_prompt: np.ndarray
+    ) -> SamplingMetadata:
+        """The metadata of ``rows`` but for the random draw: whether all are greedy, logprobs
+        and the constraints. ``n_tok``, ``n_prompt``: aligned with ``rows``."""
         md = SamplingMetadata(all_greedy=bool(self.greedy[rows].all()), all_random=False)
         k = int(self.logprobs[rows].max())
         if k >= 0:
             md.max_num_logprobs = k
-        n_tok = num_tokens[rows] if offsets is None else num_tokens[rows] + offsets
-        self._constraints(md, rows, token_ids, n_tok, num_prompt[rows])
-        if not md.all_greedy:
-            self._random(md, rows, n_tok)
+        self._constraints(md, rows, token_ids, n_tok, n_prompt)
         return md
 
     def _constraints(
@@ -189,6 +198,8 @@ class SamplingRows:
             )
             banned_idx.append(with_bad[idx])
             banned_ids.append(ids)
+        # NOTE: set whenever a row has bad words or is short of min_tokens, matched or not
+        # (``add`` reads a row's plainness from it).
         if banned_idx:
             md.banned = (
                 self._to_dev(np.concatenate(banned_idx)),

@@ -148,9 +148,9 @@ def verify_drafts(
 
 
 def _plain_greedy(spec: Speculation, rows: np.ndarray, req_ids: list[str]) -> bool:
-    """Whether the rows' verification is the argmax's alone: plain greedy rows (no setting
-    acts on their logits, no logprobs), no logits processor, no grammar, no draft
-    probabilities."""
+    """Whether the rows' verification is the argmax's alone: plain greedy rows
+    (``SamplingRows.plain``: their metadata is ``SamplingMetadata.plain``), no logits processor,
+    no grammar, no draft probabilities."""
     if not spec.input_batch.sampling.plain[rows].all() or spec.sampler.logits_processors:
         return False
     if spec.grammar.entries:
