@@ -187,7 +187,7 @@ def _count_steps(llm: LLM) -> dict[str, int]:
 def _graph_replays(llm: LLM) -> dict[str, int]:
     runner = llm.engine.engine_core.executor.worker.model_runner
     graphs = {"decode": getattr(runner, "decode_graphs", None)}
-    graphs["verify"] = getattr(runner, "verify_graphs", None)
+    graphs["verify"] = runner.spec.verify_graphs if runner.spec is not None else None
     return {k: g.replays for k, g in graphs.items() if g is not None}
 
 

@@ -55,7 +55,7 @@ class StepOutput:
     # Called with this and its output once the output is built (the proposer's turn).
     on_output: Callable[[StepOutput, ModelRunnerOutput], None] | None = None
     proposer_hidden: torch.Tensor | None = None  # [sampling rows, hidden], for the proposer
-    # The step's rows of the hidden states the proposer asked for (``spec_decode.hidden``).
+    # The step's rows of the hidden states the proposer asked for (``worker.hidden_states``).
     hidden_feed: tuple | None = None
     num_emitted: np.ndarray | None = None  # per sampling row, set by ``get``
     # KV offload: its copy jobs done by ``get`` are reported with this output (a step with no
