@@ -7,8 +7,10 @@ speculation path's functions (wrapped timers, no profiler, so the steps keep the
 
 Variants: ``none`` (no speculation), ``gov`` (the head, governed), ``nogov`` (the head, drafting
 whenever its own back-off lets it), ``off`` (the head loaded, drafting never: what its
-bookkeeping costs plain steps). The variants take turns, ``--rounds`` times over the prompts
-(a host that slows down for a while slows each alike); each ratio to ``none`` is of the medians.
+bookkeeping costs plain steps), ``noahead`` (``nogov`` with no verification launched before
+the step in flight is read: what ``pagoda.worker.drafts_ahead`` buys). The variants take turns,
+``--rounds`` times over the prompts (a host that slows down for a while slows each alike); each
+ratio to ``none`` is of the medians.
 
 The model is a config folder (random weights, cached) or a checkpoint. A random head drafts
 nothing that is accepted, so what it costs is the proposer's bookkeeping, its catch-up drafts
@@ -180,7 +182,23 @@ if args.attention_backend:
     base["attention_backend"] = args.attention_backend
 spec = {"method": "eagle3", "num_speculative_tokens": 4, "model": str(hdir)}
 variants = args.variants.split(",")
-specs = {"none": None, "gov": spec, "off": spec, "nogov": {**spec, "adaptive": False}}
+specs = {
+    "none": None,
+    "gov": spec,
+    "off": spec,
+    "nogov": {**spec, "adaptive": False},
+    "noahead": {**spec, "adaptive": False},
+}
+_plan_ahead = mr.plan_ahead
+
+
+def _ahead_launches(llm: LLM) -> int:
+    spec = llm.engine.engine_core.executor.worker.model_runner.spec
+    return 0 if spec is None else spec.ahead_launches  # no speculation: no runner state for it
+
+
+def _never_ahead(spec, so):  # noqa: ANN001, ANN202 - variant ``noahead``
+    return None
 
 
 class _Never:
@@ -226,6 +244,7 @@ with tuned_gc():  # as the engine-core process runs (pagoda.process)
             N.clear()
             st = llm.engine.engine_core.scheduler.spec_stats_total
             d0, a0 = st.num_drafts, st.num_accepted_tokens
+            mr.plan_ahead = _never_ahead if v == "noahead" else _plan_ahead
             t0 = time.perf_counter()
             for p in prompts:
                 llm.generate([p], params, use_tqdm=False)
@@ -250,7 +269,7 @@ print(ratios)
 print(
     "verifications launched ahead:",
     {
-        v: e.engine.engine_core.executor.worker.model_runner.spec.ahead_launches
+        v: _ahead_launches(e)
         for v, e in engines.items()
     },
 )
@@ -292,7 +311,7 @@ report = {
     "us_per_step_excluding_eager_compute": per_step,
     "accepted_tokens": dict(accepted),
     "verifications_launched_ahead": {
-        v: llm.engine.engine_core.executor.worker.model_runner.spec.ahead_launches
+        v: _ahead_launches(llm)
         for v, llm in engines.items()
     },
     "host_us_per_call": {
