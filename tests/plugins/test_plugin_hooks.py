@@ -91,6 +91,24 @@ def test_hook_register_models_maps_an_architecture_to_a_class(registers) -> None
     assert get_registry("models").get("HookedForCausalLM") is LlamaForCausalLM
 
 
+class _ModelImpls:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_model_impls(self, register):
+        register("hooked_impl", "pagoda.models.native:NativeModelImpl")
+
+
+def test_hook_register_model_impls_makes_an_impl_selectable_by_model_impl() -> None:
+    from pagoda.models.impl import select_model_impl
+    from pagoda.models.native import NativeModelImpl
+
+    with plugin_registered(_ModelImpls(), "model_impls"):
+        assert "hooked_impl" in get_registry("model_impls").names()
+        chosen = select_model_impl("hooked_impl", {"architectures": ["LlamaForCausalLM"]})
+        assert chosen == ("hooked_impl", NativeModelImpl)
+
+
 def test_hook_register_offload_policies_makes_a_policy_selectable(registers) -> None:
     from pagoda.kv_offload import build_policy
     from pagoda.kv_offload.arc import ARCPolicy

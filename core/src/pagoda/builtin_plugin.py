@@ -29,6 +29,11 @@ def register_models(register: Register) -> None:
 
 
 @hookimpl
+def register_model_impls(register: Register) -> None:
+    register("native", "pagoda.models.native:NativeModelImpl")
+
+
+@hookimpl
 def register_offload_policies(register: Register) -> None:
     register("lru", "pagoda.kv_offload.policy:LRUPolicy")
     register("arc", "pagoda.kv_offload.arc:ARCPolicy")

@@ -13,6 +13,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed import check_tensor_parallel
 from pagoda.loader import ModelArchConfig, load_hf_config, load_tokenizer, resolve_model
 from pagoda.loader.synthetic import synthetic_tokenizer
+from pagoda.models.impl import select_model_impl
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -28,12 +29,15 @@ class ModelInfo:
     dtype: torch.dtype
     max_model_len: int
     max_num_batched_tokens: int
+    model_impl: str = "native"  # the registered model impl that serves it (``model.impl``)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelInfo:
         mc = config.model
         resolved = resolve_model(mc.model, mc.load_format)
-        arch = ModelArchConfig.from_hf_config(load_hf_config(resolved.hf_dir))
+        hf_config = load_hf_config(resolved.hf_dir)
+        impl_name, impl = select_model_impl(mc.impl, hf_config)
+        arch = impl.arch_config(hf_config)
         check_tensor_parallel(arch, config.parallel.tensor_parallel_size)
         device = _pick_device(mc.device)
         dtype = _pick_dtype(mc.dtype, arch, device)
@@ -66,6 +70,7 @@ class ModelInfo:
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
+            model_impl=impl_name,
         )
 
 

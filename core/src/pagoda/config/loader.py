@@ -61,10 +61,14 @@ def leaf_keys() -> list[str]:
     return [f"{s}.{k}" for s, model in sections().items() for k in model.model_fields]
 
 
+# vLLM's flat names where the rule below would give another: ``LLM(model_impl="native")``.
+_VLLM_FLAT_NAMES = {("model", "impl"): "model_impl"}
+
+
 def flat_names() -> dict[str, tuple[str, str]]:
     """Flat (vLLM-style) argument name -> (section, key). A key that exists in one section only
     is its own flat name; one found in several is ``section_key`` (``attention_backend``), except
-    ``model.model``, which is ``model``."""
+    ``model.model``, which is ``model``, and vLLM's own names (``model.impl``: ``model_impl``)."""
     count: dict[str, int] = {}
     for model in sections().values():
         for key in model.model_fields:
@@ -73,7 +77,8 @@ def flat_names() -> dict[str, tuple[str, str]]:
     for section, model in sections().items():
         for key in model.model_fields:
             unique = count[key] == 1 or (section, key) == ("model", "model")
-            out[key if unique else f"{section}_{key}"] = (section, key)
+            name = key if unique else f"{section}_{key}"
+            out[_VLLM_FLAT_NAMES.get((section, key), name)] = (section, key)
     return out
 
 

@@ -19,6 +19,12 @@ class ModelConfig(_Section):
         None, description="Hugging Face model folder, GGUF file, or None for the default model"
     )
     tokenizer: str | None = Field(None, description="tokenizer source; defaults to the model's")
+    impl: str = Field(
+        "auto",
+        min_length=1,
+        description="model implementation: auto (the highest priority that accepts the model),"
+        " native (the core's Llama family) or a plugin's name (`pagoda plugins` lists them)",
+    )
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field(
         "auto", description="how to read the weights; dummy: random, for benchmarks"
     )

@@ -231,7 +231,36 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     finally:
         log.setLevel(level)
     print(format_plugins("json" if args.json else "table"))
-    return 1 if args.check and has_problems() else 0
+    served = True
+    if args.model is not None:
+        text, served = _model_impl_report(args.model)
+        print("\n" + text)
+    return 1 if (args.check and has_problems()) or not served else 0
+
+
+def _model_impl_report(model: str) -> tuple[str, bool]:
+    """Which model impl would serve ``model`` (under ``model.impl=auto``) and each impl's
+    verdict; False when none accepts it."""
+    # NOTE: the loader (torch) and the model impls load only when --model asks for them.
+    from pagoda.loader import load_hf_config, resolve_model
+    from pagoda.models.impl import named_architecture, select_model_impl, verdicts
+
+    hf_config = load_hf_config(resolve_model(model, "dummy").hf_dir)  # the config, no weights
+    arch = named_architecture(hf_config) or "(none named)"
+    try:
+        chosen, _ = select_model_impl("auto", hf_config)
+        head = f"model {model} (architecture {arch}): served by model impl {chosen!r} (auto)"
+    except ValueError:
+        chosen, head = None, f"model {model} (architecture {arch}): no model impl accepts it"
+    rows = [("MODEL IMPL", "PRIORITY", "VERDICT")]
+    for name, priority, reason in verdicts(hf_config):
+        verdict = "accepts" if reason is None else f"refuses: {reason}"
+        if name == chosen:
+            verdict += " (chosen)"
+        rows.append((name, "-" if priority is None else str(priority), verdict))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:2], widths)) + "  " + r[2] for r in rows]
+    return "\n".join([head, *lines]), chosen is not None
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -327,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.add_argument(
         "--check", action="store_true", help="exit with status 1 if any plugin failed to load"
+    )
+    plugins.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="also say which model impl would serve this model (folder or GGUF file) and why",
     )
     plugins.set_defaults(func=_cmd_plugins)
 

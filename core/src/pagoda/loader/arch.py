@@ -55,7 +55,7 @@ class ModelArchConfig:
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> ModelArchConfig:
         """Parse a config.json dict (transformers 4 or 5 key style)."""
-        arch = _architecture(d)
+        arch = architecture_of(d)
         traits = SUPPORTED_ARCHITECTURES[arch]
         heads = _required(d, "num_attention_heads", arch)
         hidden = _required(d, "hidden_size", arch)
@@ -87,7 +87,9 @@ class ModelArchConfig:
         )
 
 
-def _architecture(d: dict[str, Any]) -> str:
+def architecture_of(d: dict[str, Any]) -> str:
+    """The supported architecture a config.json names; ValueError (which lists the supported
+    ones) when it names none of them."""
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     names = d.get("architectures") or []
     if not names:

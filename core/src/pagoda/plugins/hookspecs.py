@@ -142,6 +142,23 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_model_impls(register: Register) -> None:
+    """Register model implementations by name (``native``, ``transformers``, ...).
+
+    :param register: call ``register(name, "pkg.mod:ImplClass")`` for each impl; the class
+        implements :class:`pagoda.models.impl.ModelImpl`: ``supports(hf_config, architecture)``
+        (None when it can serve that config.json, else its reason), ``priority``,
+        ``arch_config(hf_config)`` and ``model_class(arch)``.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with ``model.impl``
+    (``model_impl``), or ``auto`` picks the highest ``priority`` among those that accept the
+    model; ``pagoda plugins --model PATH`` shows each one's verdict. The core's ``native`` impl
+    (the Llama family) is registered through this hook.
+    """
+
+
+@hookspec
 def register_plugin_settings(register: Register) -> None:
     """Register a plugin's settings: a pydantic model, under the plugin's name.
 
@@ -271,6 +288,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "spec_proposers": "register_spec_proposers",
     "grammar_backends": "register_grammar_backends",
     "models": "register_models",
+    "model_impls": "register_model_impls",
     "plugin_settings": "register_plugin_settings",
     "offload_policies": "register_offload_policies",
     "offload_mediums": "register_offload_mediums",

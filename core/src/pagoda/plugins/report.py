@@ -85,6 +85,20 @@ def format_backends(checks: list[BackendCheck]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
 
 
+def format_model_impls() -> list[str]:
+    """The table of registered model impls and who registers them (imports none of them)."""
+    registry = load_plugins().registries.get("model_impls")
+    if registry is None or not registry.names():
+        return []
+    rows = [("MODEL IMPL", "PLUGIN", "TARGET")]
+    for name in registry.names():
+        entry = registry.registration(name)
+        target = entry.target if isinstance(entry.target, str) else repr(entry.target)
+        rows.append((name, entry.plugin.name, target))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row[:2], widths)) + "  " + row[2] for row in rows]
+
+
 def _provides(rec: PluginRecord) -> str:
     parts = [f"{kind}: {', '.join(names)}" for kind, names in rec.registers.items()]
     if rec.hooks:
@@ -143,6 +157,9 @@ def format_plugins(fmt: str = "table") -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
     if checks:
         lines += ["", *format_backends(checks)]
+    impls = format_model_impls()
+    if impls:
+        lines += ["", *impls]
     failed = [r for r in records if r.status == "failed"]
     for r in failed:
         lines += ["", f"plugin {r.label} failed to load:", r.traceback or r.reason or ""]

@@ -68,9 +68,12 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         max_num_batched_tokens: int,
+        *,
+        model_impl: str = "native",
     ) -> None:
         self.config = config
         self.arch = arch
+        self.model_impl = model_impl  # the registered model impl that builds the model
         self.hf_dir = hf_dir
         self.load_format = load_format
         self.device = device
@@ -149,7 +152,7 @@ class ModelRunner:
         # NOTE: process-wide, read at each call: set before any graph is captured.
         set_fused_ops(self.config.model.fused_ops)
         batch_invariant.set_batch_invariant(self.batch_invariant)
-        model_cls = get_registry("models").get(self.arch.architecture)
+        model_cls = get_registry("model_impls").get(self.model_impl).model_class(self.arch)
         # Parameters are allocated, not initialised: the weights (or dummy values) fill them next.
         model = build_model(
             model_cls, self.arch, self.attn_backend, device=self.device, dtype=self.dtype

@@ -31,6 +31,7 @@ class Worker:
             info.dtype,
             info.max_model_len,
             info.max_num_batched_tokens,
+            model_impl=info.model_impl,
         )
 
     def load_model(self) -> None:
