@@ -55,7 +55,8 @@ def test_the_guide_shows_every_file_of_the_example() -> None:
     assert on_disk <= shown, f"the guide does not show {sorted(on_disk - shown)}"
 
 
-@pytest.mark.parametrize("case", attention_cases(), ids=lambda c: c.name)
+# The guide's backend computes plain causal attention: the kit's feature cases are not for it.
+@pytest.mark.parametrize("case", attention_cases(features=False), ids=lambda c: c.name)
 def test_backend_built_from_the_guide_passes_the_conformance_kit(guide_backend, case) -> None:
     check_attention_backend(guide_backend, case, "cpu", torch.float32)
 

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from pagoda.attention.spec import AttentionSpec
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -40,7 +42,16 @@ class CommonAttentionMetadata:
 
 
 class AttentionImpl(ABC):
-    """One attention layer's computation over the paged KV cache."""
+    """One attention layer's computation over the paged KV cache.
+
+    Besides the constructor's arguments, the layer sets two attributes before the first step:
+    ``spec``, the layer's :class:`AttentionSpec` (one the backend's ``unsupported`` accepted),
+    and ``sinks``, the ``[num_heads]`` sink logits (the layer's ``sinks`` parameter, loaded with the
+    weights: the model's dtype, the engine's device) when ``spec.sinks``, else None.
+    """
+
+    spec: AttentionSpec
+    sinks: torch.Tensor | None = None
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         """Called once per layer when the model is built. ``num_heads`` and ``num_kv_heads`` are
@@ -50,16 +61,17 @@ class AttentionImpl(ABC):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.spec = AttentionSpec(num_heads, num_kv_heads, head_size, scale)
 
     @abstractmethod
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, v_head_size]
         kv_cache: torch.Tensor,  # the shape get_kv_cache_shape returned
         attn_metadata: Any,  # what build_metadata returned for this step
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, v_head_size]
         """One layer of one step: write the step's keys and values into the cache, then attend.
 
         ``query`` is ``[num_tokens, num_heads, head_size]``; ``key`` and ``value`` are
@@ -69,10 +81,12 @@ class AttentionImpl(ABC):
         this layer's cache (the shape ``get_kv_cache_shape`` returned, zero when allocated,
         kept across steps); token ``t`` goes to slot ``slot_mapping[t]``. ``attn_metadata`` is
         what ``build_metadata`` (or, in a CUDA graph, ``build_graph_metadata``) returned for
-        the step. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; a query
-        token at position ``p`` sees its request's keys at positions ``0..p``.
+        the step. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``; which keys
+        a query sees, and how its logits are formed, is ``self.spec`` (plain causal: a query
+        token at position ``p`` sees its request's keys at positions ``0..p``). ``value`` and
+        the output have ``spec.v_head_size`` per head.
 
-        Returns a new ``[num_tokens, num_heads, head_size]`` tensor, dtype and device of
+        Returns a new ``[num_tokens, num_heads, v_head_size]`` tensor, dtype and device of
         ``query``; rows past ``num_actual_tokens`` are never read."""
 
 
@@ -121,6 +135,17 @@ class AttentionBackend(ABC):
         logged when it succeeds, so it should say there what it built and how long each took.
         Default: None."""
         return None
+
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        """Called when a layer is built, with its ``spec`` (a rejected spec stops the build);
+        by the selector at engine start, for each layer's spec it is given (``auto`` passes over
+        a backend that lacks a feature a layer needs); by the conformance kit, per case.
+        Returns None when this backend computes ``spec``, else the name of the first
+        :meth:`AttentionSpec.features` entry it lacks. Default: plain causal attention only
+        (what every backend did before specs existed)."""
+        missing = spec.features()
+        return missing[0] if missing else None
 
     @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
@@ -195,11 +220,17 @@ def write_kv_cache(
     num_kv_heads, head_size]``) in their slots ``slot_mapping[:num_tokens]`` of ``kv_cache``, a
     cache in the default layout (``[2, num_blocks, block_size, num_kv_heads, head_size]``).
 
+    Keys or values narrower than the cache's heads (``value_head_size`` differs from
+    ``head_size``) fill the leading part of each head.
+
     Returns the key cache and the value cache, ``[num_blocks, block_size, num_kv_heads,
     head_size]`` views of ``kv_cache``."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    heads, size = key.shape[1], key.shape[2]
+    heads, size = key.shape[1], kv_cache.shape[-1]
     slots = slot_mapping[:num_tokens]
-    key_cache.view(-1, heads, size).index_copy_(0, slots, key[:num_tokens])
-    value_cache.view(-1, heads, size).index_copy_(0, slots, value[:num_tokens])
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        rows = cache.view(-1, heads, size)
+        if src.shape[2] != size:
+            rows = rows[..., : src.shape[2]]
+        rows.index_copy_(0, slots, src[:num_tokens])
     return key_cache, value_cache

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.spec import AttentionSpec
 
 _attn_metadata: Any = None
 
@@ -26,7 +27,13 @@ def set_forward_context(attn_metadata: Any) -> Iterator[None]:
 
 
 class Attention(nn.Module):
-    """Paged attention for one layer: the model gives it projected q, k, v for the flat batch."""
+    """Paged attention for one layer: the model gives it projected q, k, v for the flat batch.
+
+    ``spec`` says what the layer computes (None: plain causal attention of ``num_heads``,
+    ``head_size``, ``scale`` and ``num_kv_heads``, which a given spec must repeat). A spec with
+    ``sinks`` gives the layer a ``sinks`` parameter (``[num_heads]``, this rank's heads, in the
+    model's dtype) for the weights to fill; its impl reads it as ``impl.sinks``.
+    """
 
     def __init__(
         self,
@@ -36,13 +43,36 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         layer_idx: int,
+        spec: AttentionSpec | None = None,
     ) -> None:
         super().__init__()
+        plain = AttentionSpec(num_heads, num_kv_heads, head_size, scale)
+        if spec is None:
+            spec = plain
+        elif (spec.num_heads, spec.num_kv_heads, spec.head_size, spec.scale) != (
+            num_heads,
+            num_kv_heads,
+            head_size,
+            scale,
+        ):
+            raise ValueError(f"layer {layer_idx}: {spec} disagrees with its arguments {plain}")
+        missing = backend.unsupported(spec)
+        if missing is not None:
+            raise ValueError(
+                f"attention backend {backend.name!r} does not support {missing}, which layer "
+                f"{layer_idx} needs ({spec})"
+            )
+        self.spec = spec
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
+        self.v_head_size = spec.v_head_size
         self.layer_idx = layer_idx
         self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+        self.impl.spec = spec
+        if spec.sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False)
+            self.impl.sinks = self.sinks
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: torch.Tensor = torch.empty(0)
 
@@ -51,8 +81,8 @@ class Attention(nn.Module):
         out = self.impl.forward(
             q.view(n, self.num_heads, self.head_size),
             k.view(n, self.num_kv_heads, self.head_size),
-            v.view(n, self.num_kv_heads, self.head_size),
+            v.view(n, self.num_kv_heads, self.v_head_size),
             self.kv_cache,
             _attn_metadata,
         )
-        return out.reshape(n, self.num_heads * self.head_size)
+        return out.reshape(n, self.num_heads * self.v_head_size)

@@ -4,11 +4,17 @@ Decoding requests (one query token) are grouped by context length, and each grou
 one batched call over its gathered contexts, padded to the group's longest; requests with several
 query tokens (prefill chunks) one call each. All per-step planning happens in ``build_metadata``,
 once per step, not in the layers.
+
+A layer whose :class:`~pagoda.attention.spec.AttentionSpec` is not plain causal attention (a
+window, a soft-cap, sinks, chunks, bidirectional, a value head size of its own) takes a general
+path: each request's context gathered and attended with explicit float32 logits and the spec's
+mask, built once per step per distinct spec. Sinks are read from ``impl.sinks`` (see
+:class:`~pagoda.attention.backend.AttentionImpl`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +26,7 @@ from pagoda.attention.backend import (
     CommonAttentionMetadata,
     write_kv_cache,
 )
+from pagoda.attention.spec import AttentionSpec
 
 
 @dataclass
@@ -53,10 +60,54 @@ class _Decodes:
 
 
 @dataclass
+class _Request:
+    start: int  # first token in the flat batch
+    end: int
+    blocks: torch.Tensor  # [num_blocks] block ids covering the context
+    q_pos: torch.Tensor  # [q_len, 1] the queries' positions
+    k_pos: torch.Tensor  # [1, seq_len] the keys' positions
+
+
+@dataclass
 class TorchNativeMetadata:
     common: CommonAttentionMetadata
     decodes: _Decodes | None
     prefills: list[_Prefill]
+    # The general path's requests and, per spec, each request's mask: made by the first layer
+    # that needs them.
+    requests: list[_Request] | None = None
+    masks: dict[AttentionSpec, list[torch.Tensor]] = field(default_factory=dict)
+
+    def masks_for(self, spec: AttentionSpec) -> tuple[list[_Request], list[torch.Tensor]]:
+        if self.requests is None:
+            self.requests = _requests(self.common)
+        if spec not in self.masks:
+            self.masks[spec] = [_mask(spec, r.q_pos, r.k_pos) for r in self.requests]
+        return self.requests, self.masks[spec]
+
+
+def _requests(common: CommonAttentionMetadata) -> list[_Request]:
+    qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+    device = common.block_table.device
+    out = []
+    for i in range(common.num_reqs):
+        start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        blocks = common.block_table[i, : -(-seq_len // common.block_size)].long()
+        k_pos = torch.arange(seq_len, device=device)
+        q_pos = k_pos[seq_len - (end - start) :, None]
+        out.append(_Request(start, end, blocks, q_pos, k_pos[None]))
+    return out
+
+
+def _mask(spec: AttentionSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[q_len, seq_len] bool: True where the spec lets query position ``q_pos`` see ``k_pos``."""
+    dist = q_pos - k_pos
+    mask = dist >= 0 if spec.causal else torch.ones_like(dist, dtype=torch.bool)
+    if spec.sliding_window is not None:
+        mask &= dist.abs() < spec.sliding_window
+    if spec.chunk_size is not None:
+        mask &= q_pos // spec.chunk_size == k_pos // spec.chunk_size
+    return mask
 
 
 def _length_classes() -> np.ndarray:
@@ -78,6 +129,10 @@ class TorchNativeBackend(AttentionBackend):
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
         return dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        return None  # every feature of the spec
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
@@ -143,6 +198,8 @@ class TorchNativeImpl(AttentionImpl):
         key_cache, value_cache = write_kv_cache(
             key, value, kv_cache, md.common.slot_mapping, num_tokens
         )
+        if self.spec.features():
+            return self._general(query, key_cache, value_cache, md)
 
         out = torch.empty_like(query)
         if md.decodes is not None:
@@ -198,3 +255,39 @@ class TorchNativeImpl(AttentionImpl):
             outs.append(o.reshape(b, self.num_heads, d))
             row, block = row + b, block + b * max_blocks
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _general(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: TorchNativeMetadata,
+    ) -> torch.Tensor:
+        """Any spec: per request, float32 logits over the gathered context, soft-capped, masked,
+        with the sinks in the softmax's denominator."""
+        spec = self.spec
+        h_kv, d, dv = self.num_kv_heads, self.head_size, spec.v_head_size
+        group = self.num_heads // h_kv
+        out = query.new_empty(query.shape[0], self.num_heads, dv)
+        sinks = None
+        if spec.sinks:
+            if self.sinks is None:
+                raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
+            sinks = self.sinks.float().view(h_kv, group, 1, 1)
+        requests, masks = md.masks_for(spec)
+        for r, mask in zip(requests, masks):
+            seq_len = mask.shape[1]
+            k = key_cache[r.blocks].flatten(0, 1)[:seq_len, :, :d].float()
+            v = value_cache[r.blocks].flatten(0, 1)[:seq_len, :, :dv].float()
+            q = query[r.start : r.end].float().view(-1, h_kv, group, d).permute(1, 2, 0, 3)
+            # [h_kv, group, q_len, seq_len]
+            logits = q @ k.permute(1, 2, 0).unsqueeze(1) * self.scale
+            if spec.logit_softcap is not None:
+                logits = torch.tanh(logits / spec.logit_softcap) * spec.logit_softcap
+            logits = logits.masked_fill(~mask, float("-inf"))
+            if sinks is not None:
+                logits = torch.cat([logits, sinks.expand(-1, -1, logits.shape[2], 1)], dim=-1)
+            probs = logits.softmax(dim=-1)[..., :seq_len]
+            o = probs @ v.permute(1, 0, 2).unsqueeze(1)  # [h_kv, group, q_len, dv]
+            out[r.start : r.end] = o.permute(2, 0, 1, 3).reshape(-1, self.num_heads, dv)
+        return out

@@ -13,6 +13,7 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
+from pagoda.attention.spec import AttentionSpec
 from pagoda.distributed import tp_shape
 from pagoda.loader.arch import ModelArchConfig
 from pagoda.loader.sharded import WeightSlice, as_slice
@@ -26,6 +27,14 @@ from pagoda.models.parallel_layers import (
     split_evenly,
 )
 from pagoda.ops import qk_norm_rotary, silu_and_mul
+
+
+def attention_specs(cfg: ModelArchConfig) -> list[AttentionSpec]:
+    """Every layer's attention, this tensor-parallel rank's heads: the Llama family attends
+    causally over the whole context, ``head_dim ** -0.5``, in every layer."""
+    shape = tp_shape(cfg)
+    spec = AttentionSpec(shape.num_heads, shape.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    return [spec] * cfg.num_hidden_layers
 
 
 class LlamaAttention(nn.Module):
@@ -64,13 +73,15 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary_emb = rotary_emb
+        spec = attention_specs(cfg)[layer_idx]
         self.attn = Attention(
             backend,
-            self.num_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            self.num_kv_heads,
+            spec.num_heads,
+            spec.head_size,
+            spec.scale,
+            spec.num_kv_heads,
             layer_idx,
+            spec,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ Every step's output is compared with attention computed in float64 from the same
 decode step for every request reads back what the case's final step wrote. The scenarios are
 what the scheduler produces: prefill, decode, mixed batches (decodes, chunked prefills and new
 prompts together) and prefix-cached context (requests that share the blocks of a common prefix).
+Feature cases run the same scenarios with one :class:`~pagoda.attention.spec.AttentionSpec` field
+each set away from plain causal attention, at a scale where a backend that ignores the field
+fails.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagoda.attention.spec import AttentionSpec
 
 #: (atol, rtol) per dtype; backends with looser arithmetic (TF32, fp8) pass their own.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -34,7 +38,9 @@ Step = list[tuple[int, int, int]]
 @dataclass(frozen=True)
 class AttentionCase:
     """One scenario on one model shape. ``steps`` say which tokens of which request each step
-    computes; a request's tokens before ``start`` are its context, already in the cache."""
+    computes; a request's tokens before ``start`` are its context, already in the cache. The
+    fields from ``scale`` on are the layer's :class:`AttentionSpec` (``spec``); a case with
+    ``sinks`` draws the sink logits too."""
 
     scenario: str
     num_heads: int
@@ -45,13 +51,36 @@ class AttentionCase:
     steps: tuple[tuple[tuple[int, int, int], ...], ...]
     shared_prefix: int = 0  # leading tokens (whole blocks) all requests share with request 0
     seed: int = 0
+    scale: float | None = None  # None: head_size ** -0.5
+    value_head_size: int | None = None
+    causal: bool = True
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+    sinks: bool = False
+    chunk_size: int | None = None
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.head_size**-0.5 if self.scale is None else self.scale,
+            self.value_head_size,
+            self.causal,
+            self.sliding_window,
+            self.logit_softcap,
+            self.sinks,
+            self.chunk_size,
+        )
 
     @property
     def name(self) -> str:
         g = self.num_heads // self.num_kv_heads
+        features = "".join(f"-{f}" for f in self.spec.features())
         return (
             f"{self.scenario}-h{self.num_heads}kv{self.num_kv_heads}(g{g})-d{self.head_size}"
-            f"-bs{self.block_size}"
+            f"-bs{self.block_size}{features}"
         )
 
 
@@ -110,21 +139,45 @@ HEAD_CONFIGS = ((4, 4), (8, 2), (6, 2), (4, 1))  # MHA, GQA 4, GQA 3, MQA
 HEAD_SIZES = (64, 128)
 BLOCK_SIZES = (16, 32)
 
+#: One spec field each, set where it changes every scenario's output by far more than the
+#: tolerances: windows and chunks shorter than the contexts and not block-aligned, logits scaled
+#: up past the soft-cap, sink logits that take a sizeable share of the softmax.
+FEATURES: dict[str, dict[str, Any]] = {
+    "value_head_size": {"value_head_size": 32},
+    "causal": {"causal": False},
+    "sliding_window": {"sliding_window": 7},
+    "logit_softcap": {"logit_softcap": 2.0, "scale": 4 * 64**-0.5},
+    "sinks": {"sinks": True},
+    "chunk_size": {"chunk_size": 12},
+}
+
 
 def attention_cases(
     head_sizes: tuple[int, ...] = HEAD_SIZES,
     block_sizes: tuple[int, ...] = BLOCK_SIZES,
     head_configs: tuple[tuple[int, int], ...] = HEAD_CONFIGS,
+    features: bool = True,
 ) -> list[AttentionCase]:
-    """Every scenario on every (heads, kv heads), head size and block size given."""
+    """Every scenario on every (heads, kv heads), head size and block size given; then, when
+    ``features``, every scenario with each :data:`FEATURES` entry, on 8 heads over 2 KV heads of
+    64, blocks of 16 (a backend runs those its ``unsupported`` accepts)."""
     cases = []
     for i, (bs, (h, kv), d) in enumerate(itertools.product(block_sizes, head_configs, head_sizes)):
-        for scenario, (lens, steps, shared) in _scenarios(bs).items():
-            final = [(r, s, e) for r, (s, e) in enumerate((n, n + 1) for n in lens)]
-            all_steps = tuple(tuple(step) for step in [*steps, final])
-            lens_plus = tuple(n + 1 for n in lens)
-            cases.append(AttentionCase(scenario, h, kv, d, bs, lens_plus, all_steps, shared, i))
+        for scenario in _scenarios(bs):
+            cases.append(_case(scenario, h, kv, d, bs, i))
+    if features:
+        for j, fields in enumerate(FEATURES.values()):
+            for scenario in _scenarios(16):
+                cases.append(_case(scenario, 8, 2, 64, 16, 100 + j, **fields))
     return cases
+
+
+def _case(scenario: str, h: int, kv: int, d: int, bs: int, seed: int, **spec: Any) -> AttentionCase:
+    lens, steps, shared = _scenarios(bs)[scenario]
+    final = [(r, s, e) for r, (s, e) in enumerate((n, n + 1) for n in lens)]
+    all_steps = tuple(tuple(step) for step in [*steps, final])
+    lens_plus = tuple(n + 1 for n in lens)
+    return AttentionCase(scenario, h, kv, d, bs, lens_plus, all_steps, shared, seed, **spec)
 
 
 # ---- running a case -----------------------------------------------------------------------------
@@ -136,7 +189,8 @@ class _Layout:
     num_blocks: int
     q: list[torch.Tensor]  # per request [len, heads, d], float64
     k: list[torch.Tensor]  # per request [len, kv_heads, d], float64
-    v: list[torch.Tensor]
+    v: list[torch.Tensor]  # per request [len, kv_heads, v_head_size], float64
+    sinks: torch.Tensor | None  # [heads] float64, when the case has sinks
 
 
 def _layout(case: AttentionCase, dtype: torch.dtype) -> _Layout:
@@ -153,31 +207,59 @@ def _layout(case: AttentionCase, dtype: torch.dtype) -> _Layout:
         pos += n
         tables.append(mine if r == 0 else tables[0][:shared_blocks] + mine)
 
-    def rand(n: int, heads: int) -> torch.Tensor:
-        t = torch.randn(n, heads, case.head_size, generator=gen, dtype=torch.float64)
+    def rand(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen, dtype=torch.float64)
         return t.to(dtype).to(torch.float64)  # exactly representable in the backend's dtype
 
-    q = [rand(n, case.num_heads) for n in case.seq_lens]
-    k = [rand(n, case.num_kv_heads) for n in case.seq_lens]
-    v = [rand(n, case.num_kv_heads) for n in case.seq_lens]
+    dv = case.spec.v_head_size
+    q = [rand(n, case.num_heads, case.head_size) for n in case.seq_lens]
+    k = [rand(n, case.num_kv_heads, case.head_size) for n in case.seq_lens]
+    v = [rand(n, case.num_kv_heads, dv) for n in case.seq_lens]
     for r in range(1, len(case.seq_lens)):  # the shared prefix holds the same keys and values
         k[r][: case.shared_prefix] = k[0][: case.shared_prefix]
         v[r][: case.shared_prefix] = v[0][: case.shared_prefix]
-    return _Layout(tables, num_blocks, q, k, v)
+    # Sink logits around 3: exp(3) is a sizeable share of a softmax over tens of keys.
+    sinks = (rand(case.num_heads) + 3).to(dtype).double() if case.sinks else None
+    return _Layout(tables, num_blocks, q, k, v, sinks)
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """float64 causal attention of queries at positions ``start..`` over keys ``0..``:
-    ``q`` [n, heads, d], ``k``/``v`` [start + n, kv_heads, d] -> [n, heads, d]."""
+    """float64 attention of queries at positions ``start..`` over keys ``0..``: ``q`` [n, heads,
+    d], ``k`` [start + n, kv_heads, d], ``v`` [start + n, kv_heads, dv] -> [n, heads, dv]. The
+    keyword arguments are :class:`AttentionSpec`'s rules (``sinks``: the [heads] sink logits);
+    the defaults are plain causal attention."""
     group = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(group, dim=1)
     vv = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
-    q_pos = torch.arange(start, start + q.shape[0])[:, None]
-    scores.masked_fill_(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), vv)
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    i = torch.arange(start, start + q.shape[0])[:, None]
+    j = torch.arange(k.shape[0])[None, :]
+    seen = (j <= i) if causal else torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+    if sliding_window is not None:
+        seen &= (i - j).abs() < sliding_window
+    if chunk_size is not None:
+        seen &= i // chunk_size == j // chunk_size
+    scores.masked_fill_(~seen, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vv)
 
 
 def run_attention_case(
@@ -185,30 +267,47 @@ def run_attention_case(
     case: AttentionCase,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    reference_spec: AttentionSpec | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run every step of ``case`` through ``backend``; (output, float64 reference) per step."""
+    """Run every step of ``case`` through ``backend``; (output, float64 reference) per step.
+    The reference follows ``reference_spec``'s rules (default: the case's ``spec``; a negative
+    control passes one with a feature dropped)."""
     device = torch.device(device)
+    ref_spec = case.spec if reference_spec is None else reference_spec
     if device.type != "cpu":
-        return _run(backend, case, device, dtype)
+        return _run(backend, case, device, dtype, ref_spec)
     # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(backend, case, device, dtype)
+        return _run(backend, case, device, dtype, ref_spec)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(
-    backend: type[AttentionBackend], case: AttentionCase, device: torch.device, dtype: torch.dtype
+    backend: type[AttentionBackend],
+    case: AttentionCase,
+    device: torch.device,
+    dtype: torch.dtype,
+    ref_spec: AttentionSpec,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
-    bs, d = case.block_size, case.head_size
-    scale = d**-0.5
-    shape = backend.get_kv_cache_shape(lay.num_blocks, bs, case.num_kv_heads, d)
+    bs, d, spec = case.block_size, case.head_size, case.spec
+    shape = backend.get_kv_cache_shape(lay.num_blocks, bs, case.num_kv_heads, spec.cache_head_size)
     gen = torch.Generator().manual_seed(case.seed + 1)
     kv_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
-    impl = backend.get_impl_cls()(case.num_heads, d, scale, case.num_kv_heads)
+    impl = backend.get_impl_cls()(case.num_heads, d, spec.scale, case.num_kv_heads)
+    impl.spec = spec  # as the layer does
+    if lay.sinks is not None:
+        impl.sinks = lay.sinks.to(dtype).to(device)
+    rules = {
+        "causal": ref_spec.causal,
+        "sliding_window": ref_spec.sliding_window,
+        "logit_softcap": ref_spec.logit_softcap,
+        "sinks": lay.sinks if ref_spec.sinks else None,
+        "chunk_size": ref_spec.chunk_size,
+    }
     width = max(len(t) for t in lay.block_tables) + 2
     results = []
     for step in case.steps:
@@ -221,7 +320,9 @@ def _run(
             out = impl.forward(q, k, v, kv_cache, md)
         ref = torch.cat(
             [
-                reference_attention(lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, scale)
+                reference_attention(
+                    lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
+                )
                 for r, s, e in step
             ]
         )
@@ -266,11 +367,17 @@ def check_attention_backend(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
+    reference_spec: AttentionSpec | None = None,
 ) -> None:
     """Run ``case`` and raise ``AssertionError`` at the first step whose output differs from the
-    float64 reference by more than the tolerance of ``dtype``."""
+    float64 reference (of ``reference_spec``, default the case's) by more than the tolerance of
+    ``dtype``. A case whose spec the backend's ``unsupported`` rejects raises ``ValueError``."""
+    missing = backend.unsupported(case.spec)
+    if missing is not None:
+        raise ValueError(f"{backend.__name__} does not support {missing}, which {case.name} needs")
     atol, rtol = {**DEFAULT_TOLERANCES, **(tolerances or {})}[dtype]
-    for i, (out, ref) in enumerate(run_attention_case(backend, case, device, dtype)):
+    steps = run_attention_case(backend, case, device, dtype, reference_spec)
+    for i, (out, ref) in enumerate(steps):
         err = (out - ref).abs().max().item() if out.shape == ref.shape else float("nan")
 
         def msg(m: str, i: Any = i, err: float = err) -> str:

@@ -25,8 +25,9 @@ from pagoda.testing.attention import AttentionCase, attention_cases, check_atten
 class AttentionBackendConformance:
     """Every case of :func:`attention_cases` against the float64 reference, for each dtype.
 
-    A case whose device, dtype or head size the backend does not support (``supports``) is
-    skipped; a backend must support at least one case on ``device``.
+    A case whose device, dtype or head size the backend does not support (``supports``), or
+    whose spec it rejects (``unsupported``: a feature case), is skipped, the reason naming the
+    feature; a backend must support at least one case on ``device``.
     """
 
     #: The backend under test: its class, or its registered name (selected through the plugins).
@@ -55,6 +56,9 @@ class AttentionBackendConformance:
     @pytest.mark.parametrize("case", attention_cases(), ids=lambda c: c.name)
     def test_matches_float64_reference(self, case: AttentionCase) -> None:
         cls = self.backend_class()
+        missing = cls.unsupported(case.spec)
+        if missing is not None:
+            pytest.skip(f"{cls.__name__} does not support {missing}")
         device = torch.device(self.device)
         ran = 0
         for dtype in self.dtypes:
