@@ -164,3 +164,26 @@ def test_layer_hands_its_spec_and_sink_parameter_to_the_impl() -> None:
     with pytest.raises(ValueError, match="disagrees"):
         Attention(TorchNativeBackend, 8, 64, 0.5, 2, 0, spec)
     assert Attention(TorchNativeBackend, 8, 64, 0.125, 2, 0).impl.spec == PLAIN
+
+
+def test_llama_layers_are_plain_causal_attention_of_the_arch() -> None:
+    from pagoda.loader.arch import ModelArchConfig
+    from pagoda.models.llama import LlamaForCausalLM, attention_specs
+
+    cfg = ModelArchConfig.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "sliding_window": 8,  # LlamaForCausalLM ignores it (Mistral caps the context at it)
+        }
+    )
+    specs = attention_specs(cfg)
+    assert specs == [AttentionSpec(4, 2, 8, 8**-0.5)] * 2
+    model = LlamaForCausalLM(cfg, PlainOnlyBackend)  # a plain-only backend builds it
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert [layer.impl.spec for layer in layers] == specs
