@@ -184,6 +184,7 @@ def test_llama_layers_are_plain_causal_attention_of_the_arch() -> None:
     )
     specs = attention_specs(cfg)
     assert specs == [AttentionSpec(4, 2, 8, 8**-0.5)] * 2
+    assert LlamaForCausalLM.attention_specs(cfg) == specs  # what the runner selects with
     model = LlamaForCausalLM(cfg, PlainOnlyBackend)  # a plain-only backend builds it
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     assert [layer.impl.spec for layer in layers] == specs

@@ -168,6 +168,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Also serves Mistral, Qwen2 and Qwen3: their differences are flags in the config."""
 
+    #: Every layer's spec, before the model is built: the runner selects the backend with them.
+    attention_specs = staticmethod(attention_specs)
+
     def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = cfg

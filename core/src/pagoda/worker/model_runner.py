@@ -85,11 +85,20 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         # Batch-invariant mode (model.batch_invariant) brings its own attention.
         self.batch_invariant = config.model.batch_invariant
+        # The module class load_model builds; its layers' attention specs (``attention_specs``,
+        # where the class declares them) steer the backend's selection.
+        self.model_cls = get_registry("model_impls").get(model_impl).model_class(arch)
+        layer_specs = getattr(self.model_cls, "attention_specs", None)
         self.attn_backend: type[AttentionBackend] = (
             invariant_attention_backend(config, device, dtype, arch.head_dim)
             if self.batch_invariant
             else select_attention_backend(
-                config.attention.backend, device, dtype, arch.head_dim, self.block_size
+                config.attention.backend,
+                device,
+                dtype,
+                arch.head_dim,
+                self.block_size,
+                layer_specs(arch) if layer_specs is not None else (),
             )
         )
         # KV heads of this tensor-parallel rank: its KV cache holds those only.
@@ -152,7 +161,7 @@ class ModelRunner:
         # NOTE: process-wide, read at each call: set before any graph is captured.
         set_fused_ops(self.config.model.fused_ops)
         batch_invariant.set_batch_invariant(self.batch_invariant)
-        model_cls = get_registry("model_impls").get(self.model_impl).model_class(self.arch)
+        model_cls = self.model_cls
         # Parameters are allocated, not initialised: the weights (or dummy values) fill them next.
         model = build_model(
             model_cls, self.arch, self.attn_backend, device=self.device, dtype=self.dtype
