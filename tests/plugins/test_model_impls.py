@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, SamplingParams, hookimpl
+from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.spec import AttentionSpec
+from pagoda.attention.torch_native import TorchNativeBackend
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import main
 from pagoda.loader.arch import ModelArchConfig
@@ -194,3 +197,44 @@ def test_plugins_lists_the_registered_model_impls(impls, capsys) -> None:
     assert "MODEL IMPL" in out
     native = next(line for line in out.splitlines() if line.startswith("native "))
     assert "pagoda.models.native:NativeModelImpl" in native
+
+
+class _PlainOnlyBackend(TorchNativeBackend):
+    """torch-native that declares only plain causal attention (the contract's default)."""
+
+    unsupported = classmethod(AttentionBackend.unsupported.__func__)
+
+
+class _SinksImpl(TinyImpl):
+    """Declares a sink logit on every layer (its model class, a Llama, has none of its own)."""
+
+    @classmethod
+    def attention_specs(cls, arch: ModelArchConfig) -> list[AttentionSpec]:
+        head = arch.hidden_size // arch.num_attention_heads
+        spec = AttentionSpec(arch.num_attention_heads, arch.num_key_value_heads, head, head**-0.5)
+        return [dataclasses.replace(spec, sinks=True)] * arch.num_hidden_layers
+
+
+class _SinksPlugin:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_model_impls(self, register):
+        register("sinks_impl", _SinksImpl)
+
+    @hookimpl
+    def register_attention_backends(self, register):
+        register("plain_only", _PlainOnlyBackend)
+
+
+def test_the_impls_attention_specs_steer_the_backend_selection(tmp_path) -> None:
+    """The runner selects the backend with the impl's specs, before the model is built: a
+    backend named explicitly that lacks a feature some layer needs stops the engine, naming it
+    and the layers (the Llama layers themselves, plain, would have passed)."""
+    with plugin_registered(_SinksPlugin(), "sinks_impl_test"):
+        kw = dict(model=str(_model(tmp_path)), load_format="dummy", device="cpu")
+        kw.update(model_impl="sinks_impl", max_model_len=64, kv_cache_memory_bytes=1 << 20)
+        with pytest.raises(ValueError, match=r"sinks \(layers 0, 1\)"):
+            LLM(**kw, attention_backend="plain_only")
+        llm = LLM(**kw, attention_backend="auto")  # auto passes over it to torch_native
+        assert llm.engine.info.model_impl == "sinks_impl"

@@ -9,8 +9,10 @@ by plugins (``register_model_impls``); the core's own, ``native``, serves the Ll
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from pagoda.attention.spec import AttentionSpec
 from pagoda.loader.arch import ModelArchConfig
 from pagoda.plugins import PluginError, get_registry
 
@@ -49,6 +51,15 @@ class ModelImpl(ABC):
     def model_class(cls, arch: ModelArchConfig) -> Any:
         """The module class, built in each worker as ``ModelClass(arch, attention_backend)``,
         which loads its own weights (``load_weights``)."""
+
+    @classmethod
+    def attention_specs(cls, arch: ModelArchConfig) -> Sequence[AttentionSpec]:
+        """One :class:`~pagoda.attention.spec.AttentionSpec` per attention layer, in order, read
+        when the worker selects its attention backend (``auto`` skips a backend that lacks a
+        feature some layer needs). The default asks the model class for its own
+        ``attention_specs(arch)``; empty: the layers are checked one by one as they are built."""
+        declared = getattr(cls.model_class(arch), "attention_specs", None)
+        return () if declared is None else declared(arch)
 
 
 def named_architecture(hf_config: dict[str, Any]) -> str:

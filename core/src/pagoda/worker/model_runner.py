@@ -85,10 +85,10 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         # Batch-invariant mode (model.batch_invariant) brings its own attention.
         self.batch_invariant = config.model.batch_invariant
-        # The module class load_model builds; its layers' attention specs (``attention_specs``,
-        # where the class declares them) steer the backend's selection.
-        self.model_cls = get_registry("model_impls").get(model_impl).model_class(arch)
-        layer_specs = getattr(self.model_cls, "attention_specs", None)
+        # The module class load_model builds; its layers' attention specs steer the backend's
+        # selection (``ModelImpl.attention_specs``).
+        impl = get_registry("model_impls").get(model_impl)
+        self.model_cls = impl.model_class(arch)
         self.attn_backend: type[AttentionBackend] = (
             invariant_attention_backend(config, device, dtype, arch.head_dim)
             if self.batch_invariant
@@ -98,7 +98,7 @@ class ModelRunner:
                 dtype,
                 arch.head_dim,
                 self.block_size,
-                layer_specs(arch) if layer_specs is not None else (),
+                impl.attention_specs(arch),
             )
         )
         # KV heads of this tensor-parallel rank: its KV cache holds those only.
