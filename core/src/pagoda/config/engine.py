@@ -52,7 +52,11 @@ class EngineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
-        self.speculative.check(self)  # the rules the configuration alone decides
+        # the rules the configuration alone decides
+        self.speculative.check(
+            batch_invariant=self.model.batch_invariant,
+            tensor_parallel_size=self.parallel.tensor_parallel_size,
+        )
         return self
 
     @classmethod

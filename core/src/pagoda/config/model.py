@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -195,8 +195,9 @@ class SpeculativeConfig(_Section):
 
     def check(
         self,
-        config: Any,  # the EngineConfig that holds this section (pagoda.config.engine)
         *,
+        batch_invariant: bool,
+        tensor_parallel_size: int,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         needs_hidden_states: bool = False,
@@ -205,7 +206,9 @@ class SpeculativeConfig(_Section):
         the rules its own keys decide when it is built; the engine core checks them all at start
         (``pagoda.spec_decode.check_speculative``), with the model's length and the step's token
         budget (None: not known yet, their rule waits) and whether the proposer reads the target's
-        hidden states. Raises ValueError naming the keys at fault."""
+        hidden states. ``batch_invariant`` and ``tensor_parallel_size`` are the values of
+        ``model.batch_invariant`` and ``parallel.tensor_parallel_size`` (the rules that involve
+        other sections). Raises ValueError naming the keys at fault."""
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(
@@ -220,7 +223,7 @@ class SpeculativeConfig(_Section):
                 "speculative.num_speculative_tokens must be at least 1 when speculative.method "
                 f"is set (method={self.method!r}, num_speculative_tokens={k})"
             )
-        if config.model.batch_invariant:
+        if batch_invariant:
             raise ValueError(
                 "model.batch_invariant does not support speculative decoding (verification steps "
                 "sample through the rejection sampler); unset speculative.method"
@@ -237,7 +240,7 @@ class SpeculativeConfig(_Section):
                     f"speculative.num_speculative_tokens={k} does not fit {which}: a "
                     "verification step scores the drafts and one more token a request"
                 )
-        tp = config.parallel.tensor_parallel_size
+        tp = tensor_parallel_size
         if needs_hidden_states and tp > 1:
             # NOTE: such a proposer is called where a step's output is read, on the first rank
             # only, while a draft head runs the target's own sharded layers (embedding, LM head),

@@ -272,7 +272,8 @@ def check_speculative(config: EngineConfig, info: ModelInfo) -> None:
         # NOTE: a factory (not a class) tells nothing before it builds: taken as history only.
         needs_hidden_states = bool(getattr(target, "needs_hidden_states", False))
     config.speculative.check(
-        config,
+        batch_invariant=config.model.batch_invariant,
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
         max_model_len=info.max_model_len,
         max_num_batched_tokens=info.max_num_batched_tokens,
         needs_hidden_states=needs_hidden_states,
