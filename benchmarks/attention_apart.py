@@ -40,7 +40,7 @@ def _capture(args) -> tuple:
         enforce_eager=True,  # the backend's forward runs from Python each step
     )
     engine = llm.engine
-    vocab = engine.info.arch.vocab_size
+    vocab = engine.info.shape.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     for i in range(BATCH):

@@ -262,11 +262,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from pagoda.config import CacheConfig
-    from pagoda.loader import ModelArchConfig, load_hf_config
+    from pagoda.loader import load_hf_config
+    from pagoda.models.native import NativeModelImpl
 
-    arch = ModelArchConfig.from_hf_config(load_hf_config(args.random_weights))
+    shape = NativeModelImpl.shape(load_hf_config(args.random_weights), 1)
     dtype = getattr(torch, args.dtype)
-    token_bytes = block_bytes_per_rank(CacheConfig(), arch, dtype, 1) // CacheConfig().block_size
+    token_bytes = block_bytes_per_rank(CacheConfig(), shape, dtype) // CacheConfig().block_size
     cache_tokens = int(args.conversations * args.prefix_len / args.prefix_to_cache)
     max_len = args.prefix_len + args.turns * (args.question_len + args.answer_len) + 16
     cache_tokens = max(cache_tokens, max_len + 64)
@@ -296,7 +297,7 @@ def main() -> None:
         "gpu_kv_cache_tokens": cache_tokens,
         "prefixes_over_kv_cache": round(args.conversations * args.prefix_len / cache_tokens, 2),
     }
-    vocab = arch.vocab_size
+    vocab = shape.vocab_size
     t_start = time.perf_counter()
     offload = {
         "cpu_offload_gb": args.cpu_offload_gb,

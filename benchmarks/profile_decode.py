@@ -114,7 +114,7 @@ def main() -> None:
         attention_backend=args.attention_backend,
     )
     engine = llm.engine
-    vocab = engine.info.arch.vocab_size
+    vocab = engine.info.shape.vocab_size
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=new_tokens, temperature=args.temperature, ignore_eos=True)
     lo = args.input_len if args.min_input_len is None else args.min_input_len
@@ -191,7 +191,7 @@ def main() -> None:
             hidden = graphs.outputs[b]
         else:
             hidden = torch.randn(
-                b, engine.info.arch.hidden_size, device="cuda", dtype=torch.bfloat16
+                b, engine.info.shape.hidden_size, device="cuda", dtype=torch.bfloat16
             )
         parts["logits_ms"] = _events_ms(lambda: runner.model.compute_logits(hidden), 20)
         logits = runner.model.compute_logits(hidden)

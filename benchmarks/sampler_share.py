@@ -67,7 +67,7 @@ def main() -> int:
         return out
 
     runner.execute_model = execute_model
-    vocab = runner.arch.vocab_size
+    vocab = runner.shape.vocab_size
     prompts = make_prompts(args.batch, args.input_len, args.input_len, vocab, 0, set())
     params = SamplingParams(
         max_tokens=args.output_len, ignore_eos=True, seed=None, **json.loads(args.params)

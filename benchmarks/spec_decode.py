@@ -100,7 +100,7 @@ def _build(args: argparse.Namespace, spec: dict | None) -> LLM:
 def workload_prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]:
     if args.random_weights:
         rng = np.random.default_rng(0)
-        vocab = llm.engine.engine_core.executor.worker.model_runner.arch.vocab_size
+        vocab = llm.engine.engine_core.executor.worker.model_runner.shape.vocab_size
         ids = rng.integers(10, min(10_000, vocab), (args.num_prompts, args.input_len))
         return [{"prompt_token_ids": row.tolist()} for row in ids], ["random"] * args.num_prompts
     tok = llm.get_tokenizer()

@@ -14,14 +14,13 @@ import pytest
 
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.attention.backend import AttentionBackend
-from pagoda.attention.spec import AttentionSpec
 from pagoda.attention.torch_native import TorchNativeBackend
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import main
-from pagoda.loader.arch import ModelArchConfig
 from pagoda.model_info import ModelInfo
 from pagoda.models.impl import ModelImpl, select_model_impl, verdicts
 from pagoda.models.native import NativeModelImpl
+from pagoda.models.shape import ModelShape
 from pagoda.plugins import UnknownNameError, get_registry, plugin_registered
 
 _TINY = dict(
@@ -47,13 +46,14 @@ class TinyImpl(ModelImpl):
         return None if architecture == TINY_ARCH else f"only {TINY_ARCH}"
 
     @classmethod
-    def arch_config(cls, hf_config: dict[str, Any]) -> ModelArchConfig:
+    def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
         # It keeps its own name: the runner builds what model_class says, not a name lookup.
-        llama = ModelArchConfig.from_hf_config({**hf_config, "architectures": ["LlamaForCausalLM"]})
-        return dataclasses.replace(llama, architecture=TINY_ARCH)
+        llama = {**hf_config, "architectures": ["LlamaForCausalLM"]}
+        shape = NativeModelImpl.shape(llama, tensor_parallel_size)
+        return dataclasses.replace(shape, architecture=TINY_ARCH)
 
     @classmethod
-    def model_class(cls, arch: ModelArchConfig) -> Any:
+    def model_class(cls, shape: ModelShape) -> Any:
         from pagoda.models.llama import LlamaForCausalLM
 
         return LlamaForCausalLM
@@ -140,7 +140,7 @@ def test_model_info_records_the_impl_and_its_arch_config(impls, tmp_path) -> Non
     model = str(_model(tmp_path))
     config = EngineConfig.load(overrides={"model": model, "device": "cpu", "load_format": "dummy"})
     info = ModelInfo.from_config(config)
-    assert info.model_impl == "higher" and info.arch.hidden_size == 64
+    assert info.model_impl == "higher" and info.shape.hidden_size == 64
     named = EngineConfig.load(
         overrides={"model": model, "device": "cpu", "load_format": "dummy", "model_impl": "tiny"}
     )
@@ -160,7 +160,7 @@ def test_an_engine_serves_an_architecture_only_a_plugin_impl_accepts(impls, tmp_
         [{"prompt_token_ids": [5, 6, 7]}],
         SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
     )
-    assert llm.engine.info.model_impl == "tiny" and llm.engine.info.arch.architecture == TINY_ARCH
+    assert llm.engine.info.model_impl == "tiny" and llm.engine.info.shape.architecture == TINY_ARCH
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -209,10 +209,10 @@ class _SinksImpl(TinyImpl):
     """Declares a sink logit on every layer (its model class, a Llama, has none of its own)."""
 
     @classmethod
-    def attention_specs(cls, arch: ModelArchConfig) -> list[AttentionSpec]:
-        head = arch.hidden_size // arch.num_attention_heads
-        spec = AttentionSpec(arch.num_attention_heads, arch.num_key_value_heads, head, head**-0.5)
-        return [dataclasses.replace(spec, sinks=True)] * arch.num_hidden_layers
+    def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
+        shape = super().shape(hf_config, tensor_parallel_size)
+        sinks = tuple(dataclasses.replace(s, sinks=True) for s in shape.attention)
+        return dataclasses.replace(shape, attention=sinks)
 
 
 class _SinksPlugin:
@@ -236,5 +236,9 @@ def test_the_impls_attention_specs_steer_the_backend_selection(tmp_path) -> None
         kw.update(model_impl="sinks_impl", max_model_len=64, kv_cache_memory_bytes=1 << 20)
         with pytest.raises(ValueError, match=r"sinks \(layers 0, 1\)"):
             LLM(**kw, attention_backend="plain_only")
-        llm = LLM(**kw, attention_backend="auto")  # auto passes over it to torch_native
-        assert llm.engine.info.model_impl == "sinks_impl"
+        # auto passes over it to torch_native; then the built model (a Llama, without sinks)
+        # is found to differ from what the impl declared, which the KV cache was laid out from.
+        with pytest.raises(
+            ValueError, match=r"LlamaForCausalLM built 2 attention layers whose specs differ"
+        ):
+            LLM(**kw, attention_backend="auto")

@@ -282,7 +282,7 @@ def test_hook_logits_processors_are_built_once_and_applied_every_sampling_step(
         use_tqdm=False,
     )
     assert [o.outputs[0].token_ids for o in outs] == [[FORCED] * 5, [FORCED] * 5]
-    assert plugin.built_with == [llm.engine.info.arch.vocab_size]
+    assert plugin.built_with == [llm.engine.info.shape.vocab_size]
     assert sorted(plugin.rows_seen[0]) == sorted(o.request_id for o in outs)
 
 

@@ -179,7 +179,7 @@ def test_llama_layers_are_plain_causal_attention_of_the_arch() -> None:
             "num_hidden_layers": 2,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
-            "sliding_window": 8,  # LlamaForCausalLM ignores it (Mistral caps the context at it)
+            "sliding_window": 8,  # LlamaForCausalLM ignores it (Mistral's layers slide)
         }
     )
     specs = attention_specs(cfg)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,14 +16,7 @@ from pagoda.bench.roofline import (
     decode_intervals,
     decode_row,
     decode_weight_bytes,
-    kv_bytes_per_token,
 )
-
-LLAMA_8B = SimpleNamespace(num_hidden_layers=32, num_key_value_heads=8, head_dim=128)
-
-
-def test_kv_bytes_per_token_counts_key_and_value_of_every_layer() -> None:
-    assert kv_bytes_per_token(LLAMA_8B, 2) == 2 * 32 * 8 * 128 * 2 == 131072
 
 
 def test_floor_is_weights_plus_context_kv_over_bandwidth() -> None:

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed import check_tensor_parallel
-from pagoda.loader import ModelArchConfig, load_hf_config, load_tokenizer, resolve_model
+from pagoda.loader import load_hf_config, load_tokenizer, resolve_model
 from pagoda.loader.synthetic import synthetic_tokenizer
 from pagoda.models.impl import select_model_impl
+from pagoda.models.shape import ModelShape
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -24,7 +24,7 @@ class ModelInfo:
     hf_dir: str
     tokenizer: str
     load_format: str
-    arch: ModelArchConfig
+    shape: ModelShape  # what the engine reads of the model on one tensor-parallel rank
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
@@ -37,17 +37,16 @@ class ModelInfo:
         resolved = resolve_model(mc.model, mc.load_format)
         hf_config = load_hf_config(resolved.hf_dir)
         impl_name, impl = select_model_impl(mc.impl, hf_config)
-        arch = impl.arch_config(hf_config)
-        check_tensor_parallel(arch, config.parallel.tensor_parallel_size)
+        shape = impl.shape(hf_config, config.parallel.tensor_parallel_size)
         device = _pick_device(mc.device)
-        dtype = _pick_dtype(mc.dtype, arch, device)
-        # NOTE: sliding-window attention is not implemented, so the context stops at the window.
-        context = min(arch.max_position_embeddings, arch.sliding_window or 1 << 62)
+        dtype = _pick_dtype(mc.dtype, shape, device)
+        # Window layers keep every block of the context and mask: a window does not cap it.
+        context = shape.max_position_embeddings
         max_model_len = mc.max_model_len or context
         if max_model_len > context:
             raise ValueError(
                 f"model.max_model_len={max_model_len} exceeds the model's context of {context} "
-                "tokens (max_position_embeddings, or the sliding window)"
+                "tokens (max_position_embeddings)"
             )
         sc = config.scheduler
         budget = sc.max_num_batched_tokens
@@ -65,7 +64,7 @@ class ModelInfo:
             hf_dir=str(resolved.hf_dir),
             tokenizer=mc.tokenizer or str(resolved.hf_dir),
             load_format=resolved.load_format,
-            arch=arch,
+            shape=shape,
             device=device,
             dtype=dtype,
             max_model_len=max_model_len,
@@ -84,19 +83,19 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+def _pick_dtype(name: str, shape: ModelShape, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
         return torch.float32
-    config_dtype = _DTYPES.get(str(arch.torch_dtype or "").replace("torch.", ""))
+    config_dtype = _DTYPES.get(str(shape.torch_dtype or "").replace("torch.", ""))
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def model_eos_ids(info: ModelInfo) -> set[int]:
     """The model's end-of-sequence ids: its config's and its generation config's."""
     ids: set[int] = set()
-    sources: list[Any] = [info.arch.eos_token_id]
+    sources: list[Any] = [info.shape.eos_token_id]
     gen_config = Path(info.hf_dir) / "generation_config.json"
     if gen_config.is_file():
         sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
@@ -115,5 +114,5 @@ def load_model_tokenizer(info: ModelInfo, trust_remote_code: bool) -> Any:
     except FileNotFoundError:
         if info.load_format != "dummy":
             raise
-        eos = info.arch.eos_token_id
-        return synthetic_tokenizer(info.arch.vocab_size, eos if isinstance(eos, int) else None)
+        eos = info.shape.eos_token_id
+        return synthetic_tokenizer(info.shape.vocab_size, eos if isinstance(eos, int) else None)

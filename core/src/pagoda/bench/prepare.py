@@ -43,7 +43,7 @@ def prepare(args: argparse.Namespace, config: Any) -> Run:
     # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.bench.device import copy_bandwidth
     from pagoda.bench.random_weights import ensure_random_weights
-    from pagoda.bench.roofline import decode_weight_bytes, kv_bytes_per_token
+    from pagoda.bench.roofline import decode_weight_bytes
     from pagoda.loader import load_tokenizer
     from pagoda.model_info import ModelInfo
 
@@ -64,7 +64,7 @@ def prepare(args: argparse.Namespace, config: Any) -> Run:
     info = ModelInfo.from_config(config)
     tokenizer = load_tokenizer(info.tokenizer)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    vocab = min(info.arch.vocab_size, len(tokenizer))
+    vocab = min(info.shape.vocab_size, len(tokenizer))
 
     def prompt_source(n: int, length: int, seed: int) -> list[list[int]]:
         return make_prompts(n, length, length, vocab, [wl.dataset_seed, 2, seed], special)
@@ -105,7 +105,7 @@ def prepare(args: argparse.Namespace, config: Any) -> Run:
         roofline=wl.roofline if wl.roofline is not None else info.device.type == "cuda",
         bandwidth=bandwidth,
         weight_bytes=weight_bytes,
-        kv_per_token=kv_bytes_per_token(info.arch, info.dtype.itemsize),
+        kv_per_token=info.shape.kv_bytes_per_token(info.dtype.itemsize),
     )
 
 

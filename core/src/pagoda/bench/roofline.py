@@ -63,11 +63,6 @@ class StepRecorder:
         )
 
 
-def kv_bytes_per_token(arch: Any, itemsize: int) -> int:
-    """Key and value of one token in every layer."""
-    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * itemsize
-
-
 def decode_weight_bytes(hf_dir: str | Path, itemsize: int) -> int:
     """Bytes of the weights one decode step reads, at ``itemsize`` bytes a value: every tensor of
     the model's safetensors, less the input embedding table when the model has an lm_head of its

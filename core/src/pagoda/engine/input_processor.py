@@ -40,7 +40,7 @@ class InputProcessor:
     def validate(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.info.arch.vocab_size
+        vocab = self.info.shape.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")

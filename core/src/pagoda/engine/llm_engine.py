@@ -69,7 +69,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused here
             validate_structured_outputs(self.config, params.structured_outputs)
         eos_ids = self.extra_eos_ids | ({self.eos_token_id} - {None})
-        vocab = self.info.arch.vocab_size
+        vocab = self.info.shape.vocab_size
         seqs = []
         for i in range(params.n):
             child = (

@@ -37,7 +37,7 @@ __all__ = [
 def build_offload_manager(config, info) -> OffloadManager | None:  # noqa: ANN001
     """The engine's offload manager, or None when ``cache.cpu_offload_gb`` is 0."""
     cache = config.cache
-    n = num_cpu_blocks(cache, info.arch, info.dtype, config.parallel.tensor_parallel_size)
+    n = num_cpu_blocks(cache, info.shape, info.dtype, config.parallel.tensor_parallel_size)
     if n == 0:
         return None
     if not cache.enable_prefix_caching:

@@ -17,7 +17,7 @@ import torch
 from pagoda.config import CacheConfig
 from pagoda.distributed import get_tp_size
 from pagoda.kv_offload.sizing import num_cpu_blocks
-from pagoda.loader import ModelArchConfig
+from pagoda.models.shape import ModelShape
 from pagoda.plugins import get_registry
 from pagoda.plugins.errors import PluginError
 from pagoda.step import KVTransfers
@@ -71,19 +71,26 @@ def block_dim(
 
 def build_offload_medium(
     cache: CacheConfig,
-    arch: ModelArchConfig,
+    shape: ModelShape,
     kv_caches: list[torch.Tensor],
     kv_cache_shape: Callable[..., tuple[int, ...]],
-    num_kv_heads: int,
 ) -> OffloadMedium | None:
     """The medium over a worker's allocated KV cache (``kv_caches``, one tensor per layer, laid
     out as the attention backend's ``get_kv_cache_shape`` says); None when offload is off."""
-    n = num_cpu_blocks(cache, arch, kv_caches[0].dtype, get_tp_size())
+    n = num_cpu_blocks(cache, shape, kv_caches[0].dtype, get_tp_size())
     if n == 0:
         return None
+    layouts = {(s.num_kv_heads, s.cache_head_size) for s in shape.attention}
+    if len(layouts) > 1:
+        raise ValueError(
+            f"cache.cpu_offload_gb > 0: KV offload moves blocks of layers that share one layout, "
+            f"and {shape.architecture}'s layers have {len(layouts)} (KV heads, head size) "
+            f"layouts {sorted(layouts)}; set cache.cpu_offload_gb=0"
+        )
+    ((num_kv_heads, head_size),) = layouts
     try:
         cls = get_registry("offload_mediums").get(cache.offload_medium)
     except PluginError as e:
         raise ValueError(f"cache.offload_medium={cache.offload_medium!r}: {e}") from e
-    dim = block_dim(kv_cache_shape, cache.block_size, num_kv_heads, arch.head_dim)
+    dim = block_dim(kv_cache_shape, cache.block_size, num_kv_heads, head_size)
     return cls(kv_caches, dim, n)

@@ -5,26 +5,20 @@ from __future__ import annotations
 import torch
 
 from pagoda.config import CacheConfig
-from pagoda.distributed import tp_shape
-from pagoda.loader import ModelArchConfig
+from pagoda.models.shape import ModelShape
 
 
-def block_bytes_per_rank(
-    cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtype, tp_size: int
-) -> int:
+def block_bytes_per_rank(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype) -> int:
     """Bytes of one KV block (keys and values, every layer) on one tensor-parallel rank."""
-    heads = tp_shape(arch, 0, tp_size).num_kv_heads
-    return 2 * cache.block_size * heads * arch.head_dim * arch.num_hidden_layers * dtype.itemsize
+    return cache.block_size * shape.kv_bytes_per_token(dtype.itemsize)
 
 
-def num_cpu_blocks(
-    cache: CacheConfig, arch: ModelArchConfig, dtype: torch.dtype, tp_size: int
-) -> int:
+def num_cpu_blocks(cache: CacheConfig, shape: ModelShape, dtype: torch.dtype, tp_size: int) -> int:
     """Blocks of the CPU pool (0: offload is off). ``cpu_offload_gb`` is summed over the ranks,
-    each of which keeps its own part of every block."""
+    each of which keeps its own part of every block (``shape`` is one rank's)."""
     if cache.cpu_offload_gb <= 0:
         return 0
-    per_block = block_bytes_per_rank(cache, arch, dtype, tp_size) * tp_size
+    per_block = block_bytes_per_rank(cache, shape, dtype) * tp_size
     n = int(cache.cpu_offload_gb * 2**30) // per_block
     if n < 1:
         raise ValueError(

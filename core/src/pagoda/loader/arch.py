@@ -25,7 +25,10 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchTraits] = {
 }
 
 _LLAMA3_ROPE_KEYS = (
-    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
 )
 
 
@@ -47,6 +50,9 @@ class ModelArchConfig:
     attention_bias: bool
     qk_norm: bool
     sliding_window: int | None
+    #: Which layers attend over ``sliding_window``: None, every layer (when it is set); else
+    #: one entry per layer, ``"sliding_attention"`` or ``"full_attention"`` (transformers' names).
+    layer_types: tuple[str, ...] | None
     torch_dtype: str
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
@@ -61,6 +67,7 @@ class ModelArchConfig:
         hidden = _required(d, "hidden_size", arch)
         rope_theta, rope_scaling = _rope(d)
         use_window = traits.uses_sliding_window_key or bool(d.get("use_sliding_window"))
+        window = d.get("sliding_window") if use_window else None
         if d.get("mlp_bias"):
             raise ValueError(f"{arch} with mlp_bias=true is not supported (no MLP bias weights)")
         return cls(
@@ -79,7 +86,8 @@ class ModelArchConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=traits.qkv_bias or bool(d.get("attention_bias", False)),
             qk_norm=traits.qk_norm,
-            sliding_window=d.get("sliding_window") if use_window else None,
+            sliding_window=window,
+            layer_types=_layer_types(d, window, arch),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -104,6 +112,26 @@ def architecture_of(d: dict[str, Any]) -> str:
         if name in SUPPORTED_ARCHITECTURES:
             return name
     raise ValueError(f"unsupported architecture {', '.join(names)}; supported: {supported}")
+
+
+def _layer_types(d: dict[str, Any], window: int | None, arch: str) -> tuple[str, ...] | None:
+    """Per-layer attention kinds: the config's ``layer_types`` where it lists them, else Qwen's
+    ``max_window_layers`` (the first that many layers attend fully), else None (all alike)."""
+    if window is None:
+        return None
+    layers = int(d.get("num_hidden_layers") or 0)
+    kinds = d.get("layer_types")
+    if kinds is None and d.get("max_window_layers") is not None:
+        first = int(d["max_window_layers"])
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if kinds is None:
+        return None
+    if len(kinds) != layers or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"config.json for {arch} has layer_types {kinds!r}: want {layers} entries of "
+            "'full_attention' or 'sliding_attention'"
+        )
+    return tuple(kinds)
 
 
 def _required(d: dict[str, Any], key: str, arch: str) -> int:

@@ -1,7 +1,8 @@
 """The model implementation contract, and choosing the one that serves a model.
 
-A model impl says, for a model's config.json, whether it can serve it (``supports``), how to read
-that config (``arch_config``) and which module to build (``model_class``). Impls are registered
+A model impl says, for a model's config.json, whether it can serve it (``supports``), what the
+engine reads of it on a tensor-parallel rank (``shape``: sizes, context, EOS ids, every layer's
+attention spec) and which module to build (``model_class``). Impls are registered
 by plugins (``register_model_impls``); the core's own, ``native``, serves the Llama family.
 ``model.impl`` picks one by name, or ``auto``: the highest ``priority`` among those that accept.
 """
@@ -9,11 +10,9 @@ by plugins (``register_model_impls``); the core's own, ``native``, serves the Ll
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from pagoda.attention.spec import AttentionSpec
-from pagoda.loader.arch import ModelArchConfig
+from pagoda.models.shape import ModelShape
 from pagoda.plugins import PluginError, get_registry
 
 KIND = "model_impls"
@@ -42,24 +41,26 @@ class ModelImpl(ABC):
 
     @classmethod
     @abstractmethod
-    def arch_config(cls, hf_config: dict[str, Any]) -> ModelArchConfig:
-        """What the engine reads of the model (sizes, heads, context, dtype, EOS ids); called only
-        after :meth:`supports` accepted ``hf_config``. May raise ValueError for a bad config."""
+    def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
+        """What the engine reads of the model on each of ``tensor_parallel_size`` ranks (sizes,
+        context, dtype, EOS ids, and one attention spec per layer with that rank's heads); called
+        only after :meth:`supports` accepted ``hf_config``, in the engine's process, before any
+        worker starts. Raises ValueError, naming the numbers, for a bad config or a
+        tensor-parallel size the impl cannot split the model into (the impl knows what it
+        splits; say which sizes fit)."""
 
     @classmethod
     @abstractmethod
-    def model_class(cls, arch: ModelArchConfig) -> Any:
-        """The module class, built in each worker as ``ModelClass(arch, attention_backend)``,
-        which loads its own weights (``load_weights``)."""
-
-    @classmethod
-    def attention_specs(cls, arch: ModelArchConfig) -> Sequence[AttentionSpec]:
-        """One :class:`~pagoda.attention.spec.AttentionSpec` per attention layer, in order, read
-        when the worker selects its attention backend (``auto`` skips a backend that lacks a
-        feature some layer needs). The default asks the model class for its own
-        ``attention_specs(arch)``; empty: the layers are checked one by one as they are built."""
-        declared = getattr(cls.model_class(arch), "attention_specs", None)
-        return () if declared is None else declared(arch)
+    def model_class(cls, shape: ModelShape) -> Any:
+        """The module class, built in each worker as ``ModelClass(shape.config,
+        attention_backend)`` under the worker's tensor-parallel group, with its parameters
+        allocated but not initialised. The module then loads its own weights
+        (``load_weights(iterable of (name, tensor or lazy slice))``, raising on a weight with no
+        home or a parameter left unset), maps ``forward(input_ids, positions)`` over the flat
+        batch of a step (``[num_tokens]`` each) to hidden states ``[num_tokens, hidden_size]``,
+        and ``compute_logits(hidden_states)`` to ``[rows, vocab_size]``. Its attention layers
+        are :class:`pagoda.attention.layer.Attention` modules, built in the order and with the
+        specs of ``shape.attention``."""
 
 
 def named_architecture(hf_config: dict[str, Any]) -> str:

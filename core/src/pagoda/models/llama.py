@@ -7,6 +7,7 @@ positions of every scheduled token of every request) and attention reads the ste
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -29,12 +30,20 @@ from pagoda.models.parallel_layers import (
 from pagoda.ops import qk_norm_rotary, silu_and_mul
 
 
-def attention_specs(cfg: ModelArchConfig) -> list[AttentionSpec]:
-    """Every layer's attention, this tensor-parallel rank's heads: the Llama family attends
-    causally over the whole context, ``head_dim ** -0.5``, in every layer."""
-    shape = tp_shape(cfg)
-    spec = AttentionSpec(shape.num_heads, shape.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
-    return [spec] * cfg.num_hidden_layers
+def attention_specs(
+    cfg: ModelArchConfig, tensor_parallel_size: int | None = None
+) -> list[AttentionSpec]:
+    """Every layer's attention with the heads of a rank of ``tensor_parallel_size`` (default:
+    this process's group): causal, ``head_dim ** -0.5``, over the whole context or, in the
+    layers the config says slide (Mistral's every layer, Qwen's past ``max_window_layers``),
+    over ``sliding_window`` keys."""
+    shape = tp_shape(cfg, 0, tensor_parallel_size) if tensor_parallel_size else tp_shape(cfg)
+    full = AttentionSpec(shape.num_heads, shape.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5)
+    if cfg.sliding_window is None:
+        return [full] * cfg.num_hidden_layers
+    window = replace(full, sliding_window=cfg.sliding_window)
+    kinds = cfg.layer_types or ("sliding_attention",) * cfg.num_hidden_layers
+    return [window if kind == "sliding_attention" else full for kind in kinds]
 
 
 class LlamaAttention(nn.Module):

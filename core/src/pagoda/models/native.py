@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagoda.distributed import check_tensor_parallel
 from pagoda.loader.arch import ModelArchConfig, architecture_of
 from pagoda.models.impl import ModelImpl
+from pagoda.models.llama import attention_specs as llama_attention_specs
+from pagoda.models.shape import ModelShape
 from pagoda.plugins import get_registry
 
 
 class NativeModelImpl(ModelImpl):
     """The architectures of ``pagoda.loader.arch.SUPPORTED_ARCHITECTURES``, each built from the
-    class that ``register_models`` registered under its name (a plugin may override one)."""
+    class that ``register_models`` registered under its name (a plugin may override one). The
+    class declares its layers' specs with ``attention_specs(arch, tensor_parallel_size)``
+    (without one: the Llama family's)."""
 
     priority = 100
 
@@ -24,9 +29,25 @@ class NativeModelImpl(ModelImpl):
         return None
 
     @classmethod
-    def arch_config(cls, hf_config: dict[str, Any]) -> ModelArchConfig:
-        return ModelArchConfig.from_hf_config(hf_config)
+    def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
+        arch = ModelArchConfig.from_hf_config(hf_config)
+        check_tensor_parallel(arch, tensor_parallel_size)
+        model_cls = get_registry("models").get(arch.architecture)
+        # A class registered without specs of its own attends as the Llama family does.
+        specs = getattr(model_cls, "attention_specs", llama_attention_specs)
+        return ModelShape(
+            architecture=arch.architecture,
+            vocab_size=arch.vocab_size,
+            hidden_size=arch.hidden_size,
+            num_hidden_layers=arch.num_hidden_layers,
+            max_position_embeddings=arch.max_position_embeddings,
+            attention=tuple(specs(arch, tensor_parallel_size)),
+            config=arch,
+            torch_dtype=arch.torch_dtype,
+            bos_token_id=arch.bos_token_id,
+            eos_token_id=arch.eos_token_id,
+        )
 
     @classmethod
-    def model_class(cls, arch: ModelArchConfig) -> Any:
-        return get_registry("models").get(arch.architecture)
+    def model_class(cls, shape: ModelShape) -> Any:
+        return get_registry("models").get(shape.architecture)

@@ -88,7 +88,7 @@ class StructuredOutputManager:
                 cls = select_grammar_backend(self.config.backend)
                 tok = load_model_tokenizer(self.info, self._engine_config.model.trust_remote_code)
                 stop = model_eos_ids(self.info) | ({tok.eos_token_id} - {None})
-                self._backend = cls(tok, self.info.arch.vocab_size, sorted(stop), self.config)
+                self._backend = cls(tok, self.info.shape.vocab_size, sorted(stop), self.config)
             return self._backend
 
     # ---- the scheduler's side ------------------------------------------------------------------

@@ -21,11 +21,12 @@ from pagoda.attention.batch_invariant import invariant_attention_backend
 from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
-from pagoda.distributed import get_tp_size, tp_shape
+from pagoda.distributed import get_tp_size
 from pagoda.kv_offload.medium import OffloadMedium, build_offload_medium
-from pagoda.loader import ModelArchConfig, init_dummy_, iter_safetensors
+from pagoda.loader import init_dummy_, iter_safetensors
 from pagoda.loader.construct import build_model
 from pagoda.loader.sharded import iter_safetensors_slices
+from pagoda.models.shape import ModelShape
 from pagoda.ops import batch_invariant, set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
@@ -61,7 +62,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        arch: ModelArchConfig,
+        shape: ModelShape,
         hf_dir: str,
         load_format: str,
         device: torch.device,
@@ -72,7 +73,7 @@ class ModelRunner:
         model_impl: str = "native",
     ) -> None:
         self.config = config
-        self.arch = arch
+        self.shape = shape
         self.model_impl = model_impl  # the registered model impl that builds the model
         self.hf_dir = hf_dir
         self.load_format = load_format
@@ -85,31 +86,31 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         # Batch-invariant mode (model.batch_invariant) brings its own attention.
         self.batch_invariant = config.model.batch_invariant
-        # The module class load_model builds; its layers' attention specs steer the backend's
-        # selection (``ModelImpl.attention_specs``).
-        impl = get_registry("model_impls").get(model_impl)
-        self.model_cls = impl.model_class(arch)
+        # The module class load_model builds; its layers' attention specs (the shape's) steer
+        # the backend's selection.
+        self.model_cls = get_registry("model_impls").get(model_impl).model_class(shape)
+        head_size = max(shape.head_sizes)
         self.attn_backend: type[AttentionBackend] = (
-            invariant_attention_backend(config, device, dtype, arch.head_dim)
+            invariant_attention_backend(config, device, dtype, head_size)
             if self.batch_invariant
             else select_attention_backend(
                 config.attention.backend,
                 device,
                 dtype,
-                arch.head_dim,
+                head_size,
                 self.block_size,
-                impl.attention_specs(arch),
+                shape.attention,
             )
         )
-        # KV heads of this tensor-parallel rank: its KV cache holds those only.
-        self.num_kv_heads = tp_shape(arch).num_kv_heads
+        # Each layer's cache: this tensor-parallel rank's KV heads of the layer's head size.
+        self.kv_layouts = [(s.num_kv_heads, s.cache_head_size) for s in shape.attention]
         self.sampler = Sampler()
         # Speculative decoding: the proposer named by ``speculative.method`` (None: off).
         self.proposer = build_proposer(
             ProposerContext(
                 config.speculative,
-                arch.vocab_size,
-                arch.hidden_size,
+                shape.vocab_size,
+                shape.hidden_size,
                 self.max_num_reqs,
                 max_model_len,
                 device,
@@ -117,12 +118,12 @@ class ModelRunner:
             )
         )
         # Plugin seam: plugins' logits processors, built once; the sampler runs them each step.
-        self.sampler.logits_processors += build_logits_processors(config, arch.vocab_size, device)
+        self.sampler.logits_processors += build_logits_processors(config, shape.vocab_size, device)
         self.input_batch = InputBatch(
-            self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, arch.vocab_size, device
+            self.max_num_reqs, max_model_len + 1, self.max_blocks_per_req, shape.vocab_size, device
         )
         # Structured output: the constrained requests' matchers and each step's bitmask.
-        self.grammar = grammar_rows(config, arch.vocab_size, self.max_num_reqs, device)
+        self.grammar = grammar_rows(config, shape.vocab_size, self.max_num_reqs, device)
         self.buffers = StepBuffers.allocate(
             device, self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req, self.block_size
         )
@@ -135,7 +136,7 @@ class ModelRunner:
             self.spec = Speculation(
                 self.proposer,
                 config.speculative.num_speculative_tokens,
-                arch.vocab_size,
+                shape.vocab_size,
                 max_model_len,
                 self.input_batch,
                 self.buffers,
@@ -164,8 +165,15 @@ class ModelRunner:
         model_cls = self.model_cls
         # Parameters are allocated, not initialised: the weights (or dummy values) fill them next.
         model = build_model(
-            model_cls, self.arch, self.attn_backend, device=self.device, dtype=self.dtype
+            model_cls, self.shape.config, self.attn_backend, device=self.device, dtype=self.dtype
         )
+        built = [m.spec for m in model.modules() if isinstance(m, Attention)]
+        if built != list(self.shape.attention):
+            raise ValueError(
+                f"{model_cls.__name__} built {len(built)} attention layers whose specs differ "
+                f"from the {len(self.shape.attention)} its model impl declared "
+                f"({self.model_impl!r}): the KV cache is laid out from the declared ones"
+            )
         if self.load_format == "dummy":
             init_dummy_(model, self.config.model.seed)
         else:
@@ -178,10 +186,9 @@ class ModelRunner:
         self.startup_times["load_weights_s"] = time.perf_counter() - start
 
     def kv_cache_block_bytes(self) -> int:
-        a = self.arch
-        elems = 2 * self.block_size * self.num_kv_heads * a.head_dim
+        per_token = self.shape.kv_bytes_per_token(self.dtype.itemsize)
         extra = self.proposer.kv_cache_block_bytes(self.block_size) if self.proposer else 0
-        return elems * a.num_hidden_layers * self.dtype.itemsize + extra
+        return self.block_size * per_token + extra
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -231,8 +238,7 @@ class ModelRunner:
             self.model,
             self.attn_backend,
             self.buffers,
-            self.num_kv_heads,
-            self.arch.head_dim,
+            self.kv_layouts,
             self.dtype,
             self.max_model_len,
         )
@@ -243,7 +249,7 @@ class ModelRunner:
         if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
             graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
             if self.proposer is not None and self.config.parallel.tensor_parallel_size == 1:
-                graphs += GreedyVerifyGraphs.reserve_bytes(self.arch.vocab_size, self.dtype)
+                graphs += GreedyVerifyGraphs.reserve_bytes(self.shape.vocab_size, self.dtype)
         limit = total * self.config.cache.gpu_memory_utilization
         budget = int(limit - (total - free) - activations - graphs)
         self.startup_times["profile_s"] = time.perf_counter() - start
@@ -266,29 +272,33 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         start = time.perf_counter()
-        a = self.arch
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, a.head_dim
-        )
         # NOTE: zeroed, because backends read never-written slots under a mask (the tail of a
         # request's last block, block 0 in padded rows) and 0 * NaN would poison the output. On
         # a CPU the zeros are the OS's fresh pages: no fill pass, memory committed as written.
         # On a GPU every layer's cache is a slice of one tensor, so that KV offload moves a
         # block of every layer with one kernel (pagoda.kv_offload.cpu.stack_layers).
+        # Layers of one layout share a stacked tensor (a model whose layers all match has one).
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        shapes = [
+            self.attn_backend.get_kv_cache_shape(num_blocks, self.block_size, heads, size)
+            for heads, size in self.kv_layouts
+        ]
         if self.device.type == "cpu":
-            self.kv_caches = [lazily_zeroed(shape, self.dtype) for _ in layers]
+            self.kv_caches = [lazily_zeroed(shape, self.dtype) for shape in shapes]
         else:
-            stacked = torch.zeros((len(layers), *shape), dtype=self.dtype, device=self.device)
-            self.kv_caches = list(stacked.unbind(0))
+            self.kv_caches = [torch.empty(0)] * len(layers)
+            for shape in dict.fromkeys(shapes):
+                idx = [i for i, s in enumerate(shapes) if s == shape]
+                stacked = torch.zeros((len(idx), *shape), dtype=self.dtype, device=self.device)
+                for i, cache in zip(idx, stacked.unbind(0)):
+                    self.kv_caches[i] = cache
         for module, cache in zip(layers, self.kv_caches):
             module.kv_cache = cache
         self.kv_offload = build_offload_medium(
             self.config.cache,
-            self.arch,
+            self.shape,
             self.kv_caches,
             self.attn_backend.get_kv_cache_shape,
-            self.num_kv_heads,
         )
         self.startup_times["kv_cache_s"] = time.perf_counter() - start
         spec = self.spec
@@ -336,7 +346,7 @@ class ModelRunner:
         ib = self.input_batch
         target = TargetModel(
             model=self.model,
-            num_hidden_layers=self.arch.num_hidden_layers,
+            num_hidden_layers=self.shape.num_hidden_layers,
             attn_backend=self.attn_backend,
             num_blocks=num_blocks,
             block_size=self.block_size,
@@ -352,7 +362,7 @@ class ModelRunner:
                 self.buffers,
                 ib.row_of,
                 self.max_model_len,
-                self.arch.hidden_size,
+                self.shape.hidden_size,
                 self.dtype,
             )
 

@@ -9,6 +9,8 @@ cache, is what every step may need besides the weights and the KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -46,13 +48,12 @@ def profile_peak_activations(
     model: torch.nn.Module,
     attn_backend: type[AttentionBackend],
     buffers: StepBuffers,
-    num_kv_heads: int,
-    head_dim: int,
+    kv_layouts: Sequence[tuple[int, int]],
     dtype: torch.dtype,
     max_model_len: int,
 ) -> int:
     """Bytes of device memory the largest step the ``buffers`` hold takes beyond the weights of
-    ``model`` (CUDA only); its KV heads are ``num_kv_heads`` of ``head_dim``."""
+    ``model`` (CUDA only); ``kv_layouts[i]`` is layer ``i``'s (KV heads, head size)."""
     dev, bs = buffers.device, buffers.block_size
     lens = _profile_batch(buffers.max_num_tokens, buffers.max_num_reqs, max_model_len)
     n_req, n_tok = len(lens), int(lens.sum())
@@ -63,14 +64,14 @@ def profile_peak_activations(
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    # One throwaway cache shared by every layer: the pass needs somewhere to write, not a
-    # faithful cache; block 0 stays unused as in the real one.
-    shape = attn_backend.get_kv_cache_shape(
-        int(blocks_per_req.sum()) + 1, bs, num_kv_heads, head_dim
-    )
-    cache = torch.zeros(shape, dtype=dtype, device=dev)
-    for m in layers:
-        m.kv_cache = cache
+    # One throwaway cache per layout, shared by its layers: the pass needs somewhere to write,
+    # not a faithful cache; block 0 stays unused as in the real one.
+    caches: dict[tuple[int, int], torch.Tensor] = {}
+    for m, layout in zip(layers, kv_layouts):
+        if layout not in caches:
+            shape = attn_backend.get_kv_cache_shape(int(blocks_per_req.sum()) + 1, bs, *layout)
+            caches[layout] = torch.zeros(shape, dtype=dtype, device=dev)
+        m.kv_cache = caches[layout]
 
     qsl = np.zeros(n_req + 1, dtype=np.int64)
     np.cumsum(lens, out=qsl[1:])
@@ -116,9 +117,10 @@ def profile_peak_activations(
     if fused_draw_applies(raw):  # and the one-kernel draw's compile, for the logits' dtype
         sample_from_logits(raw, torch.ones(n_req, device=dev), uniform)
     torch.cuda.synchronize(dev)
-    peak = torch.cuda.max_memory_allocated(dev) - base - cache.numel() * cache.element_size()
+    cache_bytes = sum(c.numel() * c.element_size() for c in caches.values())
+    peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes
 
-    del hidden, raw, logits, probs, cache
+    del hidden, raw, logits, probs, caches
     for m in layers:
         m.kv_cache = torch.empty(0)
     buffers.block_table.zero_()

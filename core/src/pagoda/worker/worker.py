@@ -24,7 +24,7 @@ class Worker:
             torch.cuda.set_device(info.device)
         self.model_runner = ModelRunner(
             config,
-            info.arch,
+            info.shape,
             info.hf_dir,
             info.load_format,
             info.device,

@@ -167,7 +167,7 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         completions.check_model(body.model)
-        vocab = engine.info.arch.vocab_size
+        vocab = engine.info.shape.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": await off_loop(engine.tokenizer.decode, body.tokens)}
@@ -175,7 +175,7 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     app.add_middleware(
         BodyGuard, max_bytes=server.max_request_body_bytes, max_depth=server.max_json_depth
     )
-    install_openapi(app, names, engine.info.arch.vocab_size, server, guarded=api_key is not None)
+    install_openapi(app, names, engine.info.shape.vocab_size, server, guarded=api_key is not None)
     return app
 
 

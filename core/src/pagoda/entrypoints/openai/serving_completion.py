@@ -78,7 +78,7 @@ class ServingCompletion(Serving):
                 self.tokenizer.encode, prompt, add_special_tokens=req.add_special_tokens
             )
             return _Prompt(prompt, ids)
-        vocab = self.engine.info.arch.vocab_size
+        vocab = self.engine.info.shape.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return _Prompt(await off_loop(self.tokenizer.decode, prompt), list(prompt))
