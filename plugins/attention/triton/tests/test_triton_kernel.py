@@ -21,27 +21,42 @@ from pagoda_attention_triton.kernels import (  # noqa: E402
 )
 
 from pagoda.attention.backend import write_kv_cache  # noqa: E402
+from pagoda.testing.attention import reference_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
 
 
-def _reference(q, kc, vc, bt, seq_lens, q_lens, scale):
+def _reference(q, kc, vc, bt, seq_lens, q_lens, scale, **rules):
+    """float64 attention of each request's queries over its gathered context; ``rules`` are
+    :func:`reference_attention`'s (a window, a soft-cap, sinks)."""
     out = torch.zeros_like(q, dtype=torch.float64)
     start = 0
-    g = q.shape[1] // kc.shape[2]
     page = kc.shape[1]
     for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
         nb = -(-sl // page)
-        k = kc[bt[i, :nb].long()].flatten(0, 1)[:sl].double().repeat_interleave(g, 1)
-        v = vc[bt[i, :nb].long()].flatten(0, 1)[:sl].double().repeat_interleave(g, 1)
-        qq = q[start : start + ql].double()
-        s = torch.einsum("qhd,khd->hqk", qq, k) * scale
-        qpos = torch.arange(sl - ql, sl)[:, None]
-        s = s.masked_fill(torch.arange(sl)[None, :] > qpos, float("-inf"))
-        out[start : start + ql] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+        k = kc[bt[i, :nb].long()].flatten(0, 1)[:sl]
+        v = vc[bt[i, :nb].long()].flatten(0, 1)[:sl]
+        qq = q[start : start + ql]
+        out[start : start + ql] = reference_attention(qq, k, v, sl - ql, scale, **rules)
         start += ql
     return out
+
+
+def _paged_layout(q_lens, ctx, heads, kv_heads, head_dim, page, dtype, seed=0):
+    """Random queries and a paged cache of scattered blocks (block 0 left as padding): q, key
+    cache, value cache, block table, seq lens, query start locations."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+    max_blocks = max(-(-s // page) for s in seq_lens)
+    num_blocks = len(q_lens) * max_blocks + 3
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 stays padding
+    bt = perm[: len(q_lens) * max_blocks].view(len(q_lens), max_blocks).int()
+    kc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, kc, vc, bt, seq_lens, qsl
 
 
 DECODE_6 = ([1] * 6, [40, 7, 300, 0, 129, 65])  # one request with no context before its token
@@ -68,16 +83,9 @@ def test_paged_attention_matches_float64_reference(
 ) -> None:
     if dtype != torch.float32 and DEVICE == "cpu":
         pytest.skip("half precision dot needs a GPU")
-    gen = torch.Generator().manual_seed(0)
-    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-    max_blocks = max(-(-s // page) for s in seq_lens)
-    num_blocks = len(q_lens) * max_blocks + 3
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 stays padding
-    bt = perm[: len(q_lens) * max_blocks].view(len(q_lens), max_blocks).int()
-    kc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype)
-    vc = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, kc, vc, bt, seq_lens, qsl = _paged_layout(
+        q_lens, ctx, heads, kv_heads, head_dim, page, dtype
+    )
     scale = head_dim**-0.5
     want = _reference(q, kc, vc, bt, seq_lens, q_lens, scale)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
@@ -101,6 +109,119 @@ def test_paged_attention_matches_float64_reference(
     )
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+
+
+# Every launch of the kernels, for the spec's extras: (q_lens, ctx, splits, ordered, tile_n).
+# Contexts reach several tiles past the window, so whole tiles lie below it.
+SPEC_PATHS = {
+    # `_paged_attention` unsplit: a new prompt, a decode, a chunked prefill over a context and a
+    # decode shorter than the window, in one step.
+    "mixed": ([17, 1, 5, 1], [0, 130, 64, 7], 1, False, None),
+    # The long-prefill launch (128 rows, 32-key tiles): its later q-blocks start past the window.
+    "long_prefill": ([150, 1], [10, 40], 1, False, None),
+    # Split-KV decode in 16-key tiles: the window's keys fall in several of the splits.
+    "split": (*DECODE_6, 4, False, 16),
+    # Decode longest first: `_paged_decode` unsplit, then `_paged_attention` in order, split.
+    "ordered": (*DECODE_6, 1, True, None),
+    "ordered_split": (*DECODE_6, 4, True, 16),
+}
+# The spec's extras at the conformance kit's scale (pagoda.testing.attention.FEATURES): a window
+# shorter than most contexts, logits scaled up past the soft-cap, sink logits around 3.
+WINDOW, SOFTCAP = 40, 2.0
+SPEC_FEATURES = {
+    "sliding_window": {"sliding_window": WINDOW},
+    "logit_softcap": {"logit_softcap": SOFTCAP},
+    "sinks": {"sinks": True},
+    "all": {"sliding_window": WINDOW, "logit_softcap": SOFTCAP, "sinks": True},
+}
+
+
+def _spec_case(path: str, features: dict, dtype: torch.dtype, heads=4, kv_heads=2, head_dim=32):
+    """The layout of ``path`` with ``features``: (kernel inputs, kernel keyword arguments, float64
+    reference rules, ``paged_attention``'s positional tail)."""
+    q_lens, ctx, splits, ordered, tile_n = SPEC_PATHS[path]
+    page = 16
+    q, kc, vc, bt, seq_lens, qsl = _paged_layout(
+        q_lens, ctx, heads, kv_heads, head_dim, page, dtype
+    )
+    scale = head_dim**-0.5 * (4 if "logit_softcap" in features else 1)
+    gen = torch.Generator().manual_seed(1)
+    sinks = (torch.randn(heads, generator=gen) + 3).to(dtype) if features.get("sinks") else None
+    rules = {
+        "sliding_window": features.get("sliding_window"),
+        "logit_softcap": features.get("logit_softcap"),
+        "sinks": sinks,
+    }
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    kwargs = {**rules, "sinks": None if sinks is None else dev(sinks), "tile_n": tile_n}
+    if ordered:
+        kwargs["order"] = dev(torch.from_numpy(longest_first(np.array(seq_lens))))
+    tail = (
+        dev(bt),
+        dev(torch.tensor(seq_lens, dtype=torch.int32)),
+        dev(qsl),
+        len(q_lens),
+        sum(q_lens),
+        max(q_lens),
+        max(seq_lens),
+        scale,
+        splits,
+    )
+    return (q, kc, vc, bt, seq_lens, q_lens, ctx), kwargs, rules, tail
+
+
+@pytest.mark.parametrize(
+    "path,features,dtype",
+    [
+        *((p, f, torch.float32) for p in SPEC_PATHS for f in SPEC_FEATURES),
+        *((p, "all", torch.bfloat16) for p in SPEC_PATHS),  # the engine's dtype, on a GPU
+    ],
+)
+def test_spec_extras_match_float64_reference_on_every_kernel_path(
+    path: str, features: str, dtype: torch.dtype
+) -> None:
+    """Window, soft-cap and sinks, alone and together, on each launch: the unsplit mixed kernel,
+    its long-prefill launch, split-KV decode (sinks join in the merge), ordered decode
+    (`_paged_decode`) and ordered split decode. Each case also fails a reference that drops a
+    feature, so a kernel that ignored it would not pass."""
+    if dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("half precision dot needs a GPU")
+    (q, kc, vc, bt, seq_lens, q_lens, _), kwargs, rules, tail = _spec_case(
+        path, SPEC_FEATURES[features], dtype
+    )
+    want = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
+    for name, value in rules.items():
+        if value is not None:
+            dropped = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **{**rules, name: None})
+            assert (dropped - want).abs().max() > 1e-2, f"{path} does not depend on {name}"
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = torch.full_like(dev(q), float("nan"))  # a row no program writes fails the comparison
+    paged_attention(dev(q), dev(kc), dev(vc), out, *tail, **kwargs)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("path", ["mixed", "split", "ordered", "ordered_split"])
+def test_a_window_skips_the_tiles_below_it_not_only_masks_them(path: str) -> None:
+    """Keys and values wholly below the window of a request's first query are NaN in the cache:
+    a kernel that read them (and masked them) would return NaN, as 0 x NaN is NaN in the dot
+    with the values. 16-key tiles, one a page, so the poisoned pages are whole tiles."""
+    (q, kc, vc, bt, seq_lens, q_lens, ctx), kwargs, rules, tail = _spec_case(
+        path, SPEC_FEATURES["sliding_window"], torch.float32
+    )
+    want = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
+    page = kc.shape[1]
+    poisoned = 0
+    for i, first_q in enumerate(ctx):
+        below = bt[i, : max(first_q - WINDOW + 1, 0) // page].long()
+        kc[below] = float("nan")
+        vc[below] = float("nan")
+        poisoned += len(below)
+    assert poisoned >= 5  # the layouts reach well past the window
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = torch.full_like(dev(q), float("nan"))
+    paged_attention(dev(q), dev(kc), dev(vc), out, *tail, **{**kwargs, "tile_n": 16})
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_longest_first_orders_by_descending_length_ties_in_their_own_order() -> None:

@@ -1,4 +1,8 @@
-"""The Triton attention backend: one kernel for mixed batches over the paged cache."""
+"""The Triton attention backend: one kernel for mixed batches over the paged cache.
+
+Besides plain causal attention it computes a layer's sliding window, logit soft-cap and sinks
+(:class:`~pagoda.attention.spec.AttentionSpec`), in every kernel path: each is a compile-time
+flag of the kernels, so a plain layer runs the same code as before they existed."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pagoda.attention.backend import (
     CommonAttentionMetadata,
     write_kv_cache,
 )
+from pagoda.attention.spec import AttentionSpec
 
 # Below this many keys per split, splitting the context costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
@@ -33,6 +38,10 @@ def _interpreting() -> bool:
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
+
+# The spec's features the kernels compute; the others (bidirectional, chunks, a value head size
+# of its own) they do not.
+_FEATURES = frozenset({"sliding_window", "logit_softcap", "sinks"})
 
 # Decode steps of at least this many requests take their programs longest context first: with
 # several waves of programs a multiprocessor, the last wave is then the shortest work.
@@ -63,6 +72,10 @@ class TritonAttentionBackend(AttentionBackend):
             and dtype in (torch.float16, torch.bfloat16, torch.float32)
             and (8 <= head_size <= 256)
         )
+
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        return next((f for f in spec.features() if f not in _FEATURES), None)
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
@@ -150,6 +163,19 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     return splits
 
 
+def _layer_splits(num_splits: int, max_seq_len: int, window: int | None) -> int:
+    """The step's splits for a layer: a window shorter than the contexts leaves fewer keys to a
+    query, and the kernel splits those, not the context; halve the splits until each slice
+    holds ``_MIN_KEYS_PER_SPLIT`` again (the rule ``_choose_splits`` doubled them by). Fixed per
+    layer for a given step (and graph: it reads the captured worst-case length)."""
+    if window is None:
+        return num_splits
+    keys = min(max_seq_len, window)
+    while num_splits > 1 and keys // num_splits < _MIN_KEYS_PER_SPLIT:
+        num_splits //= 2
+    return num_splits
+
+
 def _fused_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """The one-kernel cache write addresses the cache as one contiguous tensor, and key and value
     through their strides with unit stride in the head dimension."""
@@ -169,6 +195,9 @@ class TritonAttentionImpl(AttentionImpl):
 
         c = attn_metadata.common
         n = c.num_actual_tokens
+        spec = self.spec
+        if spec.sinks and self.sinks is None:
+            raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
         write = write_kv_cache_fused if _fused_write(kv_cache, key, value) else write_kv_cache
         key_cache, value_cache = write(key, value, kv_cache, c.slot_mapping, n)
         out = torch.empty_like(query)
@@ -185,7 +214,10 @@ class TritonAttentionImpl(AttentionImpl):
             c.max_query_len,
             c.max_seq_len,
             self.scale,
-            attn_metadata.num_splits,
+            _layer_splits(attn_metadata.num_splits, c.max_seq_len, spec.sliding_window),
             order=attn_metadata.order,
+            sliding_window=spec.sliding_window,
+            logit_softcap=spec.logit_softcap,
+            sinks=self.sinks if spec.sinks else None,
         )
         return out

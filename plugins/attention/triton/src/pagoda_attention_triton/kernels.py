@@ -11,6 +11,13 @@ Decode steps may give an ``order`` of the requests (longest context first): unsp
 run ``_paged_decode``, a program per (request, KV head) started in that order, so the last
 programs on the GPU are the shortest and the programs sharing a multiprocessor cover each
 other's starts.
+
+Every path computes the layer's :class:`~pagoda.attention.spec.AttentionSpec` extras, each
+behind a ``constexpr`` flag so a plain layer compiles none of it: a sliding window (``WINDOW``:
+a query at ``i`` sees keys ``i - window < j <= i``; the tiles wholly below the window of a
+program's first query are not visited at all), a logit soft-cap (``SOFTCAP``: logits ``c *
+tanh(logits / c)`` before masking) and per-head sink logits (``SINKS``: ``exp(sink)`` joins the
+softmax's denominator, at the end of the online softmax or in the split merge's log-sum-exp).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ def _tile(
     d_ok,
     kv_head,
     scale,
+    window,
+    softcap,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -65,8 +74,11 @@ def _tile(
     stride_vh,
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """One tile of keys: scores, causal mask, online-softmax update of (m, l, acc)."""
+    """One tile of keys: scores (soft-capped), causal (and window) mask, online-softmax update
+    of (m, l, acc)."""
     pos = start + offs_n
     n_ok = pos < kv_hi
     blk = tl.load(bt + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -81,7 +93,14 @@ def _tile(
         other=0.0,
     )
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+    if SOFTCAP:
+        # c * tanh(s / c) as c - 2c / (exp(2s / c) + 1): one exp, as exact as the softmax's,
+        # where libdevice's tanh is an external call the interpreter cannot run. Saturates
+        # cleanly: exp overflows to inf (-> c) or underflows to 0 (-> -c).
+        s = softcap - (2.0 * softcap) / (tl.exp(s * (2.0 / softcap)) + 1.0)
     ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+    if WINDOW:
+        ok = ok & (pos[None, :] > q_pos[:, None] - window)
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -101,11 +120,31 @@ def _tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS: tl.constexpr):
+    """The softmax's denominator of rows whose running max is ``m_i`` and sum ``l_i``: with
+    ``SINKS``, plus ``exp(sink - m_i)`` of each row's head (its sink logit shares the softmax but
+    brings no value); 1 where a row saw nothing, so that its output is 0, not NaN."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        l_i = l_i + tl.exp(sink - tl.where(m_i > float("-inf"), m_i, 0.0))
+    return tl.where(l_i > 0, l_i, 1.0)
+
+
+@triton.jit
+def _window_start(first_q_pos, window, TILE_N: tl.constexpr):
+    """The first key a program must visit for queries from ``first_q_pos`` on under a sliding
+    window: the first one the earliest query sees, down to a tile boundary (the tiles stay those
+    of the unwindowed loop, the ones below are skipped, and a split's slices stay tile-aligned)."""
+    return tl.maximum(first_q_pos - window + 1, 0) // TILE_N * TILE_N
+
+
 # NOTE: the request count and split size change from step to step; left to specialize, Triton
 # compiles a variant for each of 1, a multiple of 16 and any other value, and a step that meets
 # one for the first time (a prefill of 29 requests after a start-up that ran 256) waits about
-# half a second for it.
-@triton.jit(do_not_specialize=["num_seqs", "split_size"])
+# half a second for it. The window is a layer's and fixed, but a multiple of 16 or not would
+# compile it twice for nothing.
+@triton.jit(do_not_specialize=["num_seqs", "split_size", "window"])
 def _paged_attention(
     q_ptr,
     k_cache_ptr,
@@ -117,7 +156,10 @@ def _paged_attention(
     seq_lens_ptr,
     qsl_ptr,
     order_ptr,
+    sinks_ptr,
     scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -143,6 +185,9 @@ def _paged_attention(
     ORDERED: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(2)
@@ -183,10 +228,13 @@ def _paged_attention(
     )
     q_pos = context_len + q_tok
 
-    # Keys this program visits: causal bound of its last query, then its split's slice.
+    # Keys this program visits: causal bound of its last query, window start of its first, then
+    # its split's slice of what lies between (the splits cut the window, not the context).
     last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     kv_end = tl.minimum(seq_len, context_len + last_q)
     kv_lo = split * split_size
+    if WINDOW:
+        kv_lo += _window_start(context_len + q_block * BLOCK_Q, window, TILE_N)
     kv_hi = tl.minimum(kv_end, kv_lo + split_size)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -215,6 +263,8 @@ def _paged_attention(
                 d_ok,
                 kv_head,
                 scale,
+                window,
+                softcap,
                 stride_kb,
                 stride_ks,
                 stride_kh,
@@ -223,6 +273,8 @@ def _paged_attention(
                 stride_vh,
                 PAGE,
                 DOT_PRECISION,
+                WINDOW,
+                SOFTCAP,
             )
             start += TILE_N
     else:
@@ -244,6 +296,8 @@ def _paged_attention(
                 d_ok,
                 kv_head,
                 scale,
+                window,
+                softcap,
                 stride_kb,
                 stride_ks,
                 stride_kh,
@@ -252,18 +306,21 @@ def _paged_attention(
                 stride_vh,
                 PAGE,
                 DOT_PRECISION,
+                WINDOW,
+                SOFTCAP,
             )
 
     tok = q_start + q_tok
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        # Partials: [tokens, heads, splits, dim] and [tokens, heads, splits].
+        # Partials: [tokens, heads, splits, dim] and [tokens, heads, splits], without the sinks
+        # (the merge adds each once).
         num_heads = NUM_KV_HEADS * G
         base = (tok * num_heads + head) * NUM_SPLITS + split
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -274,7 +331,7 @@ def _paged_attention(
         tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _paged_decode(
     q_ptr,
     k_cache_ptr,
@@ -284,7 +341,10 @@ def _paged_decode(
     seq_lens_ptr,
     qsl_ptr,
     order_ptr,
+    sinks_ptr,
     scale,
+    window,
+    softcap,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -305,12 +365,16 @@ def _paged_decode(
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """Decode (one query a request, no split): a program takes ``HEADS_PER_PROGRAM`` KV heads
     of one request, requests in ``order_ptr``'s order, in one loop over (head, key tile): the
     loads of a head's first tiles are issued while the previous head's last tiles are reduced,
     where a program a head would start each head with its pipeline empty. Each head's arithmetic
-    is that of ``_paged_attention``'s decode programs, tile for tile."""
+    is that of ``_paged_attention``'s decode programs, tile for tile (a window's first tile
+    is theirs too)."""
     pid = tl.program_id(0)
     groups: tl.constexpr = NUM_KV_HEADS // HEADS_PER_PROGRAM
     seq = tl.load(order_ptr + pid // groups)
@@ -327,16 +391,21 @@ def _paged_decode(
     q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
     bt = block_table_ptr + seq * stride_bt
     n_tiles = tl.cdiv(seq_len, TILE_N)
+    # Each head's tiles: t0 .. n_tiles - 1 (with a window, from the tile of its first key).
+    t0 = 0
+    if WINDOW:
+        t0 = _window_start(seq_len - 1, window, TILE_N) // TILE_N
+    per_head = n_tiles - t0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for it in range(0, HEADS_PER_PROGRAM * n_tiles):
-        h = it // n_tiles
-        t = it - h * n_tiles
+    for it in range(0, HEADS_PER_PROGRAM * per_head):
+        h = it // per_head
+        t = t0 + it - h * per_head
         kv_head = head0 + h
         head = kv_head * G + offs_m % G
-        first = t == 0
+        first = t == t0
         m_i = tl.where(first, float("-inf"), m_i)
         l_i = tl.where(first, 0.0, l_i)
         acc = tl.where(first, 0.0, acc)
@@ -362,6 +431,8 @@ def _paged_decode(
             d_ok,
             kv_head,
             scale,
+            window,
+            softcap,
             stride_kb,
             stride_ks,
             stride_kh,
@@ -370,8 +441,10 @@ def _paged_decode(
             stride_vh,
             PAGE,
             DOT_PRECISION,
+            WINDOW,
+            SOFTCAP,
         )
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
             out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -384,13 +457,17 @@ def _merge_splits(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     num_heads,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
+    """Each (token, head)'s split partials weighted by their share of the softmax: ``exp(lse)``
+    over the splits' sum, plus ``exp(sink)`` with ``SINKS`` (a share that brings no value)."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -398,9 +475,15 @@ def _merge_splits(
     base = (tok * num_heads + head) * NUM_SPLITS
     lse = tl.load(part_lse_ptr + base + offs_s)
     m = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m = tl.maximum(m, sink)
     m = tl.where(m > float("-inf"), m, 0.0)
     w = tl.exp(lse - m)
-    w = w / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if SINKS:
+        denom += tl.exp(sink - m)
+    w = w / denom
     parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
     out = tl.sum(parts * w[:, None], 0)
     tl.store(
@@ -492,6 +575,9 @@ def paged_attention(
     block_m: int | None = None,
     order: torch.Tensor | None = None,
     heads_per_program: int | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
@@ -502,7 +588,11 @@ def paged_attention(
     the last wave of programs short (:func:`longest_first`). Unsplit, a program then takes
     ``heads_per_program`` of a request's KV heads in one pipelined loop (default 1: at batch
     256 on an H200, 2 heads gained 4% with 128-key tiles and nothing with the default 64, and 4
-    or 8 lost: too few programs to even out the end)."""
+    or 8 lost: too few programs to even out the end).
+
+    ``sliding_window``, ``logit_softcap`` and ``sinks`` (``[num_heads]``, any float dtype) are the
+    layer's :class:`~pagoda.attention.spec.AttentionSpec` extras (None: off, and not compiled
+    in). With a window, ``num_splits`` slices cut the keys a query can see, not its context."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -547,6 +637,18 @@ def paged_attention(
     grid_q = num_tokens // block_q + num_seqs
     if order is not None and max_query_len != 1:
         raise ValueError("an order of requests is for decode steps, one query a request")
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads] = [{num_heads}], not {list(sinks.shape)}")
+        sinks = sinks.contiguous()  # the kernels index it by head
+    window = sliding_window or 0  # unread without the flag
+    softcap = logit_softcap or 1.0
+    spec_args = (query if sinks is None else sinks, scale, window, softcap)  # sinks unread if None
+    flags = {
+        "WINDOW": sliding_window is not None,
+        "SOFTCAP": logit_softcap is not None,
+        "SINKS": sinks is not None,
+    }
     strides = (
         *query.stride()[:2],
         *key_cache.stride()[:3],
@@ -569,7 +671,7 @@ def paged_attention(
             seq_lens,
             query_start_loc,
             order,
-            scale,
+            *spec_args,
             *strides,
             G=g,
             BLOCK_M=block_m,
@@ -580,6 +682,7 @@ def paged_attention(
             NUM_KV_HEADS=num_kv_heads,
             HEADS_PER_PROGRAM=hpp,
             DOT_PRECISION=dot_precision,
+            **flags,
             **launch,
         )
         return out
@@ -587,7 +690,12 @@ def paged_attention(
         grid = (num_seqs * num_kv_heads, 1, num_splits)
     else:
         grid = (grid_q, num_kv_heads, num_splits)
-    split_size = triton.cdiv(max(max_seq_len, 1), num_splits)
+    # The keys one program may have to visit: its context, or with a window the window of its
+    # first query (from a tile boundary, tile_n - 1 below it at most) to its last query.
+    span = max(max_seq_len, 1)
+    if sliding_window is not None:
+        span = min(span, sliding_window + block_q + tile_n - 2)
+    split_size = triton.cdiv(span, num_splits)
     split_size = triton.cdiv(split_size, tile_n) * tile_n
     if num_splits > 1:
         part_out = torch.empty(
@@ -614,7 +722,7 @@ def paged_attention(
         seq_lens,
         query_start_loc,
         query_start_loc if order is None else order,  # unread without an order
-        scale,
+        *spec_args,
         *strides,
         num_seqs,
         split_size,
@@ -630,6 +738,7 @@ def paged_attention(
         ORDERED=order is not None,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         DOT_PRECISION=dot_precision,
+        **flags,
         **launch,
     )
     if num_splits > 1:
@@ -637,12 +746,14 @@ def paged_attention(
             part_out,
             part_lse,
             out,
+            spec_args[0],
             out.stride(0),
             out.stride(1),
             num_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits,
+            SINKS=sinks is not None,
         )
     return out
 
