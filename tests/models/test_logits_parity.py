@@ -3,6 +3,8 @@ for a prefill and for decode steps through a paged KV cache with scattered block
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -42,10 +44,18 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             },
         ),
         "mistral": transformers.MistralConfig(**TINY, sliding_window=None),
+        # Windows far shorter than the prompt: every layer (Mistral), the layers past
+        # max_window_layers (Qwen2).
+        "mistral_window": transformers.MistralConfig(**TINY, sliding_window=8),
+        "qwen2_window": transformers.Qwen2Config(
+            **TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1
+        ),
     }
 
 
-def _build(name: str) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+def _build(name: str, **override: object) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    """transformers' model of config ``name`` and ours on its weights (``override``: keys of our
+    config set otherwise, for negative controls)."""
     torch.manual_seed(0)
     hf_cfg = _configs()[name]
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
@@ -55,7 +65,8 @@ def _build(name: str) -> tuple[torch.nn.Module, LlamaForCausalLM]:
                 p.uniform_(0.5, 1.5)
     cfg = hf_cfg.to_dict()
     cfg["architectures"] = [type(hf).__name__]
-    ours = LlamaForCausalLM(ModelArchConfig.from_hf_config(cfg), TorchNativeBackend)
+    arch = dataclasses.replace(ModelArchConfig.from_hf_config(cfg), **override)
+    ours = LlamaForCausalLM(arch, TorchNativeBackend)
     ours.load_weights(hf.state_dict().items())
     return hf, ours.eval()
 
@@ -102,7 +113,9 @@ class _PagedSequence:
         return logits
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama3_rope", "mistral"])
+@pytest.mark.parametrize(
+    "name", ["qwen2", "qwen3", "llama3_rope", "mistral", "mistral_window", "qwen2_window"]
+)
 def test_prefill_and_decode_logits_match_transformers(name: str) -> None:
     hf, ours = _build(name)
     gen = torch.Generator().manual_seed(1)
@@ -120,3 +133,16 @@ def test_prefill_and_decode_logits_match_transformers(name: str) -> None:
         with torch.inference_mode():
             want = hf(torch.tensor([tokens])).logits[0, -1:]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+def test_dropping_the_window_changes_the_logits(name: str) -> None:
+    """The negative control of the window cases: the same weights attending over the whole
+    context are off by far more than the parity tolerance, so the parity test sees the window."""
+    hf, ours = _build(name, sliding_window=None, layer_types=None)
+    prompt = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = _PagedSequence(ours, 64).run(prompt)
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    assert (got[:8] - want[:8]).abs().max() < 1e-4  # the window is not reached yet
+    assert (got - want).abs().max() > 1e-2

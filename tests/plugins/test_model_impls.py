@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.layer import Attention
+from pagoda.attention.spec import AttentionSpec
 from pagoda.attention.torch_native import TorchNativeBackend
 from pagoda.config import EngineConfig
 from pagoda.entrypoints.cli import main
@@ -242,3 +245,113 @@ def test_the_impls_attention_specs_steer_the_backend_selection(tmp_path) -> None
             ValueError, match=r"LlamaForCausalLM built 2 attention layers whose specs differ"
         ):
             LLM(**kw, attention_backend="auto")
+
+
+class _MixedModel(torch.nn.Module):
+    """Two attention layers of different layouts: 4 query heads over 2 KV heads of 16, then 2
+    over 1 of 32 with a window of 5 keys. Residual attention only (no MLP), enough to put each
+    layer's cache and mask on the path from the prompt to the next token."""
+
+    def __init__(self, shape: ModelShape, backend: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.qkv = torch.nn.ModuleList()
+        self.o = torch.nn.ModuleList()
+        self.attn = torch.nn.ModuleList()
+        for i, s in enumerate(shape.attention):
+            width = (s.num_heads + 2 * s.num_kv_heads) * s.head_size
+            self.qkv.append(torch.nn.Linear(shape.hidden_size, width, bias=False))
+            self.o.append(torch.nn.Linear(s.num_heads * s.head_size, shape.hidden_size))
+            self.attn.append(Attention(backend, s.num_heads, s.head_size, s.scale,
+                                       s.num_kv_heads, i, s))  # fmt: skip
+        self.lm_head = torch.nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+
+    def _split(self, i: int, x: torch.Tensor) -> list[torch.Tensor]:
+        s = self.attn[i].spec
+        return list(self.qkv[i](x).split(
+            [s.num_heads * s.head_size, s.num_kv_heads * s.head_size,
+             s.num_kv_heads * s.head_size], dim=-1))  # fmt: skip
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for i in range(len(self.attn)):
+            x = x + self.o[i](self.attn[i](*self._split(i, x)))
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def dense_logits(self, tokens: list[int]) -> torch.Tensor:
+        """The same model over the whole sequence at once, masks built here: the reference."""
+        x = self.embed(torch.tensor(tokens))
+        n = len(tokens)
+        pos = torch.arange(n)
+        for i in range(len(self.attn)):
+            s = self.attn[i].spec
+            q, k, v = (t.view(n, -1, s.head_size).transpose(0, 1) for t in self._split(i, x))
+            rep = s.num_heads // s.num_kv_heads
+            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+            seen = pos[:, None] >= pos[None, :]
+            if s.sliding_window is not None:
+                seen &= pos[:, None] - pos[None, :] < s.sliding_window
+            logits = (q @ k.transpose(1, 2)) * s.scale
+            out = logits.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+            x = x + self.o[i](out.transpose(0, 1).reshape(n, -1))
+        return self.compute_logits(x)
+
+
+class _MixedImpl(TinyImpl):
+    @classmethod
+    def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
+        specs = (AttentionSpec(4, 2, 16, 0.25), AttentionSpec(2, 1, 32, 0.5, sliding_window=5))
+        return ModelShape(TINY_ARCH, 128, 64, 2, 256, specs, config=None, eos_token_id=2)
+
+    @classmethod
+    def model_class(cls, shape: ModelShape) -> Any:
+        return lambda config, backend: _MixedModel(shape, backend)
+
+
+def test_each_layer_gets_a_cache_of_its_own_layout_and_window_layers_see_the_whole_context(
+    tmp_path,
+) -> None:
+    """The KV cache follows the declared specs layer by layer (heads and head sizes differ), and
+    a window layer keeps every block: greedy tokens through the paged cache (blocks of 4,
+    chunked prefill of 8 tokens, a prefix-cache hit on the second run) are the dense model's."""
+    with plugin_registered(_mixed_plugin(_MixedImpl), "mixed_impl_test"):
+        llm = LLM(
+            model=str(_model(tmp_path)), load_format="dummy", device="cpu", model_impl="mixed",
+            block_size=4, max_num_batched_tokens=8, enable_prefix_caching=True,
+            max_model_len=64, kv_cache_memory_bytes=1 << 20,
+        )  # fmt: skip
+        runner = llm.engine.engine_core.executor.worker.model_runner
+        model = runner.model
+        assert [tuple(c.shape) for c in runner.kv_caches] == [
+            TorchNativeBackend.get_kv_cache_shape(c.shape[1], 4, heads, size)
+            for c, (heads, size) in zip(runner.kv_caches, [(2, 16), (1, 32)])
+        ]
+        assert runner.kv_cache_block_bytes() == 4 * (2 * 2 * 16 + 2 * 1 * 32) * 4
+        torch.manual_seed(0)
+        with torch.no_grad():  # unit-scale weights, a weak embedding: the window decides 11 of
+            for param in model.parameters():  # the 12 tokens (dropping it changes them)
+                param.copy_(torch.randn_like(param) * param.shape[-1] ** -0.5)
+            model.embed.weight.mul_(0.3)
+        prompt = [5, 9, 17, 33, 65, 7, 11, 13, 19, 23, 29, 31, 37]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        tokens = list(prompt)
+        with torch.inference_mode():
+            for _ in range(12):
+                tokens.append(int(model.dense_logits(tokens)[-1].argmax()))
+        for _ in range(2):  # the second run hits the prefix cache
+            out = llm.generate([{"prompt_token_ids": prompt}], params)
+            assert list(out[0].outputs[0].token_ids) == tokens[len(prompt):]
+
+
+def _mixed_plugin(impl: type[ModelImpl]) -> Any:
+    class _Plugin:
+        PAGODA_PLUGIN_API = 1
+
+        @hookimpl
+        def register_model_impls(self, register):
+            register("mixed", impl)
+
+    return _Plugin()

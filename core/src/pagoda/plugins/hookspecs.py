@@ -133,7 +133,8 @@ def register_models(register: Register) -> None:
     """Register model architectures by the ``architectures`` name of a model's config.json.
 
     :param register: call ``register("LlamaForCausalLM", "pkg.mod:ModelClass")``; the class is
-        built as ``ModelClass(arch_config, attention_backend)`` and loads its own weights.
+        built as ``ModelClass(arch_config, attention_backend)`` and loads its own weights
+        (a native architecture: the model impl ``native`` serves it).
 
     Called once per process, when plugins load. Every implementation is called; duplicate names
     follow the rule of :func:`register_attention_backends`. The engine picks the class whose name
@@ -148,7 +149,9 @@ def register_model_impls(register: Register) -> None:
     :param register: call ``register(name, "pkg.mod:ImplClass")`` for each impl; the class
         implements :class:`pagoda.models.impl.ModelImpl`: ``supports(hf_config, architecture)``
         (None when it can serve that config.json, else its reason), ``priority``,
-        ``arch_config(hf_config)`` and ``model_class(arch)``.
+        ``shape(hf_config, tensor_parallel_size)`` (the :class:`pagoda.models.shape.ModelShape`
+        the engine reads: sizes, context, EOS ids, one attention spec per layer) and
+        ``model_class(shape)``.
 
     Called once per process, when plugins load. Every implementation is called; duplicate names
     follow the rule of :func:`register_attention_backends`. Users select one with ``model.impl``
