@@ -343,7 +343,7 @@ def test_each_layer_gets_a_cache_of_its_own_layout_and_window_layers_see_the_who
                 tokens.append(int(model.dense_logits(tokens)[-1].argmax()))
         for _ in range(2):  # the second run hits the prefix cache
             out = llm.generate([{"prompt_token_ids": prompt}], params)
-            assert list(out[0].outputs[0].token_ids) == tokens[len(prompt):]
+            assert list(out[0].outputs[0].token_ids) == tokens[len(prompt) :]
 
 
 def _mixed_plugin(impl: type[ModelImpl]) -> Any:
