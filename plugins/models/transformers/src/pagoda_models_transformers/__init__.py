@@ -1,0 +1,1 @@
+"""Pagoda's ``transformers`` model impl: causal LMs built from transformers' modeling code."""

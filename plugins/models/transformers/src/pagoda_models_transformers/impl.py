@@ -1,0 +1,65 @@
+"""``transformers``: any decoder-only causal LM of the installed transformers, built from its own
+modeling code, with attention through Pagoda's paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda.models.impl import ModelImpl, named_architecture
+from pagoda.models.shape import ModelShape
+from pagoda_models_transformers.model import TransformersCausalLM, TransformersModelConfig
+from pagoda_models_transformers.probe import Refusal, probe
+
+
+class TransformersModelImpl(ModelImpl):
+    """Serves what transformers' causal-LM classes build, whose every layer's attention goes
+    through ``ALL_ATTENTION_FUNCTIONS`` and fits an attention spec; below ``native`` (100),
+    which keeps the architectures it has."""
+
+    priority = 50
+
+    @classmethod
+    def supports(cls, hf_config: dict[str, Any], architecture: str) -> str | None:
+        try:
+            probe(hf_config, architecture)
+        except Refusal as e:
+            return str(e)
+        return None
+
+    @classmethod
+    def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
+        arch = named_architecture(hf_config)
+        probed = probe(hf_config, arch)
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size}: the transformers model impl does "
+                "not split models yet; only 1 fits"
+            )
+        text = probed.config.get_text_config()
+        max_pos = getattr(text, "max_position_embeddings", None)
+        if not max_pos:
+            raise ValueError(f"{arch}: config.json names no max_position_embeddings")
+        return ModelShape(
+            architecture=arch or probed.model_class.__name__,
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            num_hidden_layers=text.num_hidden_layers,
+            max_position_embeddings=int(max_pos),
+            attention=probed.specs,
+            config=TransformersModelConfig(
+                hf_config=dict(hf_config),
+                architecture=arch,
+                attention_modules=probed.module_names,
+                specs=probed.specs,
+                sinks=probed.sinks,
+            ),
+            torch_dtype=str(
+                hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+            ).removeprefix("torch."),
+            bos_token_id=text.bos_token_id,
+            eos_token_id=text.eos_token_id,
+        )
+
+    @classmethod
+    def model_class(cls, shape: ModelShape) -> Any:
+        return TransformersCausalLM
