@@ -1,4 +1,8 @@
-"""Pagoda's attention conformance kit on the FlashInfer backend (needs CUDA and flashinfer)."""
+"""Pagoda's attention conformance kit on the FlashInfer backend (needs CUDA and flashinfer).
+
+Besides the plain cases, the kit's feature cases run for each spec field the backend's
+``unsupported`` accepts (sliding window, logit soft-cap, sinks, bidirectional) and skip, naming
+the field, for the others (a value head size of its own, chunks)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,36 @@
 """FlashInfer's batch prefill and decode wrappers over Pagoda's paged cache (NHD layout).
 
-Per step, ``build_metadata`` turns the block table into FlashInfer's page indices once; the first
-layer plans the wrapper (FlashInfer needs the head counts and dtype, which the layers know) and
-every other layer of the step reuses that plan. Steps where every request decodes one token use
-the decode wrapper; any other step uses the prefill wrapper, which also handles the decodes in it.
+Per step, ``build_metadata`` turns the block table into FlashInfer's page indices once. A plan
+fixes more than the step's batch: the heads, the dtype (which only the layers know), the window,
+the soft-cap and the kernel variant; a model's layers may differ in those (Gemma 2 and 3 and
+gpt-oss alternate windowed and full layers). Layers are therefore grouped by :class:`PlanGroup`,
+the part of their :class:`~pagoda.attention.spec.AttentionSpec` a plan fixes: each group of a
+step has its own wrapper in the step's metadata, planned by the group's first layer of the step
+and reused by its others. A model whose layers share one group (every plain model) plans once a
+step, as before. Steps where every request decodes one token use the decode wrapper; any other
+step uses the prefill wrapper, which also handles the decodes in it.
 
-Decode CUDA graphs: each captured batch size gets its own decode wrapper made with
-``use_cuda_graph`` over fixed page-table buffers. The runner's warm-up pass before capture plans
-it (so nothing is planned inside the graph); before each replay ``prepare_graph_replay`` plans it
-again for the step, which rewrites those buffers and the plan the captured kernels read.
+What the kernels compute besides plain causal attention: sliding windows (FlashInfer's
+``window_left``, inclusive: ``w - 1``), logit soft-caps and bidirectional layers are plan
+parameters of both wrappers. Sinks are not: FlashInfer's FA2 and FA3 kernels ignore the ``sinks``
+argument of ``run`` (only its Blackwell kernels read it), so a sink group plans
+``BatchAttentionWithAttentionSinkWrapper`` (FlashInfer 0.4 on), a prefill wrapper over a
+just-in-time variant that adds ``exp(sink)`` to each softmax denominator, for every kind of step:
+FA2 for decodes (it splits long contexts, and counts the sink in the first split only), the
+device's best for the rest. That variant has no soft-cap.
+
+Decode CUDA graphs: each captured batch size gets fixed page-table buffers, and each group its own
+wrapper made with ``use_cuda_graph`` over them (the groups' plans write the same page table). The
+runner's warm-up pass before capture makes and plans them (so nothing is planned inside the
+graph); before each replay ``prepare_graph_replay`` plans every group again for the step, which
+rewrites those buffers and the plans the captured kernels read.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,10 +41,18 @@ from pagoda.attention.backend import (
     CommonAttentionMetadata,
     write_kv_cache,
 )
+from pagoda.attention.spec import AttentionSpec
 
 _WORKSPACE_BYTES = 256 << 20
-_wrappers: dict[tuple[str, int | None], dict[str, Any]] = {}
+# Eager (not graphed) steps' wrappers, by device and _wrapper_key: the n-th group of a step that
+# needs a wrapper of a key takes the n-th, so a model needs as many as its groups, not a test
+# process as many as the groups it ever saw.
+_wrappers: dict[tuple, list[Any]] = {}
 _workspaces: dict[tuple[str, int | None], torch.Tensor] = {}
+
+# The spec's features the kernels compute; the others (chunks, a value head size of its own) they
+# do not.
+_FEATURES = frozenset({"causal", "sliding_window", "logit_softcap", "sinks"})
 
 
 def _workspace(device: torch.device) -> torch.Tensor:
@@ -51,18 +74,56 @@ def _flashinfer() -> Any:
     return flashinfer
 
 
-def _wrappers_for(device: torch.device) -> dict[str, Any]:
-    key = (device.type, device.index)
-    if key not in _wrappers:
-        flashinfer = _flashinfer()
-        workspace = _workspace(device)
-        _wrappers[key] = {
-            "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
-            "decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=True
-            ),
-        }
-    return _wrappers[key]
+class PlanGroup(NamedTuple):
+    """The part of a layer's spec that a FlashInfer plan fixes: the layers of a step that share
+    one share its plan. (A tuple: every layer looks its group up every step.)"""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    causal: bool = True
+    #: FlashInfer's: a query sees keys at most this many positions before it; -1: all.
+    window_left: int = -1
+    logits_soft_cap: float | None = None
+    #: The sink variant, a wrapper of its own; the sink logits themselves are run arguments, so
+    #: layers with different sinks share a plan.
+    sinks: bool = False
+
+    @classmethod
+    def of(cls, spec: AttentionSpec) -> PlanGroup:
+        window = -1 if spec.sliding_window is None else spec.sliding_window - 1
+        return cls(
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            spec.scale,
+            spec.causal,
+            window,
+            spec.logit_softcap,
+            spec.sinks,
+        )
+
+
+@dataclass
+class _GraphBuffers:
+    """A captured batch size's page table, at fixed addresses: every group's wrapper of that
+    graph plans into these (the same values for each) and its captured kernels read them."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+
+@dataclass
+class _Plan:
+    """One group's wrapper in one step's metadata, as planned."""
+
+    wrapper: Any
+    dtype: torch.dtype
+    prefill_form: bool  # planned with the queries' indptr (prefill and sink wrappers)
+    key: tuple  # the eager pool's key of the wrapper (_wrapper_key)
 
 
 @dataclass
@@ -73,11 +134,10 @@ class FlashInferMetadata:
     kv_indptr: torch.Tensor  # host int32
     kv_indices: torch.Tensor  # device int32
     kv_last_page_len: torch.Tensor  # host int32
-    planned_for: tuple | None = field(default=None)
-    # Graph metadata only: the batch size's own decode wrapper, and the layer-side plan inputs
-    # that ``prepare_graph_replay`` plans it with again.
-    wrapper: Any = None
-    plan_args: tuple | None = None
+    # Each group's plan for this step, made by the group's first layer of the step.
+    plans: dict[PlanGroup, _Plan] = field(default_factory=dict)
+    # Graph metadata only: the batch size's fixed page-table buffers.
+    graph: _GraphBuffers | None = None
 
 
 class FlashInferBackend(AttentionBackend):
@@ -93,6 +153,20 @@ class FlashInferBackend(AttentionBackend):
             and dtype in (torch.float16, torch.bfloat16)
             and head_size in (64, 128, 256)
         )
+
+    @classmethod
+    def unsupported(cls, spec: AttentionSpec) -> str | None:
+        features = spec.features()
+        for feature in features:
+            if feature not in _FEATURES:
+                return feature
+        if spec.sinks and spec.logit_softcap is not None:
+            return "sinks"  # NOTE: the sink variant has no soft-cap
+        if not spec.causal and spec.sliding_window is not None:
+            # NOTE: FlashInfer's window bounds the keys on a query's left only; a bidirectional
+            # layer's spans both sides.
+            return "sliding_window"
+        return None
 
     @classmethod
     def is_compiled(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
@@ -148,44 +222,31 @@ class FlashInferBackend(AttentionBackend):
 
     @classmethod
     def build_graph_metadata(cls, common: CommonAttentionMetadata) -> FlashInferMetadata:
-        flashinfer = _flashinfer()
         b, width = common.num_reqs, common.block_table.shape[1]
-        device = common.block_table.device
+        i32 = dict(dtype=torch.int32, device=common.block_table.device)
         md = cls.build_metadata(common)
-        i32 = dict(dtype=torch.int32, device=device)
-        if not md.decode_only:
-            # NOTE: speculative verification graphs (k + 1 tokens a request) plan the prefill
-            # form, which the decode wrapper does not take.
-            md.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                _workspace(device),
-                "NHD",
-                use_cuda_graph=True,
-                qo_indptr_buf=torch.zeros(b + 1, **i32),
-                paged_kv_indptr_buf=torch.zeros(b + 1, **i32),
-                paged_kv_indices_buf=torch.zeros(b * width, **i32),
-                paged_kv_last_page_len_buf=torch.zeros(b, **i32),
-            )
-            return md
-        md.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            _workspace(device),
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.zeros(b + 1, **i32),
-            paged_kv_indices_buffer=torch.zeros(b * width, **i32),
-            paged_kv_last_page_len_buffer=torch.zeros(b, **i32),
+        # NOTE: the wrappers come with the warm-up forward, where each group's first layer
+        # knows the dtype (the sink variant is built for one); they plan into these buffers.
+        # Speculative verification graphs (k + 1 tokens a request) plan the prefill form, which
+        # reads the queries' indptr; decode graphs too for a sink group.
+        md.graph = _GraphBuffers(
+            qo_indptr=torch.zeros(b + 1, **i32),
+            kv_indptr=torch.zeros(b + 1, **i32),
+            kv_indices=torch.zeros(b * width, **i32),
+            kv_last_page_len=torch.zeros(b, **i32),
         )
         return md
 
     @classmethod
     def prepare_graph_replay(cls, metadata: Any, common: CommonAttentionMetadata) -> None:
         md: FlashInferMetadata = metadata
-        if md.plan_args is None:
+        if not md.plans:
             raise RuntimeError("a FlashInfer decode graph is replayed before it was planned")
         step = cls.build_metadata(common)
         md.kv_indptr, md.kv_indices = step.kv_indptr, step.kv_indices
         md.kv_last_page_len, md.qo_indptr = step.kv_last_page_len, step.qo_indptr
-        _plan(md.wrapper, md, *md.plan_args)
+        for group, plan in md.plans.items():  # every group the captured layers run
+            _plan(plan, md, group)
 
 
 def _host(a: np.ndarray) -> torch.Tensor:
@@ -195,6 +256,20 @@ def _host(a: np.ndarray) -> torch.Tensor:
 
 
 class FlashInferImpl(AttentionImpl):
+    @property
+    def spec(self) -> AttentionSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: AttentionSpec) -> None:
+        # NOTE: the kernels would not refuse a field they ignore; they would compute something
+        # else. The layer checks too; this catches an impl given a spec directly.
+        missing = FlashInferBackend.unsupported(spec)
+        if missing is not None:
+            raise ValueError(f"the flashinfer attention backend does not support {missing}")
+        self._spec = spec
+        self._group = PlanGroup.of(spec)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -207,17 +282,21 @@ class FlashInferImpl(AttentionImpl):
         c = md.common
         n = c.num_actual_tokens
         key_cache, value_cache = write_kv_cache(key, value, kv_cache, c.slot_mapping, n)
-        if md.wrapper is not None:
-            wrapper = md.wrapper
-        else:
-            wrapper = _wrappers_for(query.device)["decode" if md.decode_only else "prefill"]
-        plan_key = (self.num_heads, self.num_kv_heads, self.head_size, query.dtype, self.scale)
-        if md.planned_for != plan_key:  # NOTE: the first layer plans; the others reuse it.
-            md.plan_args = (*plan_key, key_cache.shape[1])
-            _plan(wrapper, md, *md.plan_args)
-            md.planned_for = plan_key
+        plan = md.plans.get(self._group)
+        if plan is None or plan.dtype != query.dtype:
+            # NOTE: the group's first layer of the step plans; its others reuse the plan.
+            plan = _plan_group(md, self._group, query.dtype, query.device)
         # NOTE: models may hand q over as a strided view of the qkv projection.
-        out = wrapper.run(query[:n].contiguous(), (key_cache, value_cache))
+        q = query[:n].contiguous()
+        if self._group.sinks:
+            if self.sinks is None:
+                raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
+            # NOTE: the variant reads fp32 sink logits, and takes its scale here, not from the
+            # plan. Cast every step (a [num_heads] kernel, captured in graphs): a cached copy
+            # would miss weights reloaded in place.
+            out = plan.wrapper.run(q, (key_cache, value_cache), self.sinks.float(), self.scale)
+        else:
+            out = plan.wrapper.run(q, (key_cache, value_cache))
         if n == query.shape[0]:
             return out
         full = torch.empty_like(query)
@@ -225,33 +304,108 @@ class FlashInferImpl(AttentionImpl):
         return full
 
 
-def _plan(
-    wrapper: Any,
-    md: FlashInferMetadata,
-    num_heads: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype: torch.dtype,
-    scale: float,
-    page: int,
-) -> None:
-    common = dict(
-        num_qo_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        page_size=page,
-        q_data_type=dtype,
-        kv_data_type=dtype,
-        sm_scale=scale,
-    )
-    if md.decode_only:
-        wrapper.plan(md.kv_indptr, md.kv_indices, md.kv_last_page_len, head_dim=head_size, **common)
+def _wrapper_key(group: PlanGroup, dtype: torch.dtype, decode_only: bool) -> tuple:
+    """What a wrapper is made for; a wrapper plans any group of its key. The plain wrappers
+    take everything at plan time; the sink variant is compiled for a dtype, head size and
+    whether there is a window."""
+    if group.sinks:
+        return ("sinks", decode_only, dtype, group.head_size, group.window_left >= 0)
+    return ("decode",) if decode_only else ("prefill",)
+
+
+def _new_wrapper(key: tuple, device: torch.device, graph: _GraphBuffers | None) -> Any:
+    flashinfer = _flashinfer()
+    workspace = _workspace(device)
+    prefill_bufs: dict[str, Any] = {}
+    if graph is not None:
+        prefill_bufs = dict(
+            use_cuda_graph=True,
+            qo_indptr_buf=graph.qo_indptr,
+            paged_kv_indptr_buf=graph.kv_indptr,
+            paged_kv_indices_buf=graph.kv_indices,
+            paged_kv_last_page_len_buf=graph.kv_last_page_len,
+        )
+    if key[0] == "sinks":
+        _, decode_only, dtype, head_size, windowed = key
+        sink_wrapper = getattr(flashinfer, "BatchAttentionWithAttentionSinkWrapper", None)
+        if sink_wrapper is None:
+            raise RuntimeError("attention sinks need FlashInfer 0.4 or later")
+        return sink_wrapper(
+            workspace,
+            "NHD",
+            # NOTE: FA3 (the device's best on Hopper) does not split a context over several
+            # programs; a decode step's few queries over long contexts need that.
+            backend="fa2" if decode_only else "auto",
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            head_dim_qk=head_size,
+            head_dim_vo=head_size,
+            # NOTE: only whether there is one is compiled in; its size is the plan's.
+            window_left=0 if windowed else -1,
+            **prefill_bufs,
+        )
+    if key[0] == "decode":
+        decode_bufs: dict[str, Any] = {}
+        if graph is not None:
+            decode_bufs = dict(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=graph.kv_indptr,
+                paged_kv_indices_buffer=graph.kv_indices,
+                paged_kv_last_page_len_buffer=graph.kv_last_page_len,
+            )
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=True, **decode_bufs
+        )
+    return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", **prefill_bufs)
+
+
+def _plan_group(
+    md: FlashInferMetadata, group: PlanGroup, dtype: torch.dtype, device: torch.device
+) -> _Plan:
+    """Give ``group`` a wrapper in ``md`` and plan it for the step."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "FlashInfer plans outside CUDA graphs: run a forward over the graph's metadata "
+            "before capturing it"
+        )
+    md.plans.pop(group, None)
+    key = _wrapper_key(group, dtype, md.decode_only)
+    if md.graph is not None:  # NOTE: a graph's wrappers are its own: its kernels read them.
+        wrapper = _new_wrapper(key, device, md.graph)
     else:
-        wrapper.plan(
+        pool = _wrappers.setdefault((device.type, device.index, *key), [])
+        taken = sum(p.key == key for p in md.plans.values())
+        if taken == len(pool):
+            pool.append(_new_wrapper(key, device, None))
+        wrapper = pool[taken]
+    plan = _Plan(wrapper, dtype, prefill_form=group.sinks or not md.decode_only, key=key)
+    _plan(plan, md, group)
+    md.plans[group] = plan
+    return plan
+
+
+def _plan(plan: _Plan, md: FlashInferMetadata, group: PlanGroup) -> None:
+    common = dict(
+        num_qo_heads=group.num_heads,
+        num_kv_heads=group.num_kv_heads,
+        page_size=md.common.block_size,
+        q_data_type=plan.dtype,
+        kv_data_type=plan.dtype,
+        sm_scale=group.scale,
+        window_left=group.window_left,
+        logits_soft_cap=group.logits_soft_cap,
+    )
+    if plan.prefill_form:
+        plan.wrapper.plan(
             md.qo_indptr,
             md.kv_indptr,
             md.kv_indices,
             md.kv_last_page_len,
-            head_dim_qk=head_size,
-            causal=True,
+            head_dim_qk=group.head_size,
+            causal=group.causal,
             **common,
+        )
+    else:
+        plan.wrapper.plan(
+            md.kv_indptr, md.kv_indices, md.kv_last_page_len, head_dim=group.head_size, **common
         )
