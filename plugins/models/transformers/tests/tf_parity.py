@@ -11,6 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
+from pagoda_models_transformers.impl import TransformersModelImpl
+from pagoda_models_transformers.model import TransformersCausalLM
+from pagoda_models_transformers.tiny import tiny_config
 
 from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
@@ -18,9 +21,6 @@ from pagoda.attention.spec import AttentionSpec
 from pagoda.attention.torch_native import TorchNativeBackend
 from pagoda.loader import iter_safetensors
 from pagoda.loader.synthetic import synthetic_tokenizer
-from pagoda_models_transformers.impl import TransformersModelImpl
-from pagoda_models_transformers.model import TransformersCausalLM
-from pagoda_models_transformers.tiny import tiny_config
 
 BLOCK = 4
 #: The architectures whose parity the tests pin (model types of transformers).
