@@ -35,6 +35,7 @@ REFUSED = {
         "needs remote code (auto_map)",
     ),
     "unknown type": ({"model_type": "no_such_model"}, "unknown to transformers"),
+    "no type": ({"architectures": ["GPT2LMHeadModel"]}, "config.json names no model_type"),
     "dynamic rope": (
         _config(
             "llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}

@@ -64,8 +64,10 @@ class TransformersCausalLM(nn.Module):
         self.config = cfg
         hf_config = build_config(cfg.hf_config)
         model_cls = check_config(hf_config, cfg.architecture)
+        # NOTE: grouped experts: no per-expert loop, no host sync (transformers counts the
+        # tokens per expert with histc, which CUDA graphs can capture).
         self.model = build_hf_model(
-            model_cls, hf_config, attention.PAGODA, torch.get_default_dtype()
+            model_cls, hf_config, attention.PAGODA, torch.get_default_dtype(), experts="grouped_mm"
         )
         self.attn_layers = nn.ModuleList()
         for i, (name, spec, sinks) in enumerate(

@@ -63,6 +63,8 @@ def build_config(hf_config: dict[str, Any]) -> PretrainedConfig:
     """The transformers config of a config.json; raises :class:`Refusal` for one it cannot
     build from its own classes."""
     model_type = hf_config.get("model_type")
+    if not model_type:
+        raise Refusal("config.json names no model_type")
     if model_type not in CONFIG_MAPPING:
         if hf_config.get("auto_map"):
             raise Refusal(
