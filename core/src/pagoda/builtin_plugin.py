@@ -26,6 +26,27 @@ def register_executors(register: Register) -> None:
 def register_models(register: Register) -> None:
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         register(arch, "pagoda.models.llama:LlamaForCausalLM")
+    # Pooling models (embeddings, classification, scores): headless and classifier bodies of the
+    # Llama family, and BERT-style encoders.
+    for arch in (
+        "LlamaModel",
+        "MistralModel",
+        "Qwen2Model",
+        "Qwen3Model",
+        "LlamaForSequenceClassification",
+        "Qwen2ForSequenceClassification",
+        "Qwen3ForSequenceClassification",
+    ):
+        register(arch, "pagoda.models.llama_pooling:LlamaPoolingModel")
+    for arch in (
+        "BertModel",
+        "BertForSequenceClassification",
+        "XLMRobertaModel",
+        "XLMRobertaForSequenceClassification",
+        "RobertaModel",
+        "RobertaForSequenceClassification",
+    ):
+        register(arch, "pagoda.models.bert:BertEncoderModel")
 
 
 @hookimpl

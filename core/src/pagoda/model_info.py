@@ -14,6 +14,7 @@ from pagoda.loader import load_hf_config, load_tokenizer, resolve_model
 from pagoda.loader.synthetic import synthetic_tokenizer
 from pagoda.models.impl import select_model_impl
 from pagoda.models.shape import ModelShape
+from pagoda.pooling.config import PoolerConfig, resolve_pooler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,6 +31,16 @@ class ModelInfo:
     max_model_len: int
     max_num_batched_tokens: int
     model_impl: str = "native"  # the registered model impl that serves it (``model.impl``)
+    # What the engine serves (``model.task``): ``generate`` and/or pooling tasks, and how it
+    # pools (None: it only generates).
+    tasks: tuple[str, ...] = ("generate",)
+    pooler: PoolerConfig | None = None
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether a layer attends bidirectionally (an encoder): a prompt then runs whole in one
+        step, with no chunked prefill and no prefix caching (vLLM does the same)."""
+        return not all(s.causal for s in self.shape.attention)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> ModelInfo:
@@ -48,16 +59,22 @@ class ModelInfo:
                 f"model.max_model_len={max_model_len} exceeds the model's context of {context} "
                 "tokens (max_position_embeddings)"
             )
+        causal = all(s.causal for s in shape.attention)
+        tasks, pooler = resolve_pooler(
+            mc.task, shape.architecture, resolved.hf_dir, hf_config, shape.hidden_size, causal
+        )
         sc = config.scheduler
+        chunked = sc.enable_chunked_prefill and causal  # an encoder's prompt runs whole
         budget = sc.max_num_batched_tokens
         if budget is None:
             # A GPU runs 8192 tokens about as fast per token as 2048; a CPU is slower per step.
             base = 8192 if device.type == "cuda" else 2048
-            budget = base if sc.enable_chunked_prefill else max(base, max_model_len)
-        if not sc.enable_chunked_prefill and budget < max_model_len:
+            budget = base if chunked else max(base, max_model_len)
+        if not chunked and budget < max_model_len:
+            why = "chunked prefill off" if causal else "a bidirectional encoder (prompts run whole)"
             raise ValueError(
                 f"scheduler.max_num_batched_tokens={budget} is smaller than max_model_len="
-                f"{max_model_len} with chunked prefill off: long prompts could never run"
+                f"{max_model_len} with {why}: long prompts could never run"
             )
         return cls(
             name=resolved.name,
@@ -70,6 +87,8 @@ class ModelInfo:
             max_model_len=max_model_len,
             max_num_batched_tokens=budget,
             model_impl=impl_name,
+            tasks=tasks,
+            pooler=pooler,
         )
 
 

@@ -1,8 +1,9 @@
-"""What ``LLM.generate`` returns, with vLLM's names."""
+"""What ``LLM.generate`` and the pooling calls (``LLM.embed``, ...) return, with vLLM's names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -45,3 +46,74 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # One per prompt token when asked for; the first is None (nothing precedes it).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's name): ``data`` is a float32 numpy array, an embedding
+    ``[dims]``, a classifier's ``[labels]``, or ``[prompt tokens, dims]`` for token embeddings."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` returns for one prompt; ``LLM.embed``/``classify``/``score`` return
+    its typed views below."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """``probs``: the classifier's probabilities (softmax; its raw logits when the request's
+    ``activation`` is off)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -69,6 +70,9 @@ class Request:
     # the proposer's output and consumed (scheduled, in part or not at all) by the next
     # ``schedule()``. They are not tokens of the request: ``num_tokens`` does not count them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A pooling request (embeddings, scores): its prompt is computed, its pooler's output is its
+    # one result, and it ends there; ``sampling_params`` is then unused.
+    pooling_params: PoolingParams | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -105,3 +109,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether a prefix-cache hit may skip computing its prompt's first tokens: not for a
+        pooling request whose pooler reads every prompt token's hidden state (as vLLM)."""
+        return self.pooling_params is None or not self.pooling_params.needs_every_token

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -48,6 +49,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # A pooling request: the runner pools its prompt's hidden states instead of sampling.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -138,6 +141,9 @@ class ModelRunnerOutput:
     draft_counts: dict[str, int] = field(default_factory=dict)
     # KV offload: the transfer jobs (``KVTransfers.job_id``) whose copies are done.
     kv_offload_done: list[int] = field(default_factory=list)
+    # Pooling requests whose prompt this step finished: req_id -> the pooler's output (float32;
+    # [dims], [labels], or [prompt tokens, dims] for token embeddings).
+    pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -151,6 +157,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_logprobs: LogprobsArrays | None = None  # one row per new token, when asked for
     new_prompt_logprobs: PromptLogprobs | None = None
+    pooling_output: np.ndarray | None = None  # a pooling request's result, when it finishes
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,12 @@ class ModelConfig(_Section):
         description="model implementation: auto (the highest priority that accepts the model),"
         " native (the core's Llama family) or a plugin's name (`pagoda plugins` lists them)",
     )
+    task: Literal["auto", "generate", "embed", "classify", "score"] = Field(
+        "auto",
+        description="what the engine serves: auto (from the architecture and the model's"
+        " sentence-transformers files), generate, embed (embeddings, and generation too where the"
+        " model has an LM head), classify or score (a sequence classification head)",
+    )
     load_format: Literal["auto", "safetensors", "gguf", "dummy"] = Field(
         "auto", description="how to read the weights; dummy: random, for benchmarks"
     )

@@ -34,16 +34,20 @@ class EngineCore:
         # Seconds per start-up phase, and the whole of it (``engine_core_s``).
         self.startup_times = dict(self.executor.startup_times)
         self.startup_times["engine_core_s"] = time.perf_counter() - start
+        # NOTE: an encoder's prompt runs whole in one step and attends to every token of it, so
+        # neither chunked prefill nor a prefix-cache hit applies (``ModelInfo.bidirectional``).
+        whole = info.bidirectional
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
             config.cache.block_size,
-            config.cache.enable_prefix_caching,
+            config.cache.enable_prefix_caching and not whole,
             info.max_model_len,
             offload,
         )
-        sched_config = config.scheduler.model_copy(
-            update={"max_num_batched_tokens": info.max_num_batched_tokens}
-        )
+        update: dict[str, object] = {"max_num_batched_tokens": info.max_num_batched_tokens}
+        if whole:
+            update["enable_chunked_prefill"] = False
+        sched_config = config.scheduler.model_copy(update=update)
         # Structured output: grammars compile in its threads; this process's runner finds them.
         self.structured_output = StructuredOutputManager(config, info)
         register_manager(config, self.structured_output)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.model_info import ModelInfo
+from pagoda.models.bert import encode_token_types
 
 PromptType = str | dict[str, Any]
 
@@ -36,6 +37,61 @@ class InputProcessor:
             )
         self.validate(ids)
         return ProcessedPrompt(text, ids)
+
+    def process_pooling(
+        self, prompt: PromptType | tuple[str, str], truncate: int | None = None
+    ) -> ProcessedPrompt:
+        """A pooling request's prompt: a prompt as ``process`` takes it, or a pair of texts (a
+        cross-encoder's query and document, tokenized as a pair). ``truncate``
+        (``truncate_prompt_tokens``): keep at most that many tokens (-1: ``max_model_len``); a
+        text is truncated by its tokenizer (its special tokens kept), token ids keep their last.
+        The prompt may fill the whole context (no output token follows)."""
+        limit = self.info.max_model_len
+        k = limit if truncate == -1 else truncate
+        kwargs = {} if k is None else {"truncation": True, "max_length": k}
+        types: list[int] | None = None
+        if isinstance(prompt, tuple):
+            if len(prompt) != 2 or not all(isinstance(p, str) for p in prompt):
+                raise TypeError("a pair to score is two strings (query, document)")
+            enc = self.tokenizer(prompt[0], prompt[1], **kwargs)
+            text, ids = None, list(enc["input_ids"])
+            types = list(enc.get("token_type_ids") or []) or None
+        elif isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt" in prompt
+                                         and "prompt_token_ids" not in prompt):  # fmt: skip
+            text = prompt if isinstance(prompt, str) else prompt["prompt"]
+            ids = list(self.tokenizer(text, **kwargs)["input_ids"])
+        else:
+            processed = self.process_ids(prompt)
+            text, ids = processed.prompt, processed.prompt_token_ids
+            if k is not None:
+                ids = ids[-k:]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        self._check_ids(ids)
+        if len(ids) > limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's context is {limit} "
+                "(max_model_len); truncate_prompt_tokens asks to truncate it"
+            )
+        # BERT's segments (``token_type_ids``) ride in the ids' high bits to the model.
+        segments = getattr(self.info.shape.config, "type_vocab_size", 1) > 1
+        if types is not None and any(types) and segments:
+            ids = encode_token_types(ids, types)
+        return ProcessedPrompt(text, ids)
+
+    def process_ids(self, prompt: PromptType) -> ProcessedPrompt:
+        if not (isinstance(prompt, dict) and "prompt_token_ids" in prompt):
+            raise TypeError(
+                "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}; got "
+                f"{type(prompt).__name__}"
+            )
+        return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.info.shape.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
     def validate(self, ids: list[int]) -> None:
         if not ids:

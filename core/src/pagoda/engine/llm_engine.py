@@ -11,7 +11,8 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingRequestOutput, RequestOutput
+from pagoda.pooling_params import PoolingParams
 from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.manager import validate_structured_outputs
@@ -65,6 +66,12 @@ class LLMEngine:
     ) -> None:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
+        if "generate" not in self.info.tasks:
+            raise ValueError(
+                f"model {self.info.name!r} ({self.info.shape.architecture}) serves "
+                f"{', '.join(self.info.tasks)}, not generation: it has no LM head to sample from "
+                "(ask for embeddings, classification or scores instead)"
+            )
         self._check_logprobs(params)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused here
             validate_structured_outputs(self.config, params.structured_outputs)
@@ -107,6 +114,46 @@ class LLMEngine:
             self.abort_request([request_id])
             raise
 
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """``params`` checked against the model's pooling config and filled in; ``ValueError``
+        naming the field when the model cannot serve it."""
+        task = params.task or "embed"
+        if self.info.pooler is None:
+            raise ValueError(
+                f"PoolingParams.task={task!r}: model {self.info.name!r} serves "
+                f"{', '.join(self.info.tasks)} only (model.task / --task embed makes a model with "
+                "an LM head serve embeddings too)"
+            )
+        return self.info.pooler.resolve(params)
+
+    def add_pooling(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        priority: int = 0,
+    ) -> None:
+        """Submit a pooling request (its prompt processed by ``process_pooling``); its one
+        output is a ``PoolingRequestOutput`` from ``step`` once its prompt is computed."""
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already running")
+        resolved = self.resolve_pooling(params)
+        self.output_processor.add_pooling(request_id, prompt, prompt_token_ids)
+        try:
+            self.engine_core.add_request(
+                Request(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=SamplingParams(max_tokens=1),
+                    priority=priority,
+                    pooling_params=resolved,
+                )
+            )
+        except BaseException:
+            self.abort_request([request_id])
+            raise
+
     def _check_logprobs(self, params: SamplingParams) -> None:
         # NOTE: every position returns k entries to the host and through the output processor,
         # so an unbounded k would let one request stall the engine for everyone.
@@ -127,7 +174,7 @@ class LLMEngine:
             seq_ids += self.output_processor.abort(rid)
         self.engine_core.abort_requests(seq_ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.engine_core.step()
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:

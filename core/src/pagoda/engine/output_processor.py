@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.engine.detokenizer import IncrementalDetokenizer, TokenTexts, find_stop_string
-from pagoda.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagoda.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestOutput,
+)
 from pagoda.sampling_params import SamplingParams
 from pagoda.step import EngineCoreOutput, LogprobsArrays
 
@@ -75,6 +82,8 @@ class OutputProcessor:
         self.token_texts = TokenTexts(tokenizer)
         self._requests: dict[str, _RequestState] = {}
         self._seqs: dict[str, _SeqState] = {}  # core request id -> sequence
+        # Pooling requests: request id -> (prompt, prompt token ids); one core request each.
+        self._pooling: dict[str, tuple[str | None, list[int]]] = {}
 
     def add_request(
         self,
@@ -98,21 +107,43 @@ class OutputProcessor:
             self._seqs[seq_id] = seq
         self._requests[request_id] = state
 
+    def add_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+        """A pooling request: its one output comes when it finishes."""
+        self._pooling[request_id] = (prompt, prompt_token_ids)
+
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._pooling
 
     def seq_ids(self, request_id: str) -> list[str]:
+        if request_id in self._pooling:
+            return [request_id]
         state = self._requests.get(request_id)
         return [] if state is None else [k for k, s in self._seqs.items() if s.parent is state]
 
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[str]]:
         """Returns the request outputs that changed (of a ``final_only`` request, only the
-        finished one), and the core sequences to abort because a stop string ended them here."""
+        finished one; of a pooling request, its one output), and the core sequences to abort
+        because a stop string ended them here."""
         changed: dict[str, _RequestState] = {}
         to_abort: list[str] = []
+        pooled: list[RequestOutput | PoolingRequestOutput] = []
         for out in outputs:
+            if out.request_id in self._pooling:
+                if out.finished:
+                    prompt, ids = self._pooling.pop(out.request_id)
+                    pooled.append(
+                        PoolingRequestOutput(
+                            out.request_id,
+                            PoolingOutput(out.pooling_output),
+                            ids,
+                            True,
+                            out.num_cached_tokens,
+                            prompt,
+                        )
+                    )
+                continue
             seq = self._seqs.get(out.request_id)
             if seq is None or seq.finish_reason is not None:
                 continue
@@ -160,7 +191,7 @@ class OutputProcessor:
             if seq.finish_reason is not None:
                 del self._seqs[out.request_id]
             changed[seq.parent.request_id] = seq.parent
-        results = []
+        results = pooled
         for rid, state in changed.items():
             if state.finished:
                 results.append(state.output())
@@ -184,6 +215,8 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its core sequence ids (for the core to abort)."""
+        if self._pooling.pop(request_id, None) is not None:
+            return [request_id]
         ids = self.seq_ids(request_id)
         for seq_id in ids:
             del self._seqs[seq_id]
@@ -191,4 +224,4 @@ class OutputProcessor:
         return ids
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or bool(self._pooling)

@@ -11,7 +11,18 @@ from tqdm.auto import tqdm
 from pagoda.config import EngineConfig
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagoda.pooling.ops import cosine, maxsim
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 
@@ -100,6 +111,133 @@ class LLM:
         prompts = [self.engine.apply_chat_template(c, **template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    # ---- pooling ---------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (``pooling_task``, or each ``PoolingParams.task``; default
+        ``embed``); outputs in the order of the prompts, each ``outputs.data`` a numpy array."""
+        if isinstance(prompts, (str, dict, tuple)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} PoolingParams for {len(prompts)} prompts; give one, "
+                    "or one per prompt"
+                )
+        if pooling_task is not None:
+            params = [p.with_task(pooling_task) for p in params]
+        engine = self.engine
+        # Validate everything first, so a bad prompt leaves no half-submitted batch behind.
+        resolved = [engine.resolve_pooling(p) for p in params]
+        processed = [
+            engine.input_processor.process_pooling(p, r.truncate_prompt_tokens)
+            for p, r in zip(prompts, resolved)
+        ]
+        ids = []
+        try:
+            for p, r in zip(processed, resolved):
+                rid = engine.new_request_id()
+                engine.add_pooling(rid, p.prompt, p.prompt_token_ids, r)
+                ids.append(rid)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm and len(ids) > 1)  # type: ignore[return-value]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), pooled as the model's pooling
+        config says; ``PoolingParams(dimensions=, normalize=)`` change it."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
+        return [
+            EmbeddingRequestOutput(
+                o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids
+            )
+            for o in outs
+        ]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ClassificationRequestOutput]:
+        """The classification head's probabilities per prompt (``outputs.probs``; its logits
+        with ``PoolingParams(activation=False)``)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify")
+        return [
+            ClassificationRequestOutput(
+                o.request_id, ClassificationOutput(o.outputs.data.tolist()), o.prompt_token_ids
+            )
+            for o in outs
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """The relevance of each ``data_2`` text to its ``data_1`` text (one ``data_1`` pairs
+        with every ``data_2``): a cross-encoder's score where the model has one (task
+        ``score``), else the cosine of the two embeddings, or late interaction's MaxSim of
+        their token embeddings with ``PoolingParams(task="token_embed")``."""
+        firsts = [data_1] if isinstance(data_1, str) else list(data_1)
+        seconds = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds) or not seconds:
+            raise ValueError(
+                f"score: got {len(firsts)} first texts for {len(seconds)} second texts; give one "
+                "first text, or one per second text (and at least one of each)"
+            )
+        params = pooling_params or PoolingParams()
+        task = params.task
+        if task is None:
+            task = "score" if "score" in self.engine.info.tasks else "embed"
+        if task == "score":
+            pairs = list(zip(firsts, seconds))
+            outs = self.encode(pairs, params, use_tqdm=use_tqdm, pooling_task="score")
+            return [
+                ScoringRequestOutput(
+                    o.request_id, ScoringOutput(float(o.outputs.data[0])), o.prompt_token_ids
+                )
+                for o in outs
+            ]
+        if task not in ("embed", "token_embed"):
+            raise ValueError(f"PoolingParams.task={task!r}: score takes score, embed, token_embed")
+        texts = list(dict.fromkeys(firsts + seconds))
+        outs = self.encode(texts, params, use_tqdm=use_tqdm, pooling_task=task)
+        by_text = {t: o for t, o in zip(texts, outs)}
+        sim = maxsim if task == "token_embed" else cosine
+        results = []
+        for a, b in zip(firsts, seconds):
+            oa, ob = by_text[a], by_text[b]
+            value = sim(_tensor(oa.outputs.data), _tensor(ob.outputs.data))
+            ids = oa.prompt_token_ids + ob.prompt_token_ids
+            results.append(ScoringRequestOutput(f"{oa.request_id}_{ob.request_id}",
+                                                ScoringOutput(value), ids))  # fmt: skip
+        return results
+
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not show_progress)
@@ -117,3 +255,11 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _tensor(data: Any) -> Any:
+    # NOTE: torch is imported here: ``pagoda.entrypoints.llm`` loads with ``import pagoda``'s
+    # lazy ``LLM``, and the engine brings torch in anyway.
+    import torch
+
+    return torch.from_numpy(data)

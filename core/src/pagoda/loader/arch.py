@@ -24,6 +24,20 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchTraits] = {
     "Qwen3ForCausalLM": ArchTraits("qwen3", qk_norm=True),
 }
 
+#: The same bodies without an LM head (embedding models: Qwen3-Embedding saved by
+#: sentence-transformers, GTE-Qwen2) and with a sequence classification head: pooling models.
+POOLING_ARCHITECTURES: dict[str, ArchTraits] = {
+    "LlamaModel": ArchTraits("llama"),
+    "MistralModel": ArchTraits("mistral", uses_sliding_window_key=True),
+    "Qwen2Model": ArchTraits("qwen2", qkv_bias=True),
+    "Qwen3Model": ArchTraits("qwen3", qk_norm=True),
+    "LlamaForSequenceClassification": ArchTraits("llama"),
+    "Qwen2ForSequenceClassification": ArchTraits("qwen2", qkv_bias=True),
+    "Qwen3ForSequenceClassification": ArchTraits("qwen3", qk_norm=True),
+}
+
+_ALL = {**SUPPORTED_ARCHITECTURES, **POOLING_ARCHITECTURES}
+
 _LLAMA3_ROPE_KEYS = (
     "factor",
     "low_freq_factor",
@@ -57,12 +71,14 @@ class ModelArchConfig:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     hidden_act: str
+    #: A sequence classification head's outputs (0: the architecture has none).
+    num_labels: int = 0
 
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> ModelArchConfig:
         """Parse a config.json dict (transformers 4 or 5 key style)."""
         arch = architecture_of(d)
-        traits = SUPPORTED_ARCHITECTURES[arch]
+        traits = _ALL[arch]
         heads = _required(d, "num_attention_heads", arch)
         hidden = _required(d, "hidden_size", arch)
         rope_theta, rope_scaling = _rope(d)
@@ -92,13 +108,14 @@ class ModelArchConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             hidden_act=d.get("hidden_act", "silu"),
+            num_labels=_num_labels(d) if arch.endswith("ForSequenceClassification") else 0,
         )
 
 
 def architecture_of(d: dict[str, Any]) -> str:
     """The supported architecture a config.json names; ValueError (which lists the supported
     ones) when it names none of them."""
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    supported = ", ".join(_ALL)
     names = d.get("architectures") or []
     if not names:
         by_type = {t.model_type: a for a, t in SUPPORTED_ARCHITECTURES.items()}
@@ -109,7 +126,7 @@ def architecture_of(d: dict[str, Any]) -> str:
             f"model_type={d.get('model_type')!r}); supported: {supported}"
         )
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in _ALL:
             return name
     raise ValueError(f"unsupported architecture {', '.join(names)}; supported: {supported}")
 
@@ -132,6 +149,12 @@ def _layer_types(d: dict[str, Any], window: int | None, arch: str) -> tuple[str,
             "'full_attention' or 'sliding_attention'"
         )
     return tuple(kinds)
+
+
+def _num_labels(d: dict[str, Any]) -> int:
+    if d.get("num_labels") is not None:
+        return int(d["num_labels"])
+    return len(d.get("id2label") or {}) or 2
 
 
 def _required(d: dict[str, Any], key: str, arch: str) -> int:

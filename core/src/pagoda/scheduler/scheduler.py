@@ -226,7 +226,12 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError(f"request {rid!r}: the prompt is empty; it needs at least one token")
-        if n >= self.max_model_len:
+        if request.is_pooling and n > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens, more than max_model_len="
+                f"{self.max_model_len}"
+            )
+        if not request.is_pooling and n >= self.max_model_len:
             raise ValueError(
                 f"request {rid!r}: the prompt has {n} tokens, max_model_len={self.max_model_len}"
                 " leaves no room for output; the prompt must be shorter than max_model_len"
@@ -314,6 +319,7 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                pooling_params=r.pooling_params,
             )
             for r in step.new_reqs
         ]
@@ -335,6 +341,8 @@ class Scheduler:
             r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
             r.num_computed_tokens += step.num_scheduled[r.request_id]
+            if r.is_pooling:
+                continue  # it samples nothing: its prompt's last chunk gives its pooler output
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
                 # This step samples the next token, and may emit every draft before it.
                 r.num_output_placeholders += 1 + len(step.spec.get(r.request_id, ()))
@@ -451,7 +459,9 @@ class Scheduler:
                 break
             hit_blocks: list[KVCacheBlock] = []
             num_hit = 0
-            if req.num_computed_tokens == 0:
+            # NOTE: a pooler that reads every prompt token's hidden state skips the prefix
+            # cache (its hit's tokens would not be computed); its blocks are still cached.
+            if req.num_computed_tokens == 0 and req.reads_prefix_cache:
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 if (
                     self.offload is not None
@@ -568,6 +578,22 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # ended or preempted since it was scheduled: its token is dropped
+            if req.is_pooling:
+                pooled = model_runner_output.pooler_output.get(req_id)
+                if pooled is not None:  # its prompt is computed: it ends with its output
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    any_finished = True
+                    self._release(req)
+                    outputs.append(
+                        EngineCoreOutput(
+                            request_id=req_id,
+                            new_token_ids=[],
+                            finish_reason=req.status.finish_reason,
+                            num_cached_tokens=max(req.num_cached_tokens, 0),
+                            pooling_output=pooled,
+                        )
+                    )
+                continue
             new_token_ids: list[int] = []
             tokens = sampled.get(req_id, ())
             drafts = scheduled_drafts.get(req_id)

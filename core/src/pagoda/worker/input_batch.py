@@ -30,6 +30,8 @@ class InputBatch:
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Rows of pooling requests: they are pooled, never sampled.
+        self.pooling = np.zeros(max_num_reqs, dtype=bool)
         self.sampling = SamplingRows(max_num_reqs, vocab_size, device)
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -46,6 +48,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.num_prompt[row] = n_prompt
         self.num_blocks[row] = 0
+        self.pooling[row] = req.pooling_params is not None
         self.append_blocks(row, req.block_ids)
         self.sampling.add(row, req.sampling_params, req.prompt_token_ids, req.output_token_ids)
         return row

@@ -30,6 +30,7 @@ from pagoda.models.shape import ModelShape
 from pagoda.ops import batch_invariant, set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
+from pagoda.pooling.config import PoolerConfig
 from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
@@ -44,6 +45,7 @@ from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.pooling import PoolingRunner
 from pagoda.worker.profile import profile_peak_activations
 from pagoda.worker.spec_propose import propose_after
 from pagoda.worker.spec_verify import run_verify_graph, verify_drafts
@@ -71,8 +73,13 @@ class ModelRunner:
         max_num_batched_tokens: int,
         *,
         model_impl: str = "native",
+        pooler: PoolerConfig | None = None,
     ) -> None:
         self.config = config
+        # Pooling requests' poolers and their state across prompt chunks (None: the model only
+        # generates); built once the model is loaded.
+        self.pooler = pooler
+        self.pooling: PoolingRunner | None = None
         self.shape = shape
         self.model_impl = model_impl  # the registered model impl that builds the model
         self.hf_dir = hf_dir
@@ -181,6 +188,8 @@ class ModelRunner:
             read = iter_safetensors_slices if get_tp_size() > 1 else iter_safetensors
             model.load_weights(read(self.hf_dir))
         self.model = model.eval()
+        if self.pooler is not None:
+            self.pooling = PoolingRunner(self.model, self.pooler)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_times["load_weights_s"] = time.perf_counter() - start
@@ -310,6 +319,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and not self.config.model.enforce_eager
             and self.attn_backend.supports_cuda_graph
+            and not getattr(self.model, "pooling_only", False)  # it never decodes
         ):
             self.decode_graphs = self._graphs()
             self.graph_capture_s = self.decode_graphs.capture()
@@ -375,12 +385,18 @@ class ModelRunner:
             self.grammar.remove(req_id)
         if self.spec is not None:
             self.spec.forget(so.finished_req_ids)
+        if self.pooling is not None:
+            self.pooling.forget(so.finished_req_ids)
         req_ids: list[str] = []
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request may still hold its old row
             self.in_flight.forget_row(ib.add(new))
             self.grammar.add(new.req_id, new.sampling_params.structured_outputs)
+            if new.pooling_params is not None:
+                if self.pooling is None:
+                    raise ValueError(f"request {new.req_id!r}: this model serves no pooling")
+                self.pooling.add(new.req_id, new.pooling_params)
             req_ids.append(new.req_id)
             computed.append(new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
@@ -510,6 +526,20 @@ class ModelRunner:
         out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
+        if self.pooling is not None:
+            # Pooling requests are pooled, never sampled: a step of only those samples nothing.
+            pooled = ib.pooling[rows]
+            if pooled.any():
+                out.pooled = self.pooling.pool(
+                    hidden,
+                    req_ids,
+                    np.flatnonzero(pooled),
+                    qsl,
+                    seq_lens >= ib.num_prompt[rows],
+                    ib.num_prompt[rows],
+                    buffers.as_device,
+                )
+                sample_idx = sample_idx[~pooled[sample_idx]]
         if spec is not None and spec.hidden_feed is not None:
             q = verify_graphs.query_len if verified is not None else None
             spec.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)

@@ -103,19 +103,22 @@ def profile_peak_activations(
     )
     with set_forward_context(attn_backend.build_metadata(common)):
         hidden = model(buffers.input_ids[:n_tok], buffers.positions[:n_tok])
-    last = torch.from_numpy(qsl[1:] - 1).to(dev)
-    raw = model.compute_logits(hidden[last])  # the model's dtype
-    # NOTE: the sampler's general path works on a float32 copy: its peak is the one to measure.
-    logits = raw.float()
-    probs = logits.softmax(dim=-1)
-    torch.sort(probs, dim=-1, descending=True)
-    # The random draw's kernels, loaded here: on first use each costs tens of milliseconds, and
-    # the first sampled step of a workload would pay about 150 ms for them (and about 0.4 s more
-    # for compiling the one-kernel draw).
-    uniform = torch.rand(n_req, dtype=torch.float64, device=dev)
-    sample_from_probs(probs, uniform)
-    if fused_draw_applies(raw):  # and the one-kernel draw's compile, for the logits' dtype
-        sample_from_logits(raw, torch.ones(n_req, device=dev), uniform)
+    raw = logits = probs = None
+    if not getattr(model, "pooling_only", False):  # a pooling model has no LM head to sample
+        last = torch.from_numpy(qsl[1:] - 1).to(dev)
+        raw = model.compute_logits(hidden[last])  # the model's dtype
+        # NOTE: the sampler's general path works on a float32 copy: its peak is the one to
+        # measure.
+        logits = raw.float()
+        probs = logits.softmax(dim=-1)
+        torch.sort(probs, dim=-1, descending=True)
+        # The random draw's kernels, loaded here: on first use each costs tens of milliseconds,
+        # and the first sampled step of a workload would pay about 150 ms for them (and about
+        # 0.4 s more for compiling the one-kernel draw).
+        uniform = torch.rand(n_req, dtype=torch.float64, device=dev)
+        sample_from_probs(probs, uniform)
+        if fused_draw_applies(raw):  # and the one-kernel draw's compile, for the logits' dtype
+            sample_from_logits(raw, torch.ones(n_req, device=dev), uniform)
     torch.cuda.synchronize(dev)
     cache_bytes = sum(c.numel() * c.element_size() for c in caches.values())
     peak = torch.cuda.max_memory_allocated(dev) - base - cache_bytes

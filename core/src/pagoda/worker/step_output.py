@@ -22,6 +22,7 @@ from pagoda.step import ModelRunnerOutput, PromptLogprobs
 if TYPE_CHECKING:
     from pagoda.kv_offload.medium import OffloadMedium
     from pagoda.worker.input_batch import InputBatch
+    from pagoda.worker.pooling import PooledStep
 
 
 @dataclass
@@ -71,6 +72,8 @@ class StepOutput:
     # each row's ``num_emitted``, num_emitted [n]), for a verification launched before this
     # step is read (``pagoda.worker.drafts_ahead``).
     verified: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Pooling requests whose prompt ended this step: their outputs, copied to the host.
+    pooled: PooledStep | None = None
     _output: ModelRunnerOutput | None = None
 
     @property
@@ -99,6 +102,8 @@ class StepOutput:
         if self.kv_offload is not None:
             out.kv_offload_done = self.kv_offload.poll(wait=not self.req_ids)
         out.draft_counts = self.draft_counts
+        if self.pooled is not None:
+            out.pooler_output = self.pooled.split()
         if self.sampled is not None:
             tokens = self.sampled.numpy()
             if tokens.ndim == 1:

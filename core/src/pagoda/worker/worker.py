@@ -32,6 +32,7 @@ class Worker:
             info.max_model_len,
             info.max_num_batched_tokens,
             model_impl=info.model_impl,
+            pooler=info.pooler,
         )
 
     def load_model(self) -> None:
