@@ -80,3 +80,12 @@ def test_engine_greedy_tokens_match_transformers_generate(model_type: str, tmp_p
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for prompt, out in zip(prompts, outs, strict=True):
         _check_greedy(hf, prompt, list(out.outputs[0].token_ids))
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_logits_of_heads_that_call_their_base_model_otherwise(model_type: str, tmp_path) -> None:
+    """GPT-2 calls its base model with positional arguments, OPT a part of it
+    (``model.decoder``): the head still runs on the given hidden states."""
+    hf = hf_model(model_type)
+    ours = build_ours(save(hf, tmp_path))
+    assert max_logit_error(hf, run_scenario(ours, hf.config.vocab_size)) < 1e-4

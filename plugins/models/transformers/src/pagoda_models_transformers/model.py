@@ -49,10 +49,20 @@ class _HiddenOutput:
 
 
 class _Hidden(nn.Module):
-    """Stands in for the base model while the causal LM's head runs on given hidden states."""
+    """Stands in for the base model while the causal LM's head runs on given hidden states
+    (passed as ``inputs_embeds``). A head that calls a part of its base model (OPT's
+    ``model.decoder``) finds the stand-in there too."""
 
-    def forward(self, inputs_embeds: torch.Tensor, **kwargs: Any) -> _HiddenOutput:
+    def forward(self, *args: Any, inputs_embeds: torch.Tensor, **kwargs: Any) -> _HiddenOutput:
         return _HiddenOutput(inputs_embeds)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self
 
 
 class TransformersCausalLM(nn.Module):
