@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-WORDS = SPECIALS + [f"w{i}" for i in range(120)] + (
-    "the a cat dog sat on mat hello world paris is capital of france what where how".split()
+WORDS = (
+    SPECIALS
+    + [f"w{i}" for i in range(120)]
+    + ("the a cat dog sat on mat hello world paris is capital of france what where how".split())
 )
 
 TEXTS = [
@@ -74,11 +76,12 @@ def randomize(model, seed: int = 0):
 def st_pipeline(hf_dir: Path, out: Path, pooling: str, normalize: bool) -> Path:
     """A sentence-transformers pipeline (Transformer, Pooling, optional Normalize) over the
     model in ``hf_dir``, saved to ``out``."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
-    t = models.Transformer(str(hf_dir))
-    mods = [t, models.Pooling(t.get_word_embedding_dimension(), pooling_mode=pooling)]
+    t = Transformer(str(hf_dir))
+    mods = [t, Pooling(t.get_embedding_dimension(), pooling_mode=pooling)]
     if normalize:
-        mods.append(models.Normalize())
+        mods.append(Normalize())
     SentenceTransformer(modules=mods, device="cpu").save(str(out))
     return out

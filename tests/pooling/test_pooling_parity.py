@@ -1,0 +1,153 @@
+"""Embeddings, scores and classifications from Pagoda match sentence-transformers' ``encode``
+and transformers' heads on tiny random BERT and Qwen3 models (CPU, float32): with every
+pooling, with and without normalisation, with prompts split over chunked-prefill steps, and with
+prefix-cache hits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pooling_models import TEXTS, bert_config, qwen3_config, randomize, save_hf
+
+from pagoda import LLM
+from pagoda.pooling_params import PoolingParams
+
+TOL = 1e-4
+ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8)
+
+
+def _st_encode(folder, texts):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu")
+    return st.encode(texts, convert_to_numpy=True, batch_size=len(texts))
+
+
+def _check(got: np.ndarray, ref: np.ndarray) -> None:
+    assert got.shape == ref.shape
+    assert np.abs(got - ref).max() < TOL
+    cos = (got * ref).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
+    assert cos.min() >= 0.99999
+
+
+def _embed(llm: LLM, texts, params=None) -> np.ndarray:
+    return np.array([o.outputs.embedding for o in llm.embed(texts, params, use_tqdm=False)])
+
+
+@pytest.mark.parametrize(
+    "body,pooling,normalize",
+    [
+        ("bert", "cls", True),
+        ("bert", "mean", False),
+        ("bert", "lasttoken", True),
+        ("qwen3", "lasttoken", True),
+        ("qwen3", "mean", True),
+        ("qwen3", "cls", False),
+    ],
+)
+def test_embeddings_match_sentence_transformers(st_dirs, body, pooling, normalize) -> None:
+    folder = st_dirs(body, pooling, normalize)
+    llm = LLM(model=str(folder), **ENGINE)
+    assert llm.engine.info.pooler.normalize is normalize
+    _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean", "cls"])
+def test_chunked_prefill_splits_prompts_and_keeps_embeddings(st_dirs, pooling) -> None:
+    """A 32-token budget splits the 72-token prompt over three steps (and others beside it):
+    mean and CLS pooling keep their chunks' hidden states across the steps."""
+    folder = st_dirs("qwen3", pooling, True)
+    llm = LLM(model=str(folder), max_num_batched_tokens=32, **ENGINE)
+    assert llm.engine.engine_core.scheduler.enable_chunked_prefill
+    _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
+
+
+def test_last_token_pooling_takes_prefix_cache_hits_and_mean_pooling_does_not(st_dirs) -> None:
+    last = st_dirs("qwen3", "lasttoken", True)
+    long_text = TEXTS[4]
+    llm = LLM(model=str(last), **ENGINE)
+    first = llm.encode([long_text], use_tqdm=False)[0]
+    again = llm.encode([long_text], use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 64  # four full blocks
+    ref = _st_encode(last, [long_text])
+    _check(np.stack([first.outputs.data, again.outputs.data]), np.concatenate([ref, ref]))
+
+    mean = st_dirs("qwen3", "mean", True)
+    llm = LLM(model=str(mean), **ENGINE)
+    outs = [llm.encode([long_text], use_tqdm=False)[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]  # it needs every token's hidden state
+    ref = _st_encode(mean, [long_text])
+    _check(np.stack([o.outputs.data for o in outs]), np.concatenate([ref, ref]))
+
+
+def test_encoder_runs_prompts_whole_without_prefix_cache(st_dirs) -> None:
+    folder = str(st_dirs("bert", "cls", True))
+    llm = LLM(model=folder, **ENGINE)
+    core = llm.engine.engine_core
+    assert llm.engine.info.bidirectional
+    assert not core.scheduler.enable_chunked_prefill and not core.kv_cache_manager.enable_caching
+    assert core.scheduler.max_num_batched_tokens >= 256  # a whole prompt fits one step
+    with pytest.raises(ValueError, match="bidirectional encoder"):
+        LLM(model=folder, max_num_batched_tokens=32, **ENGINE)
+
+
+def test_dimensions_truncate_then_normalise(st_dirs) -> None:
+    folder = st_dirs("bert", "mean", True)
+    llm = LLM(model=str(folder), **ENGINE)
+    got = _embed(llm, TEXTS[:3], PoolingParams(dimensions=8))
+    from sentence_transformers import SentenceTransformer
+
+    ref = SentenceTransformer(str(folder), device="cpu", truncate_dim=8)
+    want = ref.encode(TEXTS[:3], convert_to_numpy=True)
+    # sentence-transformers truncates after its Normalize: normalise again to compare.
+    want = want / np.linalg.norm(want, axis=1, keepdims=True)
+    _check(got, want)
+    raw = _embed(llm, TEXTS[:3], PoolingParams(normalize=False))
+    assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
+
+
+def _hf_classifier(cls_name: str, pool_dir, name: str, **config):
+    import transformers
+
+    cfg = (bert_config if "Bert" in cls_name else qwen3_config)(**config)
+    model = randomize(getattr(transformers, cls_name)(cfg), 3)
+    folder = save_hf(model, pool_dir / name, pool_dir / "tok")
+    return model, folder
+
+
+def test_cross_encoder_scores_match_transformers(pool_dir) -> None:
+    from transformers import BertTokenizerFast
+
+    hf, folder = _hf_classifier("BertForSequenceClassification", pool_dir, "ce", num_labels=1)
+    llm = LLM(model=str(folder), **ENGINE)
+    assert llm.engine.info.tasks == ("classify", "score")
+    query, docs = "what is the capital of france", TEXTS
+    got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    tok = BertTokenizerFast.from_pretrained(str(folder))
+    batch = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = torch.sigmoid(hf(**batch).logits[:, 0]).numpy()
+    assert np.abs(np.array(got) - want).max() < TOL
+    raw = llm.score(query, docs[:2], PoolingParams(activation=False), use_tqdm=False)
+    with torch.no_grad():
+        logits = hf(**tok([query] * 2, docs[:2], padding=True, return_tensors="pt")).logits
+    assert np.abs(np.array([o.outputs.score for o in raw]) - logits[:, 0].numpy()).max() < TOL
+
+
+@pytest.mark.parametrize(
+    "cls_name", ["BertForSequenceClassification", "Qwen3ForSequenceClassification"]
+)
+def test_classification_logits_and_probs_match_transformers(pool_dir, cls_name) -> None:
+    from transformers import BertTokenizerFast
+
+    hf, folder = _hf_classifier(cls_name, pool_dir, f"cls_{cls_name}", num_labels=3)
+    llm = LLM(model=str(folder), **ENGINE)
+    assert llm.engine.info.tasks == ("classify",)
+    tok = BertTokenizerFast.from_pretrained(str(folder))
+    with torch.no_grad():
+        logits = torch.cat([hf(**tok([t], return_tensors="pt")).logits for t in TEXTS])
+    got = llm.classify(TEXTS, PoolingParams(activation=False), use_tqdm=False)
+    assert np.abs(np.array([o.outputs.probs for o in got]) - logits.numpy()).max() < TOL
+    probs = np.array([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
+    assert np.abs(probs - logits.softmax(-1).numpy()).max() < TOL
