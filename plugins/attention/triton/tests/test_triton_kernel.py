@@ -126,13 +126,14 @@ SPEC_PATHS = {
     "ordered_split": (*DECODE_6, 4, True, 16),
 }
 # The spec's extras at the conformance kit's scale (pagoda.testing.attention.FEATURES): a window
-# shorter than most contexts, logits scaled up past the soft-cap, sink logits around 3.
-WINDOW, SOFTCAP = 40, 2.0
+# and chunks shorter than most contexts, logits scaled up past the soft-cap, sink logits around
+# 3. All together, the chunks are longer than the window and still cut it at their starts.
 SPEC_FEATURES = {
-    "sliding_window": {"sliding_window": WINDOW},
-    "logit_softcap": {"logit_softcap": SOFTCAP},
+    "sliding_window": {"sliding_window": 40},
+    "logit_softcap": {"logit_softcap": 2.0},
     "sinks": {"sinks": True},
-    "all": {"sliding_window": WINDOW, "logit_softcap": SOFTCAP, "sinks": True},
+    "chunk_size": {"chunk_size": 24},
+    "all": {"sliding_window": 40, "logit_softcap": 2.0, "sinks": True, "chunk_size": 96},
 }
 
 
@@ -151,6 +152,7 @@ def _spec_case(path: str, features: dict, dtype: torch.dtype, heads=4, kv_heads=
         "sliding_window": features.get("sliding_window"),
         "logit_softcap": features.get("logit_softcap"),
         "sinks": sinks,
+        "chunk_size": features.get("chunk_size"),
     }
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     kwargs = {**rules, "sinks": None if sinks is None else dev(sinks), "tile_n": tile_n}
@@ -170,18 +172,21 @@ def _spec_case(path: str, features: dict, dtype: torch.dtype, heads=4, kv_heads=
     return (q, kc, vc, bt, seq_lens, q_lens, ctx), kwargs, rules, tail
 
 
+# Each extra alone on the mixed launch, all of them together on every launch (the window and
+# the chunks alone on the others: the skipping test below).
 @pytest.mark.parametrize(
     "path,features,dtype",
     [
-        *((p, f, torch.float32) for p in SPEC_PATHS for f in SPEC_FEATURES),
+        *(("mixed", f, torch.float32) for f in SPEC_FEATURES if f != "all"),
+        *((p, "all", torch.float32) for p in SPEC_PATHS),
         *((p, "all", torch.bfloat16) for p in SPEC_PATHS),  # the engine's dtype, on a GPU
     ],
 )
 def test_spec_extras_match_float64_reference_on_every_kernel_path(
     path: str, features: str, dtype: torch.dtype
 ) -> None:
-    """Window, soft-cap and sinks, alone and together, on each launch: the unsplit mixed kernel,
-    its long-prefill launch, split-KV decode (sinks join in the merge), ordered decode
+    """Window, soft-cap, sinks and chunks, alone and together, on each launch: the unsplit mixed
+    kernel, its long-prefill launch, split-KV decode (sinks join in the merge), ordered decode
     (`_paged_decode`) and ordered split decode. Each case also fails a reference that drops a
     feature, so a kernel that ignored it would not pass."""
     if dtype != torch.float32 and DEVICE == "cpu":
@@ -201,19 +206,34 @@ def test_spec_extras_match_float64_reference_on_every_kernel_path(
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("path", ["mixed", "split", "ordered", "ordered_split"])
-def test_a_window_skips_the_tiles_below_it_not_only_masks_them(path: str) -> None:
-    """Keys and values wholly below the window of a request's first query are NaN in the cache:
-    a kernel that read them (and masked them) would return NaN, as 0 x NaN is NaN in the dot
-    with the values. 16-key tiles, one a page, so the poisoned pages are whole tiles."""
+# The window on every launch; chunks (whose first key takes the same code from there on) on the
+# two kernels that find it.
+@pytest.mark.parametrize(
+    "path,feature",
+    [
+        *((p, "sliding_window") for p in ("mixed", "split", "ordered", "ordered_split")),
+        ("mixed", "chunk_size"),
+        ("ordered", "chunk_size"),
+    ],
+)
+def test_a_window_skips_the_tiles_below_it_not_only_masks_them(path: str, feature: str) -> None:
+    """Keys and values wholly below the first key of a request's first query (its window's, its
+    chunk's) are NaN in the cache: a kernel that read them (and masked them) would return NaN,
+    as 0 x NaN is NaN in the dot with the values. 16-key tiles, one a page, so the poisoned
+    pages are whole tiles."""
+    features = SPEC_FEATURES[feature]
     (q, kc, vc, bt, seq_lens, q_lens, ctx), kwargs, rules, tail = _spec_case(
-        path, SPEC_FEATURES["sliding_window"], torch.float32
+        path, features, torch.float32
     )
     want = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
     page = kc.shape[1]
     poisoned = 0
     for i, first_q in enumerate(ctx):
-        below = bt[i, : max(first_q - WINDOW + 1, 0) // page].long()
+        if feature == "sliding_window":
+            first_key = max(first_q - features["sliding_window"] + 1, 0)
+        else:
+            first_key = first_q // features["chunk_size"] * features["chunk_size"]
+        below = bt[i, : first_key // page].long()
         kc[below] = float("nan")
         vc[below] = float("nan")
         poisoned += len(below)

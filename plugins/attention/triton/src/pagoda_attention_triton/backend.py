@@ -1,8 +1,8 @@
 """The Triton attention backend: one kernel for mixed batches over the paged cache.
 
-Besides plain causal attention it computes a layer's sliding window, logit soft-cap and sinks
-(:class:`~pagoda.attention.spec.AttentionSpec`), in every kernel path: each is a compile-time
-flag of the kernels, so a plain layer runs the same code as before they existed."""
+Besides plain causal attention it computes a layer's sliding window, logit soft-cap, sinks and
+chunks (:class:`~pagoda.attention.spec.AttentionSpec`), in every kernel path: each is a
+compile-time flag of the kernels, so a plain layer runs the same code as before they existed."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# The spec's features the kernels compute; the others (bidirectional, chunks, a value head size
-# of its own) they do not.
-_FEATURES = frozenset({"sliding_window", "logit_softcap", "sinks"})
+# The spec's features the kernels compute; the others (bidirectional, a value head size of its
+# own) they do not.
+_FEATURES = frozenset({"sliding_window", "logit_softcap", "sinks", "chunk_size"})
 
 # Decode steps of at least this many requests take their programs longest context first: with
 # several waves of programs a multiprocessor, the last wave is then the shortest work.
@@ -163,14 +163,15 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     return splits
 
 
-def _layer_splits(num_splits: int, max_seq_len: int, window: int | None) -> int:
-    """The step's splits for a layer: a window shorter than the contexts leaves fewer keys to a
-    query, and the kernel splits those, not the context; halve the splits until each slice
-    holds ``_MIN_KEYS_PER_SPLIT`` again (the rule ``_choose_splits`` doubled them by). Fixed per
-    layer for a given step (and graph: it reads the captured worst-case length)."""
-    if window is None:
-        return num_splits
-    keys = min(max_seq_len, window)
+def _layer_splits(num_splits: int, max_seq_len: int, spec: AttentionSpec) -> int:
+    """The step's splits for a layer: a window (or chunk) shorter than the contexts leaves fewer
+    keys to a query, and the kernel splits those, not the context; halve the splits until each
+    slice holds ``_MIN_KEYS_PER_SPLIT`` again (the rule ``_choose_splits`` doubled them by).
+    Fixed per layer for a given step (and graph: it reads the captured worst-case length)."""
+    keys = max_seq_len
+    for local in (spec.sliding_window, spec.chunk_size):
+        if local is not None:
+            keys = min(keys, local)
     while num_splits > 1 and keys // num_splits < _MIN_KEYS_PER_SPLIT:
         num_splits //= 2
     return num_splits
@@ -214,10 +215,11 @@ class TritonAttentionImpl(AttentionImpl):
             c.max_query_len,
             c.max_seq_len,
             self.scale,
-            _layer_splits(attn_metadata.num_splits, c.max_seq_len, spec.sliding_window),
+            _layer_splits(attn_metadata.num_splits, c.max_seq_len, spec),
             order=attn_metadata.order,
             sliding_window=spec.sliding_window,
             logit_softcap=spec.logit_softcap,
             sinks=self.sinks if spec.sinks else None,
+            chunk_size=spec.chunk_size,
         )
         return out

@@ -13,11 +13,13 @@ programs on the GPU are the shortest and the programs sharing a multiprocessor c
 other's starts.
 
 Every path computes the layer's :class:`~pagoda.attention.spec.AttentionSpec` extras, each
-behind a ``constexpr`` flag so a plain layer compiles none of it: a sliding window (``WINDOW``:
-a query at ``i`` sees keys ``i - window < j <= i``; the tiles wholly below the window of a
-program's first query are not visited at all), a logit soft-cap (``SOFTCAP``: logits ``c *
-tanh(logits / c)`` before masking) and per-head sink logits (``SINKS``: ``exp(sink)`` joins the
-softmax's denominator, at the end of the online softmax or in the split merge's log-sum-exp).
+behind a ``constexpr`` flag so a plain layer compiles none of it (its kernels are instruction for
+instruction those from before the extras). A sliding window (``WINDOW``: a query at ``i`` sees
+keys ``i - window < j <= i``) and chunks (``CHUNK``: keys ``i // chunk * chunk <= j <= i``) give
+each query a first key: keys below it are masked, and the tiles wholly below the first key of a
+program's first query are not visited at all. A logit soft-cap (``SOFTCAP``) makes logits ``c *
+tanh(logits / c)`` before masking. Sink logits (``SINKS``, one a query head) put ``exp(sink)`` in
+the softmax's denominator, at the end of the online softmax or in the split merge's log-sum-exp.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _tile(
     d_ok,
     kv_head,
     scale,
-    window,
+    q_lo,
     softcap,
     stride_kb,
     stride_ks,
@@ -74,11 +76,11 @@ def _tile(
     stride_vh,
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr,
+    LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    """One tile of keys: scores (soft-capped), causal (and window) mask, online-softmax update
-    of (m, l, acc)."""
+    """One tile of keys: scores (soft-capped), causal mask (and with ``LOCAL``, each row's first
+    key ``q_lo``: a window's or a chunk's), online-softmax update of (m, l, acc)."""
     pos = start + offs_n
     n_ok = pos < kv_hi
     blk = tl.load(bt + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -99,8 +101,8 @@ def _tile(
         # cleanly: exp overflows to inf (-> c) or underflows to 0 (-> -c).
         s = softcap - (2.0 * softcap) / (tl.exp(s * (2.0 / softcap)) + 1.0)
     ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
-    if WINDOW:
-        ok = ok & (pos[None, :] > q_pos[:, None] - window)
+    if LOCAL:
+        ok = ok & (pos[None, :] >= q_lo[:, None])
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -132,19 +134,26 @@ def _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS: tl.constexpr):
 
 
 @triton.jit
-def _window_start(first_q_pos, window, TILE_N: tl.constexpr):
-    """The first key a program must visit for queries from ``first_q_pos`` on under a sliding
-    window: the first one the earliest query sees, down to a tile boundary (the tiles stay those
-    of the unwindowed loop, the ones below are skipped, and a split's slices stay tile-aligned)."""
-    return tl.maximum(first_q_pos - window + 1, 0) // TILE_N * TILE_N
+def _first_key(q_pos, window, chunk, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """The first key a query at ``q_pos`` sees: its window's (``q_pos - window + 1``), its
+    chunk's (``q_pos // chunk * chunk``), the later of the two, 0 at least. It never decreases
+    with ``q_pos``: a program's first query has the lowest of its rows. A program visits keys
+    from that one's down to a tile boundary: the tiles stay those of the unwindowed loop, the
+    ones below are skipped, and a split's slices stay tile-aligned."""
+    lo = q_pos * 0
+    if WINDOW:
+        lo = tl.maximum(lo, q_pos - window + 1)
+    if CHUNK:
+        lo = tl.maximum(lo, q_pos // chunk * chunk)
+    return lo
 
 
 # NOTE: the request count and split size change from step to step; left to specialize, Triton
 # compiles a variant for each of 1, a multiple of 16 and any other value, and a step that meets
 # one for the first time (a prefill of 29 requests after a start-up that ran 256) waits about
-# half a second for it. The window is a layer's and fixed, but a multiple of 16 or not would
-# compile it twice for nothing.
-@triton.jit(do_not_specialize=["num_seqs", "split_size", "window"])
+# half a second for it. The window and chunk are a layer's and fixed, but a multiple of 16 or
+# not would compile them twice for nothing.
+@triton.jit(do_not_specialize=["num_seqs", "split_size", "window", "chunk"])
 def _paged_attention(
     q_ptr,
     k_cache_ptr,
@@ -159,6 +168,7 @@ def _paged_attention(
     sinks_ptr,
     scale,
     window,
+    chunk,
     softcap,
     stride_qt,
     stride_qh,
@@ -186,6 +196,7 @@ def _paged_attention(
     WHILE_LOOP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
 ):
@@ -227,14 +238,16 @@ def _paged_attention(
         other=0.0,
     )
     q_pos = context_len + q_tok
+    q_lo = _first_key(q_pos, window, chunk, WINDOW, CHUNK)
 
-    # Keys this program visits: causal bound of its last query, window start of its first, then
-    # its split's slice of what lies between (the splits cut the window, not the context).
+    # Keys this program visits: causal bound of its last query, first key of its first (window
+    # or chunk), then its split's slice of what lies between (the splits cut the window).
     last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len)
     kv_end = tl.minimum(seq_len, context_len + last_q)
     kv_lo = split * split_size
-    if WINDOW:
-        kv_lo += _window_start(context_len + q_block * BLOCK_Q, window, TILE_N)
+    if WINDOW or CHUNK:
+        first = _first_key(context_len + q_block * BLOCK_Q, window, chunk, WINDOW, CHUNK)
+        kv_lo += first // TILE_N * TILE_N
     kv_hi = tl.minimum(kv_end, kv_lo + split_size)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -263,7 +276,7 @@ def _paged_attention(
                 d_ok,
                 kv_head,
                 scale,
-                window,
+                q_lo,
                 softcap,
                 stride_kb,
                 stride_ks,
@@ -273,7 +286,7 @@ def _paged_attention(
                 stride_vh,
                 PAGE,
                 DOT_PRECISION,
-                WINDOW,
+                WINDOW or CHUNK,
                 SOFTCAP,
             )
             start += TILE_N
@@ -296,7 +309,7 @@ def _paged_attention(
                 d_ok,
                 kv_head,
                 scale,
-                window,
+                q_lo,
                 softcap,
                 stride_kb,
                 stride_ks,
@@ -306,7 +319,7 @@ def _paged_attention(
                 stride_vh,
                 PAGE,
                 DOT_PRECISION,
-                WINDOW,
+                WINDOW or CHUNK,
                 SOFTCAP,
             )
 
@@ -331,7 +344,7 @@ def _paged_attention(
         tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window", "chunk"])
 def _paged_decode(
     q_ptr,
     k_cache_ptr,
@@ -344,6 +357,7 @@ def _paged_decode(
     sinks_ptr,
     scale,
     window,
+    chunk,
     softcap,
     stride_qt,
     stride_qh,
@@ -366,6 +380,7 @@ def _paged_decode(
     HEADS_PER_PROGRAM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
 ):
@@ -373,8 +388,8 @@ def _paged_decode(
     of one request, requests in ``order_ptr``'s order, in one loop over (head, key tile): the
     loads of a head's first tiles are issued while the previous head's last tiles are reduced,
     where a program a head would start each head with its pipeline empty. Each head's arithmetic
-    is that of ``_paged_attention``'s decode programs, tile for tile (a window's first tile
-    is theirs too)."""
+    is that of ``_paged_attention``'s decode programs, tile for tile (a window's or chunk's
+    first tile is theirs too)."""
     pid = tl.program_id(0)
     groups: tl.constexpr = NUM_KV_HEADS // HEADS_PER_PROGRAM
     seq = tl.load(order_ptr + pid // groups)
@@ -389,12 +404,13 @@ def _paged_decode(
     d_ok = offs_d < HEAD_DIM
     io_ok = row_ok[:, None] & d_ok[None, :]
     q_pos = tl.zeros([BLOCK_M], tl.int32) + (seq_len - 1)
+    q_lo = _first_key(q_pos, window, chunk, WINDOW, CHUNK)
     bt = block_table_ptr + seq * stride_bt
     n_tiles = tl.cdiv(seq_len, TILE_N)
-    # Each head's tiles: t0 .. n_tiles - 1 (with a window, from the tile of its first key).
+    # Each head's tiles: t0 .. n_tiles - 1 (with a window or chunks, from its first key's tile).
     t0 = 0
-    if WINDOW:
-        t0 = _window_start(seq_len - 1, window, TILE_N) // TILE_N
+    if WINDOW or CHUNK:
+        t0 = _first_key(seq_len - 1, window, chunk, WINDOW, CHUNK) // TILE_N
     per_head = n_tiles - t0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -431,7 +447,7 @@ def _paged_decode(
             d_ok,
             kv_head,
             scale,
-            window,
+            q_lo,
             softcap,
             stride_kb,
             stride_ks,
@@ -441,7 +457,7 @@ def _paged_decode(
             stride_vh,
             PAGE,
             DOT_PRECISION,
-            WINDOW,
+            WINDOW or CHUNK,
             SOFTCAP,
         )
         out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
@@ -578,6 +594,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
@@ -590,9 +607,10 @@ def paged_attention(
     256 on an H200, 2 heads gained 4% with 128-key tiles and nothing with the default 64, and 4
     or 8 lost: too few programs to even out the end).
 
-    ``sliding_window``, ``logit_softcap`` and ``sinks`` (``[num_heads]``, any float dtype) are the
-    layer's :class:`~pagoda.attention.spec.AttentionSpec` extras (None: off, and not compiled
-    in). With a window, ``num_splits`` slices cut the keys a query can see, not its context."""
+    ``sliding_window``, ``logit_softcap``, ``sinks`` (``[num_heads]``, any float dtype) and
+    ``chunk_size`` are the layer's :class:`~pagoda.attention.spec.AttentionSpec` extras (None:
+    off, and not compiled in). With a window or chunks, ``num_splits`` slices cut the keys a
+    query can see, not its context."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -641,11 +659,17 @@ def paged_attention(
         if sinks.shape != (num_heads,):
             raise ValueError(f"sinks must be [num_heads] = [{num_heads}], not {list(sinks.shape)}")
         sinks = sinks.contiguous()  # the kernels index it by head
-    window = sliding_window or 0  # unread without the flag
-    softcap = logit_softcap or 1.0
-    spec_args = (query if sinks is None else sinks, scale, window, softcap)  # sinks unread if None
+    # Each value is unread without its flag (the query stands in for absent sinks).
+    spec_args = (
+        query if sinks is None else sinks,
+        scale,
+        sliding_window or 1,
+        chunk_size or 1,
+        logit_softcap or 1.0,
+    )
     flags = {
         "WINDOW": sliding_window is not None,
+        "CHUNK": chunk_size is not None,
         "SOFTCAP": logit_softcap is not None,
         "SINKS": sinks is not None,
     }
@@ -690,11 +714,13 @@ def paged_attention(
         grid = (num_seqs * num_kv_heads, 1, num_splits)
     else:
         grid = (grid_q, num_kv_heads, num_splits)
-    # The keys one program may have to visit: its context, or with a window the window of its
-    # first query (from a tile boundary, tile_n - 1 below it at most) to its last query.
+    # The keys one program may have to visit: its context, or with a window or chunks, from
+    # its first query's first key (window or chunk: at most `local - 1` below it, then down to
+    # a tile boundary, `tile_n - 1` more) to its last query (`block_q - 1` past the first).
     span = max(max_seq_len, 1)
-    if sliding_window is not None:
-        span = min(span, sliding_window + block_q + tile_n - 2)
+    for local in (sliding_window, chunk_size):
+        if local is not None:
+            span = min(span, local + block_q + tile_n - 2)
     split_size = triton.cdiv(span, num_splits)
     split_size = triton.cdiv(split_size, tile_n) * tile_n
     if num_splits > 1:
