@@ -28,8 +28,7 @@ def tokenizer(folder: Path):
     from transformers import BertTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(WORDS))
-    return BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(WORDS)})
 
 
 def bert_config(**kw):
@@ -61,7 +60,7 @@ def save_hf(model, folder: Path, seed_tokenizer_dir: Path) -> Path:
     return folder
 
 
-def randomize(model, seed: int = 0):
+def randomize(model, seed: int = 0, scale: float = 0.2):
     """Weights of a useful scale (transformers' init is close to zero for some of them)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -69,7 +68,7 @@ def randomize(model, seed: int = 0):
             if "norm" in name.lower() and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
     return model.eval()
 
 

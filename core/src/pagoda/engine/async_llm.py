@@ -23,8 +23,9 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.metrics import EngineMetrics
 from pagoda.engine.request_stream import OutputKind, RequestStream
 from pagoda.model_info import ModelInfo
-from pagoda.outputs import RequestOutput
+from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.plugins import RequestRejectedError
+from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,54 @@ class AsyncLLM:
                 yield out
         finally:
             await outputs.aclose()  # aborts at once if left early, not when collected
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptType | tuple[str, str],
+        params: PoolingParams,
+        *,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Validate and submit a pooling request (a prompt, or a pair of texts for a
+        cross-encoder); its one output arrives on the returned stream. Raises ``ValueError``/
+        ``TypeError`` naming the field for bad input, before anything is sent."""
+        self.start()
+        self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        engine = self.engine
+        resolved = engine.resolve_pooling(params)
+        processed = engine.input_processor.process_pooling(prompt, resolved.truncate_prompt_tokens)
+        stream = RequestStream(OutputKind.FINAL_ONLY)
+        arrival = time.monotonic()
+        engine.add_pooling(request_id, processed.prompt, processed.prompt_token_ids, resolved,
+                           priority)  # fmt: skip
+        self._streams[request_id] = stream
+        stream.unadmitted = 1
+        self._seq_ids[request_id] = [request_id]
+        self._seq_to_request[request_id] = request_id
+        self.metrics.add_sequences([request_id], len(processed.prompt_token_ids), arrival)
+        return stream
+
+    async def encode(
+        self,
+        prompt: PromptType | tuple[str, str],
+        pooling_params: PoolingParams,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's ``encode``: a pooling request's output (one, once its prompt is computed), as
+        an async stream like ``generate``'s; leaving it early aborts the request."""
+        request_id = request_id or uuid.uuid4().hex
+        stream = self.add_pooling_request(request_id, prompt, pooling_params, priority=priority)
+        outputs = self.stream(request_id, stream)
+        try:
+            async for out in outputs:
+                yield out  # type: ignore[misc]
+        finally:
+            await outputs.aclose()
 
     async def stream(self, request_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The outputs of a request added with ``add_request``; aborts it if left early."""

@@ -241,6 +241,9 @@ class EngineMetrics:
                 t.last_token = now
                 self.generation_tokens.inc(len(out.new_token_ids))
                 self._log.generation_tokens += len(out.new_token_ids)
+            if out.pooling_output is not None:  # a pooling request's prompt, computed
+                self.prompt_tokens.inc(t.num_prompt_tokens)
+                self._log.prompt_tokens += t.num_prompt_tokens
             if out.finish_reason is not None:
                 del self._seqs[out.request_id]
                 self._end(t, out.finish_reason, now)

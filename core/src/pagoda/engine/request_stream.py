@@ -76,6 +76,8 @@ class RequestStream:
         return self._shape(output)
 
     def _shape(self, output: RequestOutput) -> RequestOutput:
+        if not isinstance(output, RequestOutput):  # a pooling request's one output
+            return output
         completions = [self._shape_one(c) for c in output.outputs]
         return dataclasses.replace(output, outputs=completions)
 

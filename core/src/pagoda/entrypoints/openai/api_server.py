@@ -15,7 +15,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,6 +36,13 @@ from pagoda.entrypoints.openai.protocol import (
 from pagoda.entrypoints.openai.serving import ShuttingDownError, off_loop
 from pagoda.entrypoints.openai.serving_chat import ServingChat
 from pagoda.entrypoints.openai.serving_completion import ServingCompletion
+from pagoda.entrypoints.openai.serving_pooling import (
+    ClassifyRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    ServingPooling,
+)
 
 logger = logging.getLogger("pagoda.server")
 
@@ -57,6 +64,7 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     app = FastAPI(title="Pagoda", version=pagoda.__version__, lifespan=lifespan)
     completions = ServingCompletion(engine, names)
     chat = ServingChat(engine, names)
+    pooling = ServingPooling(engine, names)
     server = engine.config.server
     created = int(time.time())
 
@@ -146,6 +154,27 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await _until_disconnect(request, chat.create(body))
 
+    # Pooling: embeddings, scores, reranking, classification (``serving_pooling``).
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _until_disconnect(request, _json(pooling.embeddings(body)))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(body: ScoreRequest, request: Request) -> Response:
+        return await _until_disconnect(request, _json(pooling.score(body)))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(body: RerankRequest, request: Request) -> Response:
+        return await _until_disconnect(request, _json(pooling.rerank(body)))
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def create_classify(body: ClassifyRequest, request: Request) -> Response:
+        return await _until_disconnect(request, _json(pooling.classify(body)))
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         completions.check_model(body.model)
@@ -177,6 +206,10 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     )
     install_openapi(app, names, engine.info.shape.vocab_size, server, guarded=api_key is not None)
     return app
+
+
+async def _json(work: Awaitable[dict[str, Any]]) -> Response:
+    return JSONResponse(await work)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
