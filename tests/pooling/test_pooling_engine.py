@@ -1,0 +1,132 @@
+"""Pooling on the engine beyond parity: chat and embeddings on one engine, late interaction
+(token embeddings and MaxSim), ``AsyncLLM.encode``, and offline bad input refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from pooling_models import TEXTS, qwen3_config, randomize, save_hf
+
+from pagoda import LLM, SamplingParams
+from pagoda.pooling_params import PoolingParams
+
+ENGINE = dict(max_model_len=256, block_size=16, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def causal_lm(pool_dir):
+    from transformers import Qwen3ForCausalLM
+
+    model = randomize(Qwen3ForCausalLM(qwen3_config()), 7)
+    return model, save_hf(model, pool_dir / "qwen3_lm", pool_dir / "tok")
+
+
+def _last_hidden(body, tok, text: str) -> np.ndarray:
+    """transformers' final hidden states of ``text``'s tokens (``body``: a bare model)."""
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        h = body(input_ids=ids).last_hidden_state[0]
+    return h.numpy()
+
+
+def test_one_engine_serves_chat_and_embeddings_together(causal_lm) -> None:
+    from transformers import AutoTokenizer
+
+    model, folder = causal_lm
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = LLM(model=str(folder), **ENGINE).generate(TEXTS[:3], greedy, use_tqdm=False)
+
+    llm = LLM(model=str(folder), task="embed", max_num_batched_tokens=48, **ENGINE)
+    assert llm.engine.info.tasks == ("generate", "embed", "token_embed")
+    engine = llm.engine
+    for i, text in enumerate(TEXTS[:3]):  # chat and embedding requests in the same steps
+        p = engine.input_processor.process(text)
+        engine.add_processed(f"g{i}", p.prompt, p.prompt_token_ids, greedy, final_only=True)
+        q = engine.input_processor.process_pooling(TEXTS[3 + i])
+        engine.add_pooling(f"e{i}", q.prompt, q.prompt_token_ids, PoolingParams(task="embed"))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    for i in range(3):
+        assert done[f"g{i}"].outputs[0].token_ids == alone[i].outputs[0].token_ids
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    for i in range(3):
+        want = _last_hidden(model.model, tok, TEXTS[3 + i])[-1]
+        want = want / np.linalg.norm(want)
+        assert np.abs(done[f"e{i}"].outputs.data - want).max() < 1e-4
+
+
+def test_generation_only_engine_refuses_embeddings_and_an_embedder_refuses_generation(
+    causal_lm, st_dirs
+) -> None:
+    llm = LLM(model=str(causal_lm[1]), **ENGINE)
+    assert llm.engine.info.tasks == ("generate",)
+    with pytest.raises(ValueError, match=r"PoolingParams.task='embed'.*serves generate"):
+        llm.embed(["hello"])
+    embedder = LLM(model=str(st_dirs("qwen3", "lasttoken", True)), **ENGINE)
+    with pytest.raises(ValueError, match="not generation"):
+        embedder.generate(["hello"], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"PoolingParams.task='classify'.*serves embed"):
+        embedder.classify(["hello"])
+    with pytest.raises(ValueError, match="model.task='classify'"):
+        LLM(model=str(causal_lm[1]), task="classify", **ENGINE)
+
+
+def test_offline_bad_input_is_refused_by_field(st_dirs) -> None:
+    llm = LLM(model=str(st_dirs("qwen3", "mean", True)), **ENGINE)
+    with pytest.raises(ValueError, match="empty"):
+        llm.embed([{"prompt_token_ids": []}])
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.embed(["w1 " * 300])
+    out = llm.embed(["w1 " * 300], PoolingParams(truncate_prompt_tokens=20))
+    assert len(out[0].prompt_token_ids) == 20
+    with pytest.raises(ValueError, match="PoolingParams.dimensions=65"):
+        llm.embed(["hello"], PoolingParams(dimensions=65))
+    full = llm.embed(["w3 " * 256], PoolingParams(truncate_prompt_tokens=-1))
+    assert len(full[0].prompt_token_ids) == 256  # a pooling prompt may fill the context
+
+
+def test_late_interaction_token_embeddings_and_maxsim(st_dirs, qwen3_dir) -> None:
+    from transformers import AutoModel, AutoTokenizer
+
+    llm = LLM(model=str(st_dirs("qwen3", "lasttoken", True)), max_num_batched_tokens=32, **ENGINE)
+    outs = llm.encode(TEXTS[:5], pooling_task="token_embed", use_tqdm=False)
+    hf = AutoModel.from_pretrained(str(qwen3_dir)).eval()
+    tok = AutoTokenizer.from_pretrained(str(qwen3_dir))
+    vecs = []
+    for text, out in zip(TEXTS[:5], outs):
+        h = _last_hidden(hf, tok, text)
+        h = h / np.linalg.norm(h, axis=1, keepdims=True)
+        assert out.outputs.data.shape == h.shape  # one row per prompt token, chunked or not
+        assert np.abs(out.outputs.data - h).max() < 1e-4
+        vecs.append(h)
+    scores = llm.score(TEXTS[2], TEXTS[:2], PoolingParams(task="token_embed"), use_tqdm=False)
+    for doc, s in zip(vecs[:2], scores):
+        want = (vecs[2] @ doc.T).max(axis=1).sum()
+        assert abs(s.outputs.score - want) < 1e-3
+
+
+def test_async_llm_encode_streams_one_final_output(st_dirs) -> None:
+    from pagoda import AsyncLLM
+    from pagoda.config import EngineConfig
+
+    folder = st_dirs("bert", "cls", True)
+    engine = AsyncLLM(EngineConfig.load(overrides={"model": str(folder), **ENGINE}))
+    try:
+
+        async def run() -> list:
+            outs = []
+            async for out in engine.encode("hello world", PoolingParams(task="embed")):
+                outs.append(out)
+            return outs
+
+        outs = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(outs) == 1 and outs[0].finished and outs[0].outputs.data.shape == (32,)
+    want = LLM(model=str(folder), **ENGINE).embed(["hello world"])[0].outputs.embedding
+    assert np.abs(outs[0].outputs.data - np.array(want)).max() < 1e-5
