@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from pagoda_models_transformers.impl import TransformersModelImpl
+from pagoda_models_transformers.probe import build_config
 from pagoda_models_transformers.tiny import tiny_config
 from safetensors import safe_open
 from tf_parity import build_ours, hf_model, save
@@ -43,6 +44,7 @@ REFUSED = {
         "dynamic RoPE",
     ),
     "bidirectional": (_config("bert"), "attends bidirectionally"),
+    "own attention table": (_config("falcon"), "picks its attention from a table of its own"),
 }
 
 
@@ -61,6 +63,27 @@ def test_no_impl_accepting_lists_each_impls_reason_in_one_line() -> None:
         "\n" not in msg and "no model impl accepts architecture T5ForConditionalGeneration" in msg
     )
     assert "native: " in msg and "transformers: t5 is an encoder-decoder model" in msg
+
+
+def test_infinity_as_transformers_writes_it_builds_the_config() -> None:
+    """config.json has no Infinity: transformers writes ``{"__float__": "Infinity"}``."""
+    inf = {"__float__": "Infinity"}
+    assert build_config(_config("mamba2", time_step_limit=[0.0, inf])).time_step_limit[1] == float(
+        "inf"
+    )
+
+
+def test_sub_configs_without_a_model_type_are_parts_not_a_composite() -> None:
+    """DBRX's ``attn_config`` and ``ffn_config`` are parts of its own config, not other models."""
+    got = TransformersModelImpl.supports(_config("dbrx"), "DbrxForCausalLM")
+    assert got is not None and "composite" not in got
+
+
+def test_the_text_model_of_a_multimodal_type_is_served_by_its_causal_lm() -> None:
+    """``Emu3ForCausalLM`` saves an ``emu3_text_model`` config, which no causal LM is mapped to."""
+    text = _config("emu3")["text_config"]
+    assert TransformersModelImpl.supports(text, "Emu3ForCausalLM") is None
+    assert "no causal-LM class" in TransformersModelImpl.supports(text, "Emu3TextModel")
 
 
 def test_auto_prefers_native_and_takes_transformers_for_the_rest() -> None:

@@ -74,8 +74,10 @@ def build_config(hf_config: dict[str, Any]) -> PretrainedConfig:
         raise Refusal(
             f"model type {model_type!r} is unknown to transformers {transformers.__version__}"
         )
+    cls = CONFIG_MAPPING[model_type]
     try:
-        return CONFIG_MAPPING[model_type].from_dict(dict(hf_config))
+        # Infinity and NaN are written as {"__float__": "Infinity"} (plain JSON has neither).
+        return cls.from_dict(cls._decode_special_floats(dict(hf_config)))
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise Refusal(f"config.json does not build a {model_type} config: {first}") from e
@@ -90,18 +92,34 @@ def _rope_types(config: PretrainedConfig) -> set[str]:
     return {t for t in found if t}
 
 
+def _text_causal_lm(config: PretrainedConfig, architecture: str) -> str | None:
+    """The causal-LM class that ``architecture`` names, where it takes ``config`` as it is: the
+    text model of a multimodal type, saved by that type's causal LM (``Emu3ForCausalLM`` writes
+    an ``emu3_text_model`` config)."""
+    if architecture not in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+        return None
+    cls = getattr(transformers, architecture, None)
+    return architecture if cls is not None and cls.config_class is type(config) else None
+
+
 def check_config(config: PretrainedConfig, architecture: str) -> type:
     """The causal-LM class of ``config``; raises :class:`Refusal` for what the impl does not
     serve (checks that read only the config and the classes)."""
     mt = config.model_type
     if getattr(config, "is_encoder_decoder", False):
         raise Refusal(f"{mt} is an encoder-decoder model (only decoder-only causal LMs)")
-    subs = [k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None) is not None]
+    # A sub-config with a model type of its own is another model (a vision tower, a text model
+    # inside a multimodal one); one without is a part of this model's config (DBRX's attn_config).
+    subs = [
+        k
+        for k in getattr(config, "sub_configs", {})
+        if getattr(getattr(config, k, None), "model_type", "")
+    ]
     if subs:
         raise Refusal(f"{mt} is a composite (multimodal) model with {', '.join(sorted(subs))}")
-    if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt) or _text_causal_lm(config, architecture)
+    if not cls_name:
         raise Refusal(f"{mt} has no causal-LM class in transformers")
-    cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[mt]
     if not isinstance(cls_name, str):
         cls_name = cls_name[0]
     if architecture and architecture != cls_name and architecture not in (mt, ""):
@@ -217,6 +235,11 @@ def _probe(config_json: str, architecture: str) -> Probed:
     except Refusal:
         raise
     except Exception as e:
+        if isinstance(e, KeyError) and e.args == (attention.PROBE,):
+            raise Refusal(
+                f"{model_cls.__name__} picks its attention from a table of its own, not through "
+                "ALL_ATTENTION_FUNCTIONS"
+            ) from e
         first = str(e).splitlines()[0] if str(e) else ""
         raise Refusal(
             f"{model_cls.__name__} does not run on the meta device ({type(e).__name__}: {first})"
@@ -232,7 +255,8 @@ def _probe(config_json: str, architecture: str) -> Probed:
     if len(calls) < layers:
         raise Refusal(
             f"{model_cls.__name__}: {layers - len(calls)} of {layers} layers attend otherwise "
-            "than through ALL_ATTENTION_FUNCTIONS (linear or hybrid attention)"
+            "than through ALL_ATTENTION_FUNCTIONS on text alone (linear, hybrid or "
+            "cross-attention)"
         )
     specs = tuple(_spec(c, i) for i, c in enumerate(calls))
     bidirectional = [i for i, s in enumerate(specs) if not s.causal]
