@@ -167,6 +167,17 @@ class PagedCache:
             seq.computed += k
 
 
+def run_in_steps(model: torch.nn.Module, tokens: list[int], steps: list[int]) -> torch.Tensor:
+    """One sequence of ``tokens`` through a paged cache, ``steps[i]`` tokens in step ``i`` (a
+    chunked prefill, each chunk after the first attending to the cache, then decode steps):
+    the logits of every position run, ``[sum(steps), vocab]``."""
+    cache = PagedCache(model)
+    seq = cache.add(tokens)
+    for n in steps:
+        cache.step([(seq, n)])
+    return torch.stack(seq.logits)
+
+
 def run_scenario(model: torch.nn.Module, vocab: int, decode_steps: int = 4) -> list[Sequence]:
     """A chunked prefill (13 + 10 tokens), a second prompt that hits the first's first three
     blocks and runs its last 11 tokens in a step with the first's decode, then decode steps of
