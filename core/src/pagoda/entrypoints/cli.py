@@ -275,6 +275,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_throughput(args, config_from_args(args))
 
 
+def _cmd_bench_embed(args: argparse.Namespace) -> int:
+    # NOTE: torch, the engine and the server load only for the command that needs them.
+    from pagoda.bench.embed import run_embed
+
+    return run_embed(args, config_from_args(args))
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.entrypoints.openai.api_server import run_server
@@ -390,6 +397,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tp)
     add_engine_args(tp)
     tp.set_defaults(func=_cmd_bench)
+    emb = bench_sub.add_parser("embed", help="embedding throughput against sentence-transformers")
+    # NOTE: torch, the engine and the server load only for the command that needs them.
+    from pagoda.bench.embed import add_embed_args
+
+    add_embed_args(emb)
+    add_engine_args(emb, skip=OFFLINE_SKIP)
+    emb.set_defaults(func=_cmd_bench_embed)
     bs = bench_sub.add_parser("serve", help="a request workload against a running server")
     # NOTE: torch, the engine and the server load only for the command that needs them.
     from pagoda.bench.serve import add_serve_args

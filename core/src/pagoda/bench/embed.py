@@ -1,0 +1,151 @@
+"""``pagoda bench embed``: embedding throughput (requests/s, tokens/s) of Pagoda against
+sentence-transformers on the same model, weights and token ids, in the same run.
+
+Both engines get the same random token ids (``--num-prompts`` of ``--input-len`` tokens):
+Pagoda as ``LLM.embed`` prompts of token ids, sentence-transformers as its own forward over
+batches of ``--st-batch-size`` (its ``encode`` minus tokenizing). The model is a folder (its
+sentence-transformers files say how it pools) or, with ``--random-weights CONFIG_DIR``, random
+weights built once from a config.json (a causal LM: last-token pooling, normalised, as
+Qwen3-Embedding). The report says both rates, their ratio and the smallest cosine between the
+two engines' embeddings of the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_embed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=256, help="requests (default 256)")
+    p.add_argument("--input-len", type=int, default=512, help="tokens per prompt (default 512)")
+    p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' batch")
+    p.add_argument(
+        "--random-weights",
+        metavar="CONFIG_DIR",
+        default=None,
+        help="a folder with a config.json: both engines run it on random weights, built once",
+    )
+    p.add_argument("--weights-seed", type=int, default=0)
+    p.add_argument("--skip-st", action="store_true", help="measure Pagoda only")
+    p.add_argument("--output-json", default=None, help="also write the report here")
+
+
+def run_embed(args: argparse.Namespace, config: Any) -> int:
+    """Run the benchmark of ``args`` with the engine configuration ``config``."""
+    # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
+    import numpy as np
+    import torch
+
+    from pagoda.bench.random_weights import ensure_random_weights
+    from pagoda.bench.report import commit, hardware
+    from pagoda.entrypoints.llm import LLM
+
+    overrides: dict[str, Any] = {}
+    weights = None
+    if args.random_weights:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        folder, weights = ensure_random_weights(
+            Path(args.random_weights), args.weights_seed, device
+        )
+        overrides["model"] = str(folder)
+    if config.model.task == "auto":
+        overrides["task"] = "embed"
+    llm = LLM(config=config, **overrides)
+    info = llm.engine.info
+    gen = np.random.default_rng(0)
+    low = 10 if info.shape.vocab_size > 100 else 0
+    ids = gen.integers(low, info.shape.vocab_size, (args.num_prompts, args.input_len)).tolist()
+    prompts = [{"prompt_token_ids": row} for row in ids]
+    n_tokens = args.num_prompts * args.input_len
+
+    llm.embed(prompts[: min(8, len(prompts))], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.embed(prompts, use_tqdm=False)
+    pagoda_s = time.perf_counter() - start
+    ours = np.array([o.outputs.embedding for o in outs], dtype=np.float32)
+    results: dict[str, Any] = {"pagoda": _rates(args.num_prompts, n_tokens, pagoda_s)}
+    pooler = info.pooler
+    if not args.skip_st:
+        del llm
+        if info.device.type == "cuda":
+            torch.cuda.empty_cache()
+        st_s, theirs = _sentence_transformers(
+            info.hf_dir, pooler, ids, args.st_batch_size, info.device, info.dtype
+        )
+        results["sentence_transformers"] = _rates(args.num_prompts, n_tokens, st_s)
+        results["pagoda_over_sentence_transformers"] = round(st_s / pagoda_s, 3)
+        cos = (ours * theirs).sum(1) / (
+            np.linalg.norm(ours, axis=1) * np.linalg.norm(theirs, axis=1)
+        )
+        results["min_cosine"] = float(cos.min())
+    report = {
+        "benchmark": "embed",
+        "model": info.name,
+        "weights": weights,
+        "dtype": str(info.dtype).replace("torch.", ""),
+        "device": info.device.type,
+        "hardware": hardware(info.device),
+        "commit": commit(),
+        "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len},
+        "pooling": None if pooler is None else pooler.pooling_type,
+        "results": results,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output_json:
+        Path(args.output_json).write_text(text + "\n")
+    return 0
+
+
+def _rates(n: int, tokens: int, seconds: float) -> dict[str, float]:
+    return {
+        "elapsed_s": round(seconds, 3),
+        "requests_per_s": round(n / seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1),
+    }
+
+
+def _sentence_transformers(
+    folder: str, pooler: Any, ids: list[list[int]], batch: int, device: Any, dtype: Any
+) -> tuple[float, Any]:
+    """sentence-transformers' seconds over ``ids`` (its forward, batch by batch, after one
+    warm-up batch) and its embeddings. A folder without its files gets the pipeline the engine
+    pooled with (Transformer, Pooling of the same kind, Normalize when normalised)."""
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    if (Path(folder) / "modules.json").is_file():
+        st = SentenceTransformer(folder, device=str(device))
+    else:
+        mode = {"LAST": "lasttoken", "CLS": "cls", "MEAN": "mean"}[pooler.pooling_type]
+        body = Transformer(folder, model_kwargs={"dtype": dtype})
+        mods = [body, Pooling(body.get_embedding_dimension(), pooling_mode=mode)]
+        if pooler.normalize:
+            mods.append(Normalize())
+        st = SentenceTransformer(modules=mods, device=str(device))
+    st = st.to(dtype).eval()
+    tensor = torch.tensor(ids, device=device)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        feats = {"input_ids": rows, "attention_mask": torch.ones_like(rows)}
+        return st(feats)["sentence_embedding"].float()
+
+    with torch.inference_mode():
+        run(tensor[:batch])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        parts = [run(tensor[i : i + batch]) for i in range(0, len(ids), batch)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    return seconds, np.concatenate([p.cpu().numpy() for p in parts])
