@@ -93,11 +93,6 @@ def test_auto_prefers_native_and_takes_transformers_for_the_rest() -> None:
     assert select_model_impl("auto", gemma) == ("transformers", TransformersModelImpl)
 
 
-def test_tensor_parallel_is_refused_naming_the_sizes_that_fit() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: .*only 1 fits"):
-        TransformersModelImpl.shape(_config("gemma2"), 2)
-
-
 _ENGINE = dict(
     model_impl="transformers", device="cpu", max_model_len=64, kv_cache_memory_bytes=1 << 20
 )

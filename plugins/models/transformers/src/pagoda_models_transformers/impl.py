@@ -9,6 +9,7 @@ from pagoda.models.impl import ModelImpl, named_architecture
 from pagoda.models.shape import ModelShape
 from pagoda_models_transformers.model import TransformersCausalLM, TransformersModelConfig
 from pagoda_models_transformers.probe import Refusal, probe
+from pagoda_models_transformers.tensor_parallel import probe_sharded
 
 
 class TransformersModelImpl(ModelImpl):
@@ -29,12 +30,11 @@ class TransformersModelImpl(ModelImpl):
     @classmethod
     def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
         arch = named_architecture(hf_config)
-        probed = probe(hf_config, arch)
-        if tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size}: the transformers model impl does "
-                "not split models yet; only 1 fits"
-            )
+        unsplit = probe(hf_config, arch)
+        tp = tensor_parallel_size
+        # Split by the model's own tensor-parallel plan: each rank's heads, read from
+        # transformers' forward of the split model.
+        probed = unsplit if tp == 1 else probe_sharded(hf_config, arch, tp)
         text = probed.config.get_text_config()
         max_pos = getattr(text, "max_position_embeddings", None)
         if not max_pos:
@@ -52,6 +52,8 @@ class TransformersModelImpl(ModelImpl):
                 attention_modules=probed.module_names,
                 specs=probed.specs,
                 sinks=probed.sinks,
+                tensor_parallel_size=tp,
+                unsplit_specs=unsplit.specs if tp > 1 else (),
             ),
             torch_dtype=str(
                 hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"

@@ -13,9 +13,12 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.attention.spec import AttentionSpec
+from pagoda.distributed import get_tp_rank, get_tp_size
 from pagoda.loader.sharded import WeightSlice
 from pagoda_models_transformers import attention
 from pagoda_models_transformers.probe import build_config, build_hf_model, check_config
+from pagoda_models_transformers.tensor_parallel import build_sharded
+from pagoda_models_transformers.tp_plan import Shard
 from pagoda_models_transformers.weights import load_hf_weights
 
 
@@ -30,6 +33,10 @@ class TransformersModelConfig:
     attention_modules: tuple[str, ...]
     specs: tuple[AttentionSpec, ...]
     sinks: tuple[str | None, ...]
+    #: Ranks the model is split over by its tensor-parallel plan, and (when more than one) the
+    #: attention modules' specs with every head, from which the plan's split is read.
+    tensor_parallel_size: int = 1
+    unsplit_specs: tuple[AttentionSpec, ...] = ()
 
 
 class _HiddenOutput:
@@ -76,9 +83,29 @@ class TransformersCausalLM(nn.Module):
         model_cls = check_config(hf_config, cfg.architecture)
         # NOTE: grouped experts: no per-expert loop, no host sync (transformers counts the
         # tokens per expert with histc, which CUDA graphs can capture).
-        self.model = build_hf_model(
-            model_cls, hf_config, attention.PAGODA, torch.get_default_dtype(), experts="grouped_mm"
-        )
+        experts = "grouped_mm"
+        #: The split parameters' shards (by name), from which their weights load.
+        self.shards: dict[str, Shard] = {}
+        size = cfg.tensor_parallel_size
+        if size == 1:
+            self.model = build_hf_model(
+                model_cls, hf_config, attention.PAGODA, torch.get_default_dtype(), experts=experts
+            )
+        elif size != get_tp_size():
+            raise ValueError(
+                f"the model was shaped for {size} tensor-parallel ranks, the worker has "
+                f"{get_tp_size()}"
+            )
+        else:
+            self.model, self.shards = build_sharded(
+                model_cls,
+                hf_config,
+                cfg.attention_modules,
+                cfg.unsplit_specs,
+                get_tp_rank(),
+                size,
+                experts,
+            )
         self.attn_layers = nn.ModuleList()
         for i, (name, spec, sinks) in enumerate(
             zip(cfg.attention_modules, cfg.specs, cfg.sinks, strict=True)
@@ -117,5 +144,6 @@ class TransformersCausalLM(nn.Module):
         return out.logits[0]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSlice]]) -> set[str]:
-        """Load the checkpoint's tensors, named as on disk (``save_pretrained``'s names)."""
-        return load_hf_weights(self.model, weights)
+        """Load the checkpoint's tensors, named as on disk (``save_pretrained``'s names): of a
+        split parameter, this rank's part."""
+        return load_hf_weights(self.model, weights, self.shards)

@@ -9,7 +9,7 @@ tied weights and the Pagoda layers' views of the sinks stay what they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -18,12 +18,20 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
 from pagoda.loader.sharded import WeightSlice, as_slice
+from pagoda_models_transformers.tp_plan import Shard
 
 #: Checkpoint tensors that are not weights (buffers transformers computes itself).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _copy(target: torch.Tensor, name: str, source: str, value: torch.Tensor) -> None:
+def _copy(
+    target: torch.Tensor,
+    name: str,
+    source: str,
+    weight: torch.Tensor | WeightSlice,
+    shard: Shard | None,
+) -> None:
+    value = as_slice(weight).full() if shard is None else shard.take(weight, repr(source))
     if tuple(target.shape) != tuple(value.shape):
         raise ValueError(
             f"checkpoint weight {source!r} ({name}) has shape {tuple(value.shape)}, the model "
@@ -34,11 +42,16 @@ def _copy(target: torch.Tensor, name: str, source: str, value: torch.Tensor) -> 
 
 
 def load_hf_weights(
-    model: Any, weights: Iterable[tuple[str, torch.Tensor | WeightSlice]]
+    model: Any,
+    weights: Iterable[tuple[str, torch.Tensor | WeightSlice]],
+    shards: Mapping[str, Shard] | None = None,
 ) -> set[str]:
     """Copy ``weights`` (checkpoint names) into ``model`` (a transformers ``PreTrainedModel``);
-    returns the names of the state set. Raises naming a weight with no home, one of the wrong
-    shape, or a parameter or persistent buffer left unset."""
+    of a parameter in ``shards`` (split over tensor-parallel ranks), only this rank's part, read
+    alone from a lazy slice where no conversion needs the whole. Returns the names of the state
+    set. Raises naming a weight with no home, one of the wrong shape, or a parameter or
+    persistent buffer left unset."""
+    shards = shards or {}
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -58,21 +71,20 @@ def load_hf_weights(
                 f"checkpoint weight {name!r} has no parameter in {type(model).__name__}"
                 + (f" (renamed {target!r})" if target != name else "")
             )
-        value = as_slice(weight).full()
         if pattern is None:
-            _copy(state[target], target, name, value)
+            _copy(state[target], target, name, weight, shards.get(target))
             loaded.add(target)
             continue
         converter = pending.get(target)
         if converter is None:
             converter = pending[target] = deepcopy(by_pattern[pattern])
-        converter.add_tensor(target, name, pattern, value)
+        converter.add_tensor(target, name, pattern, as_slice(weight).full())
     for first, converter in pending.items():
         for target, value in converter.convert(first, model=model, config=model.config).items():
             value = value[0] if isinstance(value, list) else value
             if target not in state:
                 raise ValueError(f"converted weight {target!r} has no parameter in the model")
-            _copy(state[target], target, first, value)
+            _copy(state[target], target, first, value, shards.get(target))
             loaded.add(target)
     # Tied weights are one tensor under several names: set once, set for all.
     done = {id(state[n]) for n in loaded}
