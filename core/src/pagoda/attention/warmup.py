@@ -177,5 +177,6 @@ def _graph_step(
         seq_lens_cpu=np.concatenate([step.seq_lens_cpu, np.full(b - n, q)]),
         block_size=bs,
     )
-    backend.prepare_graph_replay(md, padded)
+    with torch.inference_mode():  # as the runner replays: its steps run in inference mode
+        backend.prepare_graph_replay(md, padded)
     return forward(md, b * q)[: n * q]
