@@ -15,7 +15,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.plugins import get_registry
 
-from .gpu_helpers import check_same_or_near_tie, near_tie, save_random_qwen3
+from .gpu_helpers import check_same_or_near_tie, save_random_qwen3
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,6 +27,8 @@ pytestmark = [
 ]
 
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
+#: How far below transformers' best logit (bf16) an engine's greedy token may be.
+BF16_SLACK = 0.05
 
 
 def _prompts(vocab: int, n: int = 16, longest: int = 300) -> list[list[int]]:
@@ -124,21 +126,23 @@ def test_gemma2_windows_and_softcaps_match_transformers(tmp_path: Path, backend:
         use_tqdm=False,
     )
     del llm
-    # eager: the attention that computes the soft-cap
     hf = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, attn_implementation="eager"
-    )
+    )  # eager: the attention that computes the soft-cap
     hf = hf.cuda().eval()
+    exact = 0
     for p, o in zip(prompts, outs):
         got = list(o.outputs[0].token_ids)
+        # Teacher-forced on the engine's tokens: each is transformers' choice, or within bf16
+        # rounding of it (4 layers of sharp, capped attention in bf16 move logits by ~1e-2;
+        # a dropped window or cap moves them by far more: the CPU tests in float32 show it).
         with torch.inference_mode():
-            want = hf.generate(
-                torch.tensor([p], device="cuda"), max_new_tokens=24, min_new_tokens=24,
-                do_sample=False,
-            )[0, len(p) :].tolist()  # fmt: skip
-        if got == want:
-            continue
-        i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-        with torch.inference_mode():
-            logits = hf(torch.tensor([p + want[:i]], device="cuda")).logits[0, -1]
-        assert near_tie(logits), f"diverges from transformers at token {i}, not at a near-tie"
+            logits = hf(torch.tensor([p + got], device="cuda")).logits[0, len(p) - 1 : -1]
+        logits = logits.float()
+        best = logits.max(-1).values
+        chosen = logits.gather(1, torch.tensor(got, device="cuda")[:, None])[:, 0]
+        assert float((best - chosen).max()) <= BF16_SLACK, (
+            f"a token {float((best - chosen).max()):.3f} below transformers' best logit"
+        )
+        exact += int(torch.equal(logits.argmax(-1).cpu(), torch.tensor(got)))
+    print(f"{backend}: {exact} of {len(prompts)} prompts are transformers' greedy tokens")
