@@ -136,7 +136,8 @@ def test_no_impl_accepting_is_one_line_listing_each_impl_and_its_reason(impls) -
     assert "refuses_all: it serves nothing" in msg
     assert "tiny: only TinyPluginForCausalLM" in msg and "higher: only" in msg
     names = [n for n, _, _ in verdicts(_config("GPT2LMHeadModel"))]
-    assert names == ["higher", "native", "refuses_all", "tiny"]
+    ours = ["higher", "native", "refuses_all", "tiny"]  # installed plugins may add others
+    assert [n for n in names if n in ours] == ours and names == sorted(names)
 
 
 def test_model_info_records_the_impl_and_its_arch_config(impls, tmp_path) -> None:
