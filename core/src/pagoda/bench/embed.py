@@ -45,7 +45,7 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
 
     from pagoda.bench.random_weights import ensure_random_weights
     from pagoda.bench.report import commit, hardware
-    from pagoda.entrypoints.llm import LLM
+    from pagoda.engine.llm_engine import LLMEngine
 
     overrides: dict[str, Any] = {}
     weights = None
@@ -57,22 +57,21 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         overrides["model"] = str(folder)
     if config.model.task == "auto":
         overrides["task"] = "embed"
-    llm = LLM(config=config, **overrides)
-    info = llm.engine.info
+    llm = LLMEngine(config.with_overrides(overrides) if overrides else config)
+    info = llm.info
     gen = np.random.default_rng(0)
     low = 10 if info.shape.vocab_size > 100 else 0
     ids = gen.integers(low, info.shape.vocab_size, (args.num_prompts, args.input_len)).tolist()
-    prompts = [{"prompt_token_ids": row} for row in ids]
     n_tokens = args.num_prompts * args.input_len
 
-    llm.embed(prompts[: min(8, len(prompts))], use_tqdm=False)  # warm-up
+    _embed(llm, ids[: min(8, len(ids))])  # warm-up
     start = time.perf_counter()
-    outs = llm.embed(prompts, use_tqdm=False)
+    ours = _embed(llm, ids)
     pagoda_s = time.perf_counter() - start
-    ours = np.array([o.outputs.embedding for o in outs], dtype=np.float32)
     results: dict[str, Any] = {"pagoda": _rates(args.num_prompts, n_tokens, pagoda_s)}
     pooler = info.pooler
     if not args.skip_st:
+        llm.shutdown()
         del llm
         if info.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -102,6 +101,26 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     if args.output_json:
         Path(args.output_json).write_text(text + "\n")
     return 0
+
+
+def _embed(engine: Any, ids: list[list[int]]) -> Any:
+    """Embeddings of every prompt of token ids, as ``LLM.embed`` runs them (one pooling request
+    each, the engine stepped until all are done)."""
+    import numpy as np
+
+    from pagoda.pooling_params import PoolingParams
+
+    params = PoolingParams(task="embed")
+    names = []
+    for row in ids:
+        rid = engine.new_request_id()
+        engine.add_pooling(rid, None, row, params)
+        names.append(rid)
+    done: dict[str, Any] = {}
+    while len(done) < len(names):
+        for out in engine.step():
+            done[out.request_id] = out.outputs.data
+    return np.stack([done[r] for r in names]).astype(np.float32)
 
 
 def _rates(n: int, tokens: int, seconds: float) -> dict[str, float]:
