@@ -38,7 +38,7 @@ class WeightSlice:
         return self._src[tuple(index)]
 
     def full(self) -> torch.Tensor:
-        return self._src if isinstance(self._src, torch.Tensor) else self._src[:]
+        return self._src if isinstance(self._src, torch.Tensor) else self._src[...]
 
 
 def as_slice(w: torch.Tensor | WeightSlice) -> WeightSlice:

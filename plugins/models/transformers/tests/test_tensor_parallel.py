@@ -15,7 +15,7 @@ import pytest
 import torch
 from pagoda_models_transformers.impl import TransformersModelImpl
 from pagoda_models_transformers.tiny import tiny_config
-from tf_parity import hf_config_dict, hf_model, save
+from tf_parity import build_ours, hf_config_dict, hf_model, save
 
 from pagoda import LLM, SamplingParams
 from pagoda.attention.torch_native import TorchNativeBackend
@@ -126,6 +126,22 @@ def test_each_rank_holds_its_slice_of_every_expert(
         )
 
 
+@pytest.mark.parametrize(
+    ("model_type", "param"),
+    [
+        ("sarvam_moe", "model.layers.0.self_attn.q_proj.weight"),  # a fused qkv in the file
+        ("apertus", "model.layers.0.mlp.up_proj.weight"),  # scalar weights (its activation's)
+    ],
+)
+def test_checkpoints_that_conversions_reshape_load_each_ranks_slice(
+    model_type: str, param: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = save(hf_model(model_type), tmp_path)
+    whole = dict(build_ours(folder).model.named_parameters())[param]
+    p = [_rank_params(folder, r, monkeypatch) for r in range(2)]
+    assert torch.equal(torch.cat([x[param] for x in p]), whole)
+
+
 def test_a_size_that_does_not_divide_names_what_and_the_sizes_that_fit() -> None:
     with pytest.raises(ValueError) as info:
         TransformersModelImpl.shape(tiny_config("qwen3").to_dict(), 3)
@@ -151,6 +167,7 @@ def test_an_expert_size_that_does_not_divide_is_named_per_expert() -> None:
     [
         ("stablelm", "StableLmForCausalLM has no tensor-parallel plan"),
         ("gpt_oss", "GptOssForCausalLM's tensor-parallel plan splits only its embedding and LM"),
+        ("gemma3n_text", "Gemma3nForCausalLM uses activation sparsity \\(statistics over the"),
     ],
 )
 def test_a_model_without_a_plan_it_can_apply_is_refused_by_name(

@@ -50,6 +50,12 @@ EMBEDDING = "embedding_rowwise"
 STYLES = SPLIT_OUT | GATHER_OUT | SPLIT_IN | GIVEN_IN | REDUCE_OUT | WHOLE | {EMBEDDING}
 #: The projections whose heads are keys or values: replicated when ranks outnumber them.
 KV_PROJECTIONS = frozenset({"k_proj", "v_proj"})
+#: Config attributes that, set (non-zero), make a layer read all of a dim the plan splits: no
+#: shape shows it, the numbers are wrong.
+WHOLE_DIM_FEATURES = {
+    "activation_sparsity_pattern": "activation sparsity (statistics over the whole intermediate "
+    "size, which the plan splits)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,11 @@ def resolve(model: Any) -> Planned:
             f"{name}'s tensor-parallel plan uses {', '.join(unknown)} ({', '.join(which[:4])}), "
             f"which the transformers impl does not implement; only tensor_parallel_size=1 fits"
         )
+    text = model.config.get_text_config()
+    for attr, feature in WHOLE_DIM_FEATURES.items():
+        value = getattr(text, attr, None)
+        if value and any(value if isinstance(value, (list, tuple)) else [value]):
+            raise Refusal(f"{name} uses {feature}: only tensor_parallel_size=1 fits")
     params: dict[str, tuple[str, nn.Parameter, nn.Module]] = {}
     modules: dict[str, tuple[str, nn.Module]] = {}
     for mname, module in model.named_modules():

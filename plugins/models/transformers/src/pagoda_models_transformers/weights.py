@@ -41,6 +41,26 @@ def _copy(
         target.copy_(value)
 
 
+class _Unsplit:
+    """``model`` as a conversion sees it: a split parameter with its whole shape (transformers'
+    ``Split`` sizes the pieces of a fused checkpoint tensor by the parameters they go to)."""
+
+    def __init__(self, model: Any, shards: Mapping[str, Shard]) -> None:
+        self._model, self._shards = model, shards
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        param = self._model.get_parameter(name)
+        shard = self._shards.get(name)
+        if shard is None:
+            return param
+        shape = list(param.shape)
+        shape[shard.dim] = shard.full
+        return torch.empty(shape, dtype=param.dtype, device="meta")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
 def load_hf_weights(
     model: Any,
     weights: Iterable[tuple[str, torch.Tensor | WeightSlice]],
@@ -79,8 +99,9 @@ def load_hf_weights(
         if converter is None:
             converter = pending[target] = deepcopy(by_pattern[pattern])
         converter.add_tensor(target, name, pattern, as_slice(weight).full())
+    seen = _Unsplit(model, shards) if shards else model
     for first, converter in pending.items():
-        for target, value in converter.convert(first, model=model, config=model.config).items():
+        for target, value in converter.convert(first, model=seen, config=model.config).items():
             value = value[0] if isinstance(value, list) else value
             if target not in state:
                 raise ValueError(f"converted weight {target!r} has no parameter in the model")
