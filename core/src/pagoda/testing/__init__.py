@@ -10,6 +10,11 @@
   (structured output) against the contract of ``pagoda.structured_output.backend``.
 - :func:`grammar_cases` and the ``check_*`` functions of ``pagoda.testing.grammar``: the same
   without pytest.
+- :class:`ModelImplSuite`: subclass it in a pytest module to check a model impl on tiny configs:
+  the declared attention specs, logits however the steps cut a request or pack several, against
+  a reference when one is given, and tensor-parallel refusals (needs pytest).
+- :func:`check_model_impl`, :func:`build_impl_model`, :func:`run_steps` and the ``check_*``
+  functions of ``pagoda.testing.model_impl``: the same without pytest.
 - :func:`plugin_registered`: register a plugin object for the duration of a ``with`` block.
 
 Floor: faces. Nothing in the core imports it.
@@ -29,6 +34,13 @@ from pagoda.testing.attention import (
     run_attention_case,
 )
 from pagoda.testing.grammar import GrammarCase, grammar_cases
+from pagoda.testing.model_impl import (
+    ModelReference,
+    PagedRunner,
+    build_impl_model,
+    check_model_impl,
+    run_steps,
+)
 from pagoda.testing.spec_decode import ProposerCase, check_proposer_case, proposer_cases
 
 __all__ = [
@@ -37,6 +49,12 @@ __all__ = [
     "AttentionCase",
     "GrammarBackendConformance",
     "GrammarCase",
+    "ModelImplSuite",
+    "ModelReference",
+    "PagedRunner",
+    "build_impl_model",
+    "check_model_impl",
+    "run_steps",
     "grammar_cases",
     "ProposerCase",
     "SpeculativeProposerConformance",
@@ -61,6 +79,11 @@ def __getattr__(name: str) -> Any:
         from pagoda.testing.grammar_suite import GrammarBackendConformance
 
         return GrammarBackendConformance
+    if name == "ModelImplSuite":  # imports pytest
+        # NOTE: the suites import pytest: only for a test that asks for one.
+        from pagoda.testing.model_impl_suite import ModelImplSuite
+
+        return ModelImplSuite
     if name == "SpeculativeProposerConformance":  # imports pytest
         # NOTE: the suites import pytest: only for a test that asks for one.
         from pagoda.testing.spec_decode_suite import SpeculativeProposerConformance
