@@ -32,6 +32,7 @@ from pagoda.testing.model_impl import (
     check_packed_matches_alone,
     check_reference,
     check_unfit_tensor_parallel,
+    impl_class,
 )
 
 UNKNOWN = {"architectures": ["NoSuchModelForCausalLM"], "model_type": "no_such_model"}
@@ -61,7 +62,7 @@ class ModelImplSuite:
             metafunc.parametrize("config_name", list(self.configs))
 
     def impl(self) -> type[ModelImpl]:
-        return get_registry(KIND).get(self.impl_name)
+        return impl_class(self.impl_name)
 
     @pytest.fixture(scope="class")
     @classmethod
