@@ -16,6 +16,7 @@ from pagoda.attention.spec import AttentionSpec
 from pagoda.distributed import get_tp_rank, get_tp_size
 from pagoda.loader.sharded import WeightSlice
 from pagoda_models_transformers import attention
+from pagoda_models_transformers.fuse import fuse, pagoda_forward
 from pagoda_models_transformers.probe import build_config, build_hf_model, check_config
 from pagoda_models_transformers.tensor_parallel import build_sharded
 from pagoda_models_transformers.tp_plan import Shard
@@ -120,14 +121,17 @@ class TransformersCausalLM(nn.Module):
                 layer.impl.sinks = param
             object.__setattr__(module, attention.LAYER_ATTR, layer)
             self.attn_layers.append(layer)
+        # Pagoda's fused norms, gated MLPs and rotary where they compute what transformers does.
+        self.fused = fuse(self.model)
         self._prefix = self.model.base_model_prefix
         self._hidden = _Hidden()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states of every token of the flat batch: [num_tokens, hidden_size]."""
-        out = self.model.base_model(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False
-        )
+        with pagoda_forward():
+            out = self.model.base_model(
+                input_ids=input_ids[None], position_ids=positions[None], use_cache=False
+            )
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
