@@ -97,9 +97,7 @@ def _embedding_forward(module: nn.Embedding, shard: Shard) -> Callable[[torch.Te
     return forward
 
 
-def _install_forwards(
-    planned: Planned, shards: dict[str, Shard | None], rank: int, size: int
-) -> None:
+def _install_forwards(planned: Planned, shards: dict[str, Shard], rank: int, size: int) -> None:
     for mname, (style, module) in planned.modules.items():
         if style in SPLIT_IN | GIVEN_IN:
             width = module.weight.shape[-1]
@@ -128,7 +126,7 @@ def _materialise(model: nn.Module, shards: dict[str, Shard], device: torch.devic
             if name in shards:
                 shape[shards[name].dim] = shards[name].local
             data = torch.empty(shape, dtype=param.dtype, device=device)
-            new = done[id(param)] = nn.Parameter(data, requires_grad=False)
+            new = done[id(param)] = nn.Parameter(data, requires_grad=param.requires_grad)
         owner, _, pname = name.rpartition(".")
         model.get_submodule(owner)._parameters[pname] = new
 

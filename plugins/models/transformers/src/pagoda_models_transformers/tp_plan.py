@@ -185,6 +185,10 @@ class Layout:
         self.fused = {
             a for a in self.split_heads if not any(n.startswith(a + ".") for n in self.kv)
         }
+        #: Parameters of those attention modules (their sizes follow the heads).
+        self.of_heads = {
+            n for n in planned.params if any(n.startswith(a + ".") for a in self.split_heads)
+        }
 
     def problems(self, n: int) -> list[str]:
         """What ``n`` ranks do not divide, one phrase each (none: it fits)."""
@@ -202,8 +206,8 @@ class Layout:
             dim = _dim(name, style, param)
             if dim is None or style in GATHER_OUT or style == EMBEDDING:
                 continue
-            if any(name.startswith(a + ".") for a in self.split_heads):
-                continue  # an attention module's heads: said above
+            if name in self.of_heads:
+                continue  # said by the heads
             full = param.shape[dim]
             halves = 2 if style.startswith("packed") else 1
             if full % (n * halves):
