@@ -102,6 +102,7 @@ def test_embeddings_of_token_arrays_and_dimensions(embed_server) -> None:
         ({"input": "w1 " * 200}, "input"),
         ({"input": "hello", "dimensions": 4096}, "dimensions"),
         ({"input": [[1, 2, 10**6]]}, "input"),
+        ({"input": "hello", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ],
 )
 def test_bad_embedding_input_is_a_400_naming_the_field(embed_server, body, param) -> None:

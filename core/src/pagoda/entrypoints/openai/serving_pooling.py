@@ -115,7 +115,7 @@ class ServingPooling(Serving):
     async def embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
         model = self.check_model(req.model)
         prompts = _inputs(req.input, "input")
-        params = PoolingParams(
+        params = _params(
             task="embed",
             dimensions=req.dimensions,
             normalize=req.normalize,
@@ -144,7 +144,7 @@ class ServingPooling(Serving):
     async def classify(self, req: ClassifyRequest) -> dict[str, Any]:
         model = self.check_model(req.model)
         prompts = _inputs(req.input, "input")
-        params = PoolingParams(
+        params = _params(
             task="classify",
             activation=req.activation,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
@@ -222,15 +222,13 @@ class ServingPooling(Serving):
         embeddings (a bi-encoder). Returns the scores and the prompt tokens run."""
         truncate = req.truncate_prompt_tokens
         if "score" in self.engine.info.tasks:
-            params = PoolingParams(
-                task="score", activation=activation, truncate_prompt_tokens=truncate
-            )
+            params = _params(task="score", activation=activation, truncate_prompt_tokens=truncate)
             pairs = list(zip(firsts, seconds))
             outs = await self._run("score", pairs, params, req.priority, "text_1")
             n = sum(len(o.prompt_token_ids) for o in outs)
             return [float(np.asarray(o.outputs.data)[0]) for o in outs], n
         texts = list(dict.fromkeys(firsts + seconds))
-        params = PoolingParams(task="embed", truncate_prompt_tokens=truncate)
+        params = _params(task="embed", truncate_prompt_tokens=truncate)
         outs = await self._run(
             "score", [{"prompt": t} for t in texts], params, req.priority, "text_1"
         )
@@ -285,6 +283,14 @@ class ServingPooling(Serving):
                     raise APIError(f"request {request_id} ended without an output", 500)
                 return out
         raise APIError(f"request {request_id} ended without an output", 500)
+
+
+def _params(**fields: Any) -> PoolingParams:
+    """The request's pooling parameters; a value they refuse is a 400 naming its field."""
+    try:
+        return PoolingParams(**fields)
+    except ValueError as e:
+        raise _bad_pooling(e, "input") from e
 
 
 def _bad_pooling(e: ValueError | TypeError, input_field: str) -> APIError:
