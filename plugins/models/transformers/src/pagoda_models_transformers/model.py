@@ -124,6 +124,8 @@ class TransformersCausalLM(nn.Module):
         # Pagoda's fused norms, gated MLPs and rotary where they compute what transformers does.
         self.fused = fuse(self.model)
         self._prefix = self.model.base_model_prefix
+        #: Whether compute_logits may run the output embedding alone (asked on first use).
+        self._plain_head: bool | None = None
         self._hidden = _Hidden()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -138,6 +140,13 @@ class TransformersCausalLM(nn.Module):
         """[rows, vocab]: the causal LM's own head on ``hidden_states`` (its LM head and what
         follows it: a final soft-cap, a logit scale), run by its own forward with the base
         model stood in for by the given hidden states."""
+        if self._plain_head is None:
+            self._plain_head = self._head_is_plain(hidden_states)
+        if self._plain_head:  # NOTE: one matmul, none of the causal LM forward's host work
+            return self.model.get_output_embeddings()(hidden_states)
+        return self._own_head(hidden_states)
+
+    def _own_head(self, hidden_states: torch.Tensor) -> torch.Tensor:
         modules = self.model._modules
         base = modules[self._prefix]
         modules[self._prefix] = self._hidden
@@ -146,6 +155,26 @@ class TransformersCausalLM(nn.Module):
         finally:
             modules[self._prefix] = base
         return out.logits[0]
+
+    def _head_is_plain(self, like: torch.Tensor) -> bool:
+        """Whether the causal LM's head is its output embedding alone (no soft-cap, no scale):
+        asked once, with the weights loaded, on hidden states scaled so that the logits reach
+        50, where a soft-cap or a scale of the logits shows."""
+        head = self.model.get_output_embeddings()
+        if head is None or self.config.tensor_parallel_size != 1:
+            return False
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(3, like.shape[-1], generator=gen).to(like)
+        with torch.inference_mode():
+            plain = head(h).float()
+            if not bool(torch.isfinite(plain).all()) or float(plain.abs().max()) == 0.0:
+                return False
+            h = h * (50.0 / float(plain.abs().max()))
+            plain = head(h).float()
+            own = self._own_head(h).float()
+        if own.shape != plain.shape:
+            return False
+        return bool(torch.allclose(own, plain, rtol=1e-2, atol=1e-2 * float(plain.abs().max())))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | WeightSlice]]) -> set[str]:
         """Load the checkpoint's tensors, named as on disk (``save_pretrained``'s names): of a
