@@ -25,7 +25,9 @@ from torch import nn
 
 from pagoda.ops import rms_norm, rotary_embedding, silu_and_mul
 
-logger = logging.getLogger(__name__)
+# NOTE: under "pagoda", whose records the engine's commands print (they leave other libraries'
+# loggers at WARNING): what was fused shows at start-up.
+logger = logging.getLogger("pagoda.models_transformers.fuse")
 
 #: Whether a Pagoda forward is running: the modeling file's function is shared by every model of
 #: the process, and transformers' own models (a test's reference) must keep computing their own.
