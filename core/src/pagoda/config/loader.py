@@ -282,6 +282,15 @@ def build(cls: type[C], layers: list[Layer]) -> C:
         raise ConfigError(_cross_field_errors(e, sources)) from None
     finally:
         LAYERED.reset(token)
+    # NOTE: a name no plugin registers fails here, at start, in every command and in LLM(...),
+    # not later in the engine process or per request.
+    selected = {}
+    for dotted in plugin_settings.SELECTIONS:
+        section, key = dotted.split(".")
+        selected[dotted] = getattr(getattr(config, section), key)
+    errors = plugin_settings.selection_errors(selected, sources)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     config._sources = {**sources, **plugin_sources}
     config._plugin_values = plugin_values
     return config

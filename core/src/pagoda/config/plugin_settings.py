@@ -24,6 +24,14 @@ if TYPE_CHECKING:
 SECTION = "plugins"
 ENV_PREFIX = "PAGODA_PLUGINS__"
 
+#: Keys that select a registered thing by name -> the registry that must hold the name. A name
+#: no plugin registers is a configuration error at load (``auto`` and None select none).
+SELECTIONS: dict[str, str] = {
+    "parallel.executor": "executors",
+    "speculative.method": "spec_proposers",
+    "structured_output.backend": "grammar_backends",
+}
+
 
 class PluginSettingsChecker(Protocol):
     """Checks the ``plugins`` section against the settings models that plugins register."""
@@ -42,6 +50,11 @@ class PluginSettingsChecker(Protocol):
         self, values: dict[str, dict[str, Any]], sources: dict[str, str]
     ) -> list[tuple[str, Any, str]]:
         """(``plugins.name.key``, value, source) for every key of every registered model."""
+        ...
+
+    def unknown_name(self, kind: str, name: str) -> str | None:
+        """None if some plugin registers ``name`` in registry ``kind``; else one line saying so
+        and naming the available ones."""
         ...
 
 
@@ -105,6 +118,20 @@ def validate(
     if not values:
         return {}, []
     return checker().validate(values, sources)
+
+
+def selection_errors(selected: dict[str, Any], sources: dict[str, str]) -> list[str]:
+    """An error per key of :data:`SELECTIONS` in ``selected`` (key -> value) whose name no
+    plugin registers, naming the key's source and the available names."""
+    errors = []
+    for key, kind in SELECTIONS.items():
+        name = selected.get(key)
+        if name is None or name == "auto":
+            continue
+        why = checker().unknown_name(kind, name)
+        if why is not None:
+            errors.append(f"{key}: {why} [from {sources.get(key, 'default')}]")
+    return errors
 
 
 def registered_rows(

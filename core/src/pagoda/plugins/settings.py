@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.config.errors import ConfigError
 from pagoda.config.plugin_settings import SECTION
+from pagoda.plugins.errors import UnknownNameError
 from pagoda.plugins.manager import get_registry
 
 if TYPE_CHECKING:
@@ -91,3 +92,12 @@ class RegistrySettings:
                     value = value.model_dump()
                 rows.append((dotted, value, sources.get(dotted, "default")))
         return rows
+
+    def unknown_name(self, kind: str, name: str) -> str | None:
+        try:
+            get_registry(kind).registration(name)
+        except UnknownNameError as e:
+            return str(e).splitlines()[0]
+        except Exception:  # noqa: BLE001 - a failed or duplicate provider errs when selected
+            return None
+        return None
