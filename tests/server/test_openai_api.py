@@ -32,7 +32,7 @@ def _stream_chat(client, model: str, **kwargs) -> tuple[dict[int, str], list]:
 
 def test_models_lists_the_served_model_with_its_context(client, model_name: str) -> None:
     models = client.models.list().data
-    assert [m.id for m in models][0] == model_name == "SmolLM2-135M-Instruct"
+    assert [m.id for m in models] == [model_name] == ["SmolLM2-135M-Instruct"]  # one id
     assert models[0].model_extra["max_model_len"] == 1024
 
 

@@ -294,7 +294,11 @@ class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="address `pagoda serve` listens on")
     port: int = Field(8000, ge=0, le=65535, description="port `pagoda serve` listens on")
     api_key: str | None = Field(None, description="bearer token clients must send; None: open")
-    served_model_name: str | None = Field(None, description="model name in the API")
+    served_model_name: str | None = Field(
+        None,
+        description="the model's one name in the API and the metrics; None: the model folder's"
+        " name or the GGUF file's stem",
+    )
     trust_request_chat_template: bool = Field(
         False,
         description="accept a chat template in a request (`chat_template`, or in"

@@ -58,7 +58,14 @@ class AsyncLLM:
             raise
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
-        self.metrics = EngineMetrics(self.info.name, log_stats_interval)
+        self.metrics = EngineMetrics(self.served_model_name, log_stats_interval)
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's one name in the API and in the metrics' ``model_name`` label:
+        ``server.served_model_name``, else the model's name (a folder's name, a GGUF file's
+        stem, the default model's name)."""
+        return self.config.server.served_model_name or self.info.name
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> AsyncLLM:

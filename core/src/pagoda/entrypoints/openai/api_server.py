@@ -47,12 +47,10 @@ from pagoda.entrypoints.openai.serving_pooling import (
 logger = logging.getLogger("pagoda.server")
 
 
-def model_names(engine: AsyncLLM, config: EngineConfig) -> list[str]:
-    """The names a request may give in ``model``: the served name first."""
-    names = [config.server.served_model_name or engine.info.name]
-    if config.model.model and config.model.model not in names:
-        names.append(config.model.model)
-    return names
+def model_names(engine: AsyncLLM) -> list[str]:
+    """The names a request may give in ``model`` and ``/v1/models`` lists: the served name
+    alone (``AsyncLLM.served_model_name``), never a second id for the model's path."""
+    return [engine.served_model_name]
 
 
 def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) -> FastAPI:
@@ -246,7 +244,7 @@ def run_server(config: EngineConfig) -> int:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 1
     try:
-        names = model_names(engine, config)
+        names = model_names(engine)
         app = build_app(engine, names, config.server.api_key)
         host, port = config.server.host, config.server.port
         logger.info(
