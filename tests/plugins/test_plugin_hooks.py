@@ -14,6 +14,7 @@ from pagoda import LLM, SamplingParams, hookimpl
 from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache.block_pool import BlockPool
 from pagoda.kv_cache.manager import KVCacheManager
+from pagoda.parsers import MarkedToolParser, ToolCall, reasoning_parser_class, tool_parser_class
 from pagoda.plugins import RequestRejectedError, get_registry, plugin_registered, select
 from pagoda.request import Request
 from pagoda.scheduler.scheduler import Scheduler
@@ -54,6 +55,22 @@ class Registers:
     @hookimpl
     def register_offload_mediums(self, register):
         register("hooked_medium", "pagoda.kv_offload.cpu:CPUMedium")
+
+    @hookimpl
+    def register_tool_parsers(self, register):
+        register("hooked_tools", _HookedToolParser)
+
+    @hookimpl
+    def register_reasoning_parsers(self, register):
+        register("hooked_think", "pagoda.parsers.reasoning:ThinkTagsParser")
+
+
+class _HookedToolParser(MarkedToolParser):
+    call_start = "CALL "
+
+    def parse_block(self, block):
+        name, _, args = block.partition(" ")
+        return [ToolCall(name, args or "{}")]
 
 
 @pytest.fixture
@@ -121,6 +138,16 @@ def test_hook_register_offload_mediums_makes_a_medium_selectable(registers) -> N
     from pagoda.kv_offload.cpu import CPUMedium
 
     assert get_registry("offload_mediums").get("hooked_medium") is CPUMedium
+
+
+def test_hook_register_tool_parsers_makes_a_parser_selectable_by_name(registers) -> None:
+    parsed = tool_parser_class("hooked_tools")([]).parse('Sure. CALL add {"a": 1}')
+    assert parsed.content == "Sure. " and parsed.tool_calls == [ToolCall("add", '{"a": 1}')]
+
+
+def test_hook_register_reasoning_parsers_makes_a_parser_selectable_by_name(registers) -> None:
+    parser = reasoning_parser_class("hooked_think")()
+    assert parser.parse("<think>hm</think>ok") == ("hm", "ok")
 
 
 class _Settings:

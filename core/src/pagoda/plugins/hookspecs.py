@@ -205,6 +205,35 @@ def register_offload_mediums(register: Register) -> None:
     """
 
 
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers by name (``hermes``, ``llama3_json``, ...).
+
+    :param register: call ``register(name, "pkg.mod:ParserClass")`` for each parser; the class
+        implements :class:`pagoda.parsers.ToolParser` and is built per request as
+        ``ParserClass(tools)``.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``server.tool_call_parser`` (``--tool-call-parser``); with ``--enable-auto-tool-choice`` it
+    serves ``tool_choice: auto``.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers by name (``deepseek_r1``, ``qwen3``, ...).
+
+    :param register: call ``register(name, "pkg.mod:ParserClass")`` for each parser; the class
+        implements :class:`pagoda.parsers.ReasoningParser` and is built per output as
+        ``ParserClass()``.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``server.reasoning_parser`` (``--reasoning-parser``); it fills ``reasoning_content``.
+    """
+
+
 # ---- seams: once per request or once per step ---------------------------------------------------
 
 
@@ -295,6 +324,8 @@ REGISTRY_HOOKS: dict[str, str] = {
     "plugin_settings": "register_plugin_settings",
     "offload_policies": "register_offload_policies",
     "offload_mediums": "register_offload_mediums",
+    "tool_parsers": "register_tool_parsers",
+    "reasoning_parsers": "register_reasoning_parsers",
 }
 """Registry kind -> the hook that fills it."""
 

@@ -1,0 +1,1 @@
+"""Pagoda's built-in tool-call and reasoning parsers, registered by name."""
