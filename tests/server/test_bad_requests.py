@@ -86,8 +86,16 @@ BAD = [
             },
         },
         400,
-        ["invalid or unsupported JSON schema", "objekt"],
-        "structured_outputs",
+        ["`response_format`: invalid or unsupported JSON schema", "objekt"],
+        "response_format",
+    ),
+    (
+        "guided_regex that does not parse, on completions",
+        COMPLETIONS,
+        {"prompt": "Hi", "guided_regex": "(ab"},
+        400,
+        ["`guided_regex`: invalid or unsupported regex"],
+        "guided_regex",
     ),
     (
         "tools without a tool parser (tool_choice auto)",
@@ -196,6 +204,7 @@ def test_bad_request_gets_4xx_with_openai_error_body(
     assert isinstance(error["message"], str) and isinstance(error["type"], str)
     for word in words:
         assert word in error["message"], error["message"]
+    assert "SamplingParams" not in error["message"]  # what the client sent, not a Python class
     if param is not None:
         assert error["param"] == param, error
 

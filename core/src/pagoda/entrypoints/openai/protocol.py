@@ -6,6 +6,7 @@ defines that this server does not implement yet; each error names the field.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pagoda.entrypoints.openai.structured import (
     ResponseFormat,
     ToolCallPlan,
+    constraint_field,
     request_constraint,
     tool_plan,
 )
@@ -142,6 +144,10 @@ class _SamplingFields(_Body):
         field if it is malformed, or if several fields give one)."""
         return request_constraint(self)
 
+    def constraint_field(self) -> str | None:
+        """The field that gives the constraint, for errors that name it."""
+        return constraint_field(self)
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; raises ``ValueError`` naming a field for a bad combination."""
         fields = self.model_fields_set
@@ -237,7 +243,22 @@ class ChatMessage(_Body):
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call as chat templates read it (vLLM's way): ``arguments`` an object, not its
+    JSON text; ``function``'s fields also at the top (some templates read ``call.name``)."""
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            function["arguments"] = json.loads(args)
+        except ValueError:
+            pass  # the template gets the text as it came
+    return {**call, **function, "function": function}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -264,11 +285,15 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def tool_plan(self) -> ToolCallPlan | None:
-        """The forced tool call asked for (``tool_choice`` required or a named function)."""
+        """The tool calls asked for: forced (``tool_choice`` required or a named function) or
+        found by the parser (``auto``)."""
         return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def output_constraint(self) -> StructuredOutputsParams | None:
         return request_constraint(self, self.tool_plan)
+
+    def constraint_field(self) -> str | None:
+        return constraint_field(self, self.tool_plan)
 
     @property
     def requested_max_tokens(self) -> int | None:

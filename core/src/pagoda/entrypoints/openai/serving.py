@@ -79,12 +79,14 @@ class Serving:
         requests: list[tuple[str, dict[str, Any], SamplingParams]],
         kind: OutputKind,
         priority: int,
+        constraint_field: str | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Add requests (request id, prompt, parameters) to the engine and wait until it has
         admitted all of them, so that the answer's status is known before any body is sent.
 
         Bad input is a 400 and reaches no engine loop; a request the engine sheds is a 429 with
-        ``Retry-After``. Either way none of ``requests`` is left running.
+        ``Retry-After``. Either way none of ``requests`` is left running. A refused
+        constraint is named by ``constraint_field``, the request field that gave it.
         """
         streams = []
         try:
@@ -96,7 +98,7 @@ class Serving:
                 except EngineDeadError as e:
                     raise APIError(f"the engine is not running: {e}", 503) from e
                 except (ValueError, TypeError) as e:
-                    raise bad_value(e) from e
+                    raise bad_value(e, constraint_field) from e
                 streams.append((request_id, stream))
             for _, stream in streams:
                 await stream.admitted()
@@ -136,12 +138,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def bad_value(e: ValueError | TypeError) -> APIError:
-    """A 400 for a value the engine refused, naming the field of a ``SamplingParams`` error."""
+def bad_value(e: ValueError | TypeError, constraint_field: str | None = None) -> APIError:
+    """A 400 for a value the engine refused, naming the field of a ``SamplingParams`` error; a
+    refused output constraint names ``constraint_field``, the request field that gave it."""
     msg = str(e)
     param = None
     if msg.startswith("SamplingParams."):
         param = re.split(r"[=:\s]", msg.removeprefix("SamplingParams."), maxsplit=1)[0]
+        if param == "structured_outputs" and constraint_field is not None:
+            reason = msg.partition(": ")[2]
+            return APIError(f"`{constraint_field}`: {reason}", param=constraint_field)
     return APIError(msg, param=param)
 
 

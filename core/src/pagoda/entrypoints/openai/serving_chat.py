@@ -117,7 +117,8 @@ class ServingChat(Serving):
             raise bad_value(e) from e
         rid = new_id("chatcmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
-        (outputs,) = await self.submit([(rid, prompt, params)], kind, req.priority)
+        submitted = [(rid, prompt, params)]
+        (outputs,) = await self.submit(submitted, kind, req.priority, req.constraint_field())
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, num_prompt, outputs),

@@ -59,7 +59,7 @@ class ServingCompletion(Serving):
             (f"{rid}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, sp)
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
-        merged = merge(await self.submit(requests, kind, req.priority))
+        merged = merge(await self.submit(requests, kind, req.priority, req.constraint_field()))
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, prompts, merged), media_type="text/event-stream"
