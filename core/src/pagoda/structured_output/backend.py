@@ -81,7 +81,11 @@ class GrammarBackend(ABC):
     ``__init__(tokenizer, vocab_size, stop_token_ids, config)``: the model's Hugging Face
     tokenizer, the number of logits columns (at least the tokenizer's vocabulary), the ids that
     end a request (EOS and the model's other end-of-turn ids: a grammar ends only with one of
-    them) and the ``structured_output`` configuration section.
+    them) and the ``structured_output`` configuration section. A subclass's ``__init__`` must
+    call ``super().__init__(tokenizer, vocab_size, stop_token_ids, config)``: the core and the
+    conformance kit read ``self.tokenizer``, ``self.vocab_size``, ``self.stop_token_ids`` and
+    ``self.config``. A backend need not support every kind of constraint: ``validate`` refuses
+    one it does not with a ``ValueError`` naming it, and the kit skips that kind.
     """
 
     #: Preference when ``structured_output.backend`` is ``auto``: the highest wins.

@@ -53,6 +53,16 @@ def grammar_cases() -> list[GrammarCase]:
     ]
 
 
+def refusal(backend_cls: type[GrammarBackend], case: GrammarCase) -> str | None:
+    """Why the backend refuses ``case``'s kind of constraint through ``validate`` (a backend
+    need not support every kind), or None if it accepts it."""
+    try:
+        backend_cls.validate(case.params)
+    except ValueError as e:
+        return f"{backend_cls.__name__} refuses {case.name} constraints: {e}"
+    return None
+
+
 BAD_CONSTRAINTS: list[tuple[str, StructuredOutputsParams]] = [
     ("json", StructuredOutputsParams(json={"type": "not-a-type"})),
     ("regex", StructuredOutputsParams(regex="(unclosed")),

@@ -8,7 +8,9 @@
         backend = "my_backend"  # a registered name, or the class itself
 
 The backend is built on the default model's tokenizer (override ``make_tokenizer``) with a
-logits width a little larger than the vocabulary, as models pad it.
+logits width a little larger than the vocabulary, as models pad it. A kind of constraint the
+backend refuses through ``validate`` (``ValueError``) is skipped in every case, with its reason;
+the backend must accept at least one kind.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pagoda.testing.grammar import (
     check_validate_and_rollback,
     check_walk,
     grammar_cases,
+    refusal,
 )
 
 _CASES = grammar_cases()
@@ -65,9 +68,31 @@ class GrammarBackendConformance:
         cls = self.backend_class()
         assert isinstance(cls, type) and issubclass(cls, GrammarBackend), cls
 
+    def test_init_called_the_base_initialiser(self, built: GrammarBackend) -> None:
+        kept = ("tokenizer", "vocab_size", "stop_token_ids", "config")
+        missing = [a for a in kept if a not in vars(built)]
+        assert not missing, (
+            f"{type(built).__name__}.__init__ must call super().__init__(tokenizer, vocab_size, "
+            f"stop_token_ids, config); missing: {', '.join(missing)}"
+        )
+
+    def supported(self, case: GrammarCase) -> GrammarCase:
+        """``case``, or a skip if the backend refuses its kind through ``validate``."""
+        why = refusal(self.backend_class(), case)
+        if why is not None:
+            pytest.skip(why)
+        return case
+
+    def supported_cases(self) -> list[GrammarCase]:
+        return [c for c in _CASES if refusal(self.backend_class(), c) is None]
+
+    def test_accepts_at_least_one_kind_of_constraint(self) -> None:
+        refused = [refusal(self.backend_class(), c) for c in _CASES]
+        assert self.supported_cases(), "validate refuses every kind: " + "; ".join(refused)
+
     @pytest.mark.parametrize("case", _CASES, ids=[c.name for c in _CASES])
     def test_validate_accepts_a_good_constraint(self, case: GrammarCase) -> None:
-        self.backend_class().validate(case.params)
+        self.backend_class().validate(self.supported(case).params)
 
     @pytest.mark.parametrize(
         ("kind", "params"), BAD_CONSTRAINTS, ids=[k for k, _ in BAD_CONSTRAINTS]
@@ -82,19 +107,19 @@ class GrammarBackendConformance:
     def test_matcher_allows_each_token_of_a_valid_output_then_only_its_end(
         self, built: GrammarBackend, case: GrammarCase
     ) -> None:
-        check_walk(built, case, built.stop_token_ids[0])
+        check_walk(built, self.supported(case), built.stop_token_ids[0])
 
     @pytest.mark.parametrize("case", _CASES, ids=[c.name for c in _CASES])
     def test_validate_tokens_keeps_state_and_rollback_restores_it(
         self, built: GrammarBackend, case: GrammarCase
     ) -> None:
-        check_validate_and_rollback(built, case)
+        check_validate_and_rollback(built, self.supported(case))
 
     def test_batched_fill_and_accept_equal_one_by_one(self, built: GrammarBackend) -> None:
-        check_batch(built, _CASES)
+        check_batch(built, self.supported_cases())
 
     def test_compiles_run_concurrently(self, built: GrammarBackend) -> None:
-        check_concurrent_compiles(built, _CASES)
+        check_concurrent_compiles(built, self.supported_cases())
 
     @pytest.mark.parametrize("device", ["cpu", "cuda"])
     def test_apply_bitmask_matches_the_reference(self, device: str) -> None:
