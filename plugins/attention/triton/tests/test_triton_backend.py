@@ -1,6 +1,6 @@
 """The Triton backend's planning for a layer's spec: the splits a window leaves worth making, and
-(on a GPU) decode CUDA graphs of windowed and chunked layers, captured at the model's limit as
-the runner captures them and replayed for shorter steps."""
+(on a GPU) decode CUDA graphs of windowed, chunked and bidirectional layers, captured at the
+model's limit as the runner captures them and replayed for shorter steps."""
 
 from __future__ import annotations
 
@@ -42,11 +42,13 @@ def test_a_window_or_chunk_keeps_the_splits_that_leave_each_slice_enough_keys() 
 
 
 # Graph-captured layers: a gpt-oss-like window with sinks, a Gemma-like soft-capped window, a
-# Llama 4-like chunked layer.
+# Llama 4-like chunked layer, a bidirectional windowed layer (a decode step of it runs the
+# causal kernels: its queries are their requests' last tokens).
 GRAPH_SPECS = {
     "window_sinks": replace(PLAIN, sliding_window=1000, sinks=True),
     "window_softcap": replace(PLAIN, scale=4 * 128**-0.5, sliding_window=1500, logit_softcap=5.0),
     "chunks": replace(PLAIN, chunk_size=1024),
+    "bidirectional_window": replace(PLAIN, causal=False, sliding_window=1000),
 }
 
 
@@ -135,6 +137,7 @@ def test_a_decode_graph_of_a_local_layer_replays_steps_shorter_than_its_capture(
 
     kc, vc = kv_cache[0].cpu(), kv_cache[1].cpu()
     rules = {
+        "causal": spec.causal,
         "sliding_window": spec.sliding_window,
         "logit_softcap": spec.logit_softcap,
         "sinks": sinks.double() if spec.sinks else None,

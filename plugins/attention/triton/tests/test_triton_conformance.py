@@ -1,7 +1,7 @@
 """Pagoda's attention conformance kit on the Triton backend: natively on a GPU, and under the
 Triton interpreter on the CPU (float32, the kit's small shapes), with the spec's extras the
-kernels compute (window, soft-cap, sinks, chunks), and negative controls: a kernel launched
-without an extra fails that extra's case."""
+kernels compute (window, soft-cap, sinks, chunks, bidirectional attention), and negative
+controls: a kernel launched without an extra fails that extra's case."""
 
 from __future__ import annotations
 
@@ -53,16 +53,25 @@ class TestTritonConformance(AttentionBackendConformance):
     )
 
 
-# The extras the kernels compute, each with the `paged_attention` argument that carries it.
-EXTRAS = ("sliding_window", "logit_softcap", "sinks", "chunk_size")
+# The extras the kernels compute, each with the `paged_attention` argument that carries it and
+# the value that leaves it out.
+EXTRAS = {
+    "causal": True,
+    "sliding_window": None,
+    "logit_softcap": None,
+    "sinks": None,
+    "chunk_size": None,
+}
 
 
 def test_unsupported_accepts_the_extras_the_kernels_compute_and_names_the_others() -> None:
     plain = AttentionSpec(8, 2, 64, 0.125)
-    every = replace(plain, sliding_window=7, logit_softcap=2.0, sinks=True, chunk_size=12)
+    every = replace(
+        plain, causal=False, sliding_window=7, logit_softcap=2.0, sinks=True, chunk_size=12
+    )
     assert TritonAttentionBackend.unsupported(plain) is None
     assert TritonAttentionBackend.unsupported(every) is None
-    assert TritonAttentionBackend.unsupported(replace(every, causal=False)) == "causal"
+    assert TritonAttentionBackend.unsupported(replace(plain, causal=False)) is None
     assert TritonAttentionBackend.unsupported(replace(every, value_head_size=32)) == (
         "value_head_size"
     )
@@ -73,11 +82,13 @@ def test_a_kernel_that_drops_an_extra_fails_its_case(
     feature: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Negative control: the layer asks for the extra, the kernel is launched without it (its
-    argument forced to None), and the kit's case for it fails. float32 on either device, where
-    the tolerance is far below what the extra changes."""
+    argument forced to None; a bidirectional layer's launched causal), and the kit's case for
+    it fails. float32 on either device, where the tolerance is far below what the extra
+    changes."""
     real = kernels.paged_attention
+    off = EXTRAS[feature]
     monkeypatch.setattr(
-        kernels, "paged_attention", lambda *a, **kw: real(*a, **{**kw, feature: None})
+        kernels, "paged_attention", lambda *a, **kw: real(*a, **{**kw, feature: off})
     )
     case = next(
         c for c in attention_cases() if c.scenario == "mixed" and c.spec.features() == (feature,)
@@ -85,3 +96,26 @@ def test_a_kernel_that_drops_an_extra_fails_its_case(
     device = torch.device(TestTritonConformance.device)
     with pytest.raises(AssertionError, match=re.escape(case.name)):
         check_attention_backend(TritonAttentionBackend, case, device, torch.float32)
+
+
+# Bidirectional with a window (keys on both sides: |i - j| < w) or chunks (the whole chunk), which
+# the kit has no case of: its mixed scenario (decodes, a chunked prefill over its context and a
+# new prompt in one step) with both fields set.
+@pytest.mark.parametrize("local", [{"sliding_window": 7}, {"chunk_size": 12}], ids=str)
+def test_bidirectional_windows_and_chunks_pass_the_kit_and_fail_without_either(
+    local: dict,
+) -> None:
+    """The kit's bidirectional case with a window (or chunks) too passes, and fails both the
+    reference without the window or chunks (the kit's plain bidirectional rule) and the causal
+    one with them: a kernel that ignored either field would not pass."""
+    base = next(
+        c for c in attention_cases() if c.scenario == "mixed" and c.spec.features() == ("causal",)
+    )
+    case = replace(base, **local)
+    device = torch.device(TestTritonConformance.device)
+    check_attention_backend(TritonAttentionBackend, case, device, torch.float32)
+    for dropped in (base.spec, replace(case.spec, causal=True)):
+        with pytest.raises(AssertionError, match=re.escape(case.name)):
+            check_attention_backend(
+                TritonAttentionBackend, case, device, torch.float32, reference_spec=dropped
+            )

@@ -121,6 +121,10 @@ SPEC_PATHS = {
     "long_prefill": ([150, 1], [10, 40], 1, False, None),
     # Split-KV decode in 16-key tiles: the window's keys fall in several of the splits.
     "split": (*DECODE_6, 4, False, 16),
+    # Split-KV over the mixed step's longer queries (the kernel splits any step it is asked to;
+    # the backend splits decode steps only): a bidirectional query's keys above it fall in
+    # later splits than its own position's.
+    "split_prefill": ([17, 1, 5, 1], [0, 130, 64, 7], 4, False, 16),
     # Decode longest first: `_paged_decode` unsplit, then `_paged_attention` in order, split.
     "ordered": (*DECODE_6, 1, True, None),
     "ordered_split": (*DECODE_6, 4, True, 16),
@@ -128,13 +132,29 @@ SPEC_PATHS = {
 # The spec's extras at the conformance kit's scale (pagoda.testing.attention.FEATURES): a window
 # and chunks shorter than most contexts, logits scaled up past the soft-cap, sink logits around
 # 3. All together, the chunks are longer than the window and still cut it at their starts.
+# Bidirectional (``causal: False``): alone, with a window or chunks (keys on both sides of a
+# query, up to its window's or chunk's end), and with all the others.
 SPEC_FEATURES = {
     "sliding_window": {"sliding_window": 40},
     "logit_softcap": {"logit_softcap": 2.0},
     "sinks": {"sinks": True},
     "chunk_size": {"chunk_size": 24},
     "all": {"sliding_window": 40, "logit_softcap": 2.0, "sinks": True, "chunk_size": 96},
+    "bidirectional": {"causal": False},
+    "bidirectional_window": {"causal": False, "sliding_window": 40},
+    "bidirectional_chunk": {"causal": False, "chunk_size": 24},
+    "bidirectional_all": {
+        "causal": False,
+        "sliding_window": 40,
+        "logit_softcap": 2.0,
+        "sinks": True,
+        "chunk_size": 96,
+    },
 }
+# What each rule is when a feature is dropped (the reference's and the kernel's default).
+_DROPPED = {"causal": True}
+# The launches where queries have keys above them (every path but the decode ones).
+_MULTI_QUERY_PATHS = ("mixed", "long_prefill", "split_prefill")
 
 
 def _spec_case(path: str, features: dict, dtype: torch.dtype, heads=4, kv_heads=2, head_dim=32):
@@ -149,6 +169,7 @@ def _spec_case(path: str, features: dict, dtype: torch.dtype, heads=4, kv_heads=
     gen = torch.Generator().manual_seed(1)
     sinks = (torch.randn(heads, generator=gen) + 3).to(dtype) if features.get("sinks") else None
     rules = {
+        "causal": features.get("causal", True),
         "sliding_window": features.get("sliding_window"),
         "logit_softcap": features.get("logit_softcap"),
         "sinks": sinks,
@@ -173,13 +194,24 @@ def _spec_case(path: str, features: dict, dtype: torch.dtype, heads=4, kv_heads=
 
 
 # Each extra alone on the mixed launch, all of them together on every launch (the window and
-# the chunks alone on the others: the skipping test below).
+# the chunks alone on the others: the skipping test below). Bidirectional alone and with a
+# window or chunks on each launch of longer queries too; with all the others on every launch
+# (the decode launches run it causal: the same keys for a request's last token).
 @pytest.mark.parametrize(
     "path,features,dtype",
     [
-        *(("mixed", f, torch.float32) for f in SPEC_FEATURES if f != "all"),
+        *(("mixed", f, torch.float32) for f in SPEC_FEATURES if "all" not in f),
         *((p, "all", torch.float32) for p in SPEC_PATHS),
         *((p, "all", torch.bfloat16) for p in SPEC_PATHS),  # the engine's dtype, on a GPU
+        *(
+            (p, f, dtype)
+            for p in ("long_prefill", "split_prefill")
+            for f in ("bidirectional", "bidirectional_window", "bidirectional_chunk")
+            for dtype in (torch.float32, torch.bfloat16)
+        ),
+        *(("mixed", f, torch.bfloat16) for f in SPEC_FEATURES if f.startswith("bidirectional")),
+        *((p, "bidirectional_all", torch.float32) for p in SPEC_PATHS),
+        *((p, "bidirectional_all", torch.bfloat16) for p in SPEC_PATHS),
     ],
 )
 def test_spec_extras_match_float64_reference_on_every_kernel_path(
@@ -196,9 +228,11 @@ def test_spec_extras_match_float64_reference_on_every_kernel_path(
     )
     want = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
     for name, value in rules.items():
-        if value is not None:
-            dropped = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **{**rules, name: None})
-            assert (dropped - want).abs().max() > 1e-2, f"{path} does not depend on {name}"
+        off = _DROPPED.get(name)
+        if value is off or (name == "causal" and path not in _MULTI_QUERY_PATHS):
+            continue
+        dropped = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **{**rules, name: off})
+        assert (dropped - want).abs().max() > 1e-2, f"{path} does not depend on {name}"
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     out = torch.full_like(dev(q), float("nan"))  # a row no program writes fails the comparison
     paged_attention(dev(q), dev(kc), dev(vc), out, *tail, **kwargs)
@@ -242,6 +276,67 @@ def test_a_window_skips_the_tiles_below_it_not_only_masks_them(path: str, featur
     out = torch.full_like(dev(q), float("nan"))
     paged_attention(dev(q), dev(kc), dev(vc), out, *tail, **{**kwargs, "tile_n": 16})
     torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
+
+
+# The later q-blocks read the NaN pages (as they should), and their split partials divide NaN.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize(
+    "features",
+    [
+        {"causal": False},
+        {"causal": False, "sliding_window": 5},
+        {"causal": False, "chunk_size": 12},
+        {"causal": False, "sliding_window": 9, "chunk_size": 12},
+    ],
+    ids=str,
+)
+def test_a_bidirectional_query_sees_keys_above_it_and_a_window_skips_the_tiles_past_it(
+    features: dict, split: int
+) -> None:
+    """A 40-token prompt in q-blocks of 8 queries (16 rows, 2 heads a KV head), 16-key tiles of
+    one page. Its first q-block sees keys above its own queries (a causal one would not): up to
+    the prompt's end, or with a window (chunks) only to its last query's window's (chunk's)
+    end, 12 (or 12: chunk 0 ends there). Past that the pages are NaN: a kernel that read them
+    would return NaN in that q-block's rows, which must match the reference (the later
+    q-blocks read the NaN pages by rights). Unsplit and in 2 splits, whose second slice lies
+    wholly past the window."""
+    page, heads, kv_heads, head_dim = 16, 4, 2, 32
+    q, kc, vc, bt, seq_lens, qsl = _paged_layout(
+        [40], [0], heads, kv_heads, head_dim, page, torch.float32
+    )
+    scale = head_dim**-0.5
+    rules = {"sliding_window": None, "chunk_size": None, **features}
+    want = _reference(q, kc, vc, bt, seq_lens, [40], scale, **rules)
+    causal = _reference(q, kc, vc, bt, seq_lens, [40], scale, **{**rules, "causal": True})
+    assert (causal[:8] - want[:8]).abs().max() > 1e-2  # the first q-block sees keys above it
+    local = len(features) > 1
+    if local:
+        poisoned = bt[0, 1:].long()  # pages from key 16: past 7 + 5 (window) and 12 (chunk)
+        kc[poisoned] = float("nan")
+        vc[poisoned] = float("nan")
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = torch.full_like(dev(q), float("nan"))
+    paged_attention(
+        dev(q),
+        dev(kc),
+        dev(vc),
+        out,
+        dev(bt),
+        dev(torch.tensor(seq_lens, dtype=torch.int32)),
+        dev(qsl),
+        1,
+        40,
+        40,
+        40,
+        scale,
+        split,
+        tile_n=16,
+        block_m=16,
+        **{k: v for k, v in rules.items() if v is not None},
+    )
+    rows = 8 if local else 40
+    torch.testing.assert_close(out.cpu().double()[:rows], want[:rows], atol=2e-5, rtol=2e-5)
 
 
 def test_longest_first_orders_by_descending_length_ties_in_their_own_order() -> None:

@@ -1,8 +1,9 @@
 """The Triton attention backend: one kernel for mixed batches over the paged cache.
 
 Besides plain causal attention it computes a layer's sliding window, logit soft-cap, sinks and
-chunks (:class:`~pagoda.attention.spec.AttentionSpec`), in every kernel path: each is a
-compile-time flag of the kernels, so a plain layer runs the same code as before they existed."""
+chunks, and bidirectional attention (encoders; with a window or chunks too)
+(:class:`~pagoda.attention.spec.AttentionSpec`), in every kernel path: each is a compile-time
+flag of the kernels, so a plain layer runs the same code as before they existed."""
 
 from __future__ import annotations
 
@@ -39,9 +40,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# The spec's features the kernels compute; the others (bidirectional, a value head size of its
-# own) they do not.
-_FEATURES = frozenset({"sliding_window", "logit_softcap", "sinks", "chunk_size"})
+# The spec's features the kernels compute; the other (a value head size of its own) they do not.
+_FEATURES = frozenset({"causal", "sliding_window", "logit_softcap", "sinks", "chunk_size"})
 
 # Decode steps of at least this many requests take their programs longest context first: with
 # several waves of programs a multiprocessor, the last wave is then the shortest work.
@@ -167,7 +167,9 @@ def _layer_splits(num_splits: int, max_seq_len: int, spec: AttentionSpec) -> int
     """The step's splits for a layer: a window (or chunk) shorter than the contexts leaves fewer
     keys to a query, and the kernel splits those, not the context; halve the splits until each
     slice holds ``_MIN_KEYS_PER_SPLIT`` again (the rule ``_choose_splits`` doubled them by).
-    Fixed per layer for a given step (and graph: it reads the captured worst-case length)."""
+    Fixed per layer for a given step (and graph: it reads the captured worst-case length).
+    Splits are for decode steps only, where a bidirectional layer's query (its request's last
+    token) sees what a causal one's does: a window's ``w`` keys, not ``2w - 1``."""
     keys = max_seq_len
     for local in (spec.sliding_window, spec.chunk_size):
         if local is not None:
@@ -221,5 +223,6 @@ class TritonAttentionImpl(AttentionImpl):
             logit_softcap=spec.logit_softcap,
             sinks=self.sinks if spec.sinks else None,
             chunk_size=spec.chunk_size,
+            causal=spec.causal,
         )
         return out

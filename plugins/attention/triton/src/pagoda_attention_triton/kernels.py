@@ -20,6 +20,14 @@ each query a first key: keys below it are masked, and the tiles wholly below the
 program's first query are not visited at all. A logit soft-cap (``SOFTCAP``) makes logits ``c *
 tanh(logits / c)`` before masking. Sink logits (``SINKS``, one a query head) put ``exp(sink)`` in
 the softmax's denominator, at the end of the online softmax or in the split merge's log-sum-exp.
+
+A bidirectional layer (``CAUSAL`` off, encoders) lets every query see every key of its request
+(``j < seq_len``): a program visits its request's keys to the last, not to its last query. With
+a window (``|i - j| < window``) or chunks (``j // chunk == i // chunk``) each query then has a
+last key as well as a first (``_last_key``), above which keys are masked and tiles, past the
+last key of a program's last query, not visited. A step of one query a request computes the same
+either way (each query is its request's last token), so it runs the causal kernels:
+``_paged_decode`` has no such flag.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ def _tile(
     kv_head,
     scale,
     q_lo,
+    q_hi,
     softcap,
     stride_kb,
     stride_ks,
@@ -78,9 +87,12 @@ def _tile(
     DOT_PRECISION: tl.constexpr,
     LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     """One tile of keys: scores (soft-capped), causal mask (and with ``LOCAL``, each row's first
-    key ``q_lo``: a window's or a chunk's), online-softmax update of (m, l, acc)."""
+    key ``q_lo``: a window's or a chunk's), online-softmax update of (m, l, acc). Without
+    ``CAUSAL`` a row sees the keys below ``kv_hi`` (its request's, or its split's), and with
+    ``LOCAL`` those below its own end ``q_hi`` (exclusive) too."""
     pos = start + offs_n
     n_ok = pos < kv_hi
     blk = tl.load(bt + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
@@ -100,9 +112,14 @@ def _tile(
         # where libdevice's tanh is an external call the interpreter cannot run. Saturates
         # cleanly: exp overflows to inf (-> c) or underflows to 0 (-> -c).
         s = softcap - (2.0 * softcap) / (tl.exp(s * (2.0 / softcap)) + 1.0)
-    ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+    if CAUSAL:
+        ok = n_ok[None, :] & (pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+    else:
+        ok = n_ok[None, :] & row_ok[:, None]
     if LOCAL:
         ok = ok & (pos[None, :] >= q_lo[:, None])
+        if not CAUSAL:
+            ok = ok & (pos[None, :] < q_hi[:, None])
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -146,6 +163,19 @@ def _first_key(q_pos, window, chunk, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
     if CHUNK:
         lo = tl.maximum(lo, q_pos // chunk * chunk)
     return lo
+
+
+@triton.jit
+def _last_key(q_pos, seq_len, window, chunk, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """A bidirectional query's end of keys (exclusive): its request's (``seq_len``), its
+    window's (``q_pos + window``), its chunk's (``(q_pos // chunk + 1) * chunk``), the earliest.
+    It never decreases with ``q_pos``: a program's last query has the highest of its rows."""
+    hi = q_pos * 0 + seq_len
+    if WINDOW:
+        hi = tl.minimum(hi, q_pos + window)
+    if CHUNK:
+        hi = tl.minimum(hi, (q_pos // chunk + 1) * chunk)
+    return hi
 
 
 # NOTE: the request count and split size change from step to step; left to specialize, Triton
@@ -199,6 +229,7 @@ def _paged_attention(
     CHUNK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    CAUSAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(2)
@@ -239,11 +270,18 @@ def _paged_attention(
     )
     q_pos = context_len + q_tok
     q_lo = _first_key(q_pos, window, chunk, WINDOW, CHUNK)
+    q_hi = q_lo  # unread when causal
+    if not CAUSAL:
+        q_hi = _last_key(q_pos, seq_len, window, chunk, WINDOW, CHUNK)
 
-    # Keys this program visits: causal bound of its last query, first key of its first (window
-    # or chunk), then its split's slice of what lies between (the splits cut the window).
+    # Keys this program visits: causal bound of its last query (bidirectional: its request's
+    # last key, or its last query's window's or chunk's), first key of its first (window or
+    # chunk), then its split's slice of what lies between (the splits cut the window).
     last_q = tl.minimum((q_block + 1) * BLOCK_Q, q_len)
-    kv_end = tl.minimum(seq_len, context_len + last_q)
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, context_len + last_q)
+    else:
+        kv_end = _last_key(context_len + last_q - 1, seq_len, window, chunk, WINDOW, CHUNK)
     kv_lo = split * split_size
     if WINDOW or CHUNK:
         first = _first_key(context_len + q_block * BLOCK_Q, window, chunk, WINDOW, CHUNK)
@@ -277,6 +315,7 @@ def _paged_attention(
                 kv_head,
                 scale,
                 q_lo,
+                q_hi,
                 softcap,
                 stride_kb,
                 stride_ks,
@@ -288,6 +327,7 @@ def _paged_attention(
                 DOT_PRECISION,
                 WINDOW or CHUNK,
                 SOFTCAP,
+                CAUSAL,
             )
             start += TILE_N
     else:
@@ -310,6 +350,7 @@ def _paged_attention(
                 kv_head,
                 scale,
                 q_lo,
+                q_hi,
                 softcap,
                 stride_kb,
                 stride_ks,
@@ -321,6 +362,7 @@ def _paged_attention(
                 DOT_PRECISION,
                 WINDOW or CHUNK,
                 SOFTCAP,
+                CAUSAL,
             )
 
     tok = q_start + q_tok
@@ -448,6 +490,7 @@ def _paged_decode(
             kv_head,
             scale,
             q_lo,
+            q_lo,  # unread: causal
             softcap,
             stride_kb,
             stride_ks,
@@ -459,6 +502,7 @@ def _paged_decode(
             DOT_PRECISION,
             WINDOW or CHUNK,
             SOFTCAP,
+            True,  # a decode query is its request's last token: bidirectional is causal
         )
         out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
@@ -595,6 +639,7 @@ def paged_attention(
     logit_softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
@@ -610,7 +655,9 @@ def paged_attention(
     ``sliding_window``, ``logit_softcap``, ``sinks`` (``[num_heads]``, any float dtype) and
     ``chunk_size`` are the layer's :class:`~pagoda.attention.spec.AttentionSpec` extras (None:
     off, and not compiled in). With a window or chunks, ``num_splits`` slices cut the keys a
-    query can see, not its context."""
+    query can see, not its context. ``causal=False`` is a bidirectional layer's: each query sees
+    its request's keys on both sides (within its window and its chunk); a step of one query a
+    request (``max_query_len == 1``) runs the causal kernels, which compute the same for it."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -667,6 +714,9 @@ def paged_attention(
         chunk_size or 1,
         logit_softcap or 1.0,
     )
+    # NOTE: a query that is its request's last token sees the same keys either way; a decode
+    # step of a bidirectional layer compiles no kernel of its own (and `_paged_decode` none).
+    causal = causal or max_query_len == 1
     flags = {
         "WINDOW": sliding_window is not None,
         "CHUNK": chunk_size is not None,
@@ -716,11 +766,13 @@ def paged_attention(
         grid = (grid_q, num_kv_heads, num_splits)
     # The keys one program may have to visit: its context, or with a window or chunks, from
     # its first query's first key (window or chunk: at most `local - 1` below it, then down to
-    # a tile boundary, `tile_n - 1` more) to its last query (`block_q - 1` past the first).
+    # a tile boundary, `tile_n - 1` more) to its last query (`block_q - 1` past the first), and
+    # bidirectional, to that one's last key (`local - 1` further at most).
     span = max(max_seq_len, 1)
     for local in (sliding_window, chunk_size):
         if local is not None:
-            span = min(span, local + block_q + tile_n - 2)
+            reach = local + block_q + tile_n - 2
+            span = min(span, reach if causal else reach + local - 1)
     split_size = triton.cdiv(span, num_splits)
     split_size = triton.cdiv(split_size, tile_n) * tile_n
     if num_splits > 1:
@@ -765,6 +817,7 @@ def paged_attention(
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
         DOT_PRECISION=dot_precision,
         **flags,
+        CAUSAL=causal,
         **launch,
     )
     if num_splits > 1:
