@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagoda.attention.spec import AttentionSpec
+from pagoda.config import AttentionConfig
 
 
 @dataclass
@@ -109,6 +110,15 @@ class AttentionBackend(ABC):
         """Called at engine start to select a backend (by name or ``auto``), and by ``pagoda
         plugins``. ``device`` is the engine's ``torch.device``, ``dtype`` the model's, and
         ``head_size`` the model's head size. Returns whether this backend runs there."""
+
+    @classmethod
+    def configure(cls, config: AttentionConfig) -> None:
+        """Called once per model runner, after this backend is selected and before any impl is
+        built, with the ``attention`` section; a backend with settings of its own reads them
+        here (``config.plugin_settings("my_plugin")``) into class attributes. Returns nothing.
+        NOTE: the class is shared by every engine in the process: the last engine built wins.
+        Default: nothing."""
+        return None
 
     @classmethod
     def is_compiled(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:

@@ -293,6 +293,8 @@ def build(cls: type[C], layers: list[Layer]) -> C:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     config._sources = {**sources, **plugin_sources}
     config._plugin_values = plugin_values
+    for section in SECTIONS:
+        getattr(config, section)._plugin_values = plugin_values
     return config
 
 

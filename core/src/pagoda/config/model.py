@@ -3,15 +3,26 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from pagoda.config import plugin_settings
 from pagoda.config.errors import ConfigError as ConfigError  # re-exported
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # NOTE: the ``plugins`` section's values, handed to every section when the configuration is
+    # loaded, so that a plugin given only its family's section (a proposer, a grammar backend,
+    # an attention backend) reads its own settings from it.
+    _plugin_values: dict[str, dict[str, Any]] = PrivateAttr(default_factory=dict)
+
+    def plugin_settings(self, name: str) -> BaseModel:
+        """The settings of plugin ``name``, as ``EngineConfig.plugin_settings`` gives them: its
+        registered model (``register_plugin_settings``) with the ``plugins.<name>`` values."""
+        return plugin_settings.checker().settings_of(name, self._plugin_values.get(name, {}))
 
 
 class ModelConfig(_Section):

@@ -44,6 +44,8 @@ from pagoda.model_info import ModelInfo
 from pagoda.plugins import get_registry
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from pagoda.attention.backend import AttentionBackend
 
 
@@ -62,6 +64,11 @@ class ProposerContext:
     @property
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
+
+    def plugin_settings(self, name: str) -> BaseModel:
+        """The proposer's own settings: the ``plugins.<name>`` section checked against the
+        model registered with ``register_plugin_settings`` (defaults for what is not given)."""
+        return self.config.plugin_settings(name)
 
 
 @dataclass

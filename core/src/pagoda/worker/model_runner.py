@@ -109,6 +109,7 @@ class ModelRunner:
                 shape.attention,
             )
         )
+        self.attn_backend.configure(config.attention)
         # Each layer's cache: this tensor-parallel rank's KV heads of the layer's head size.
         self.kv_layouts = [(s.num_kv_heads, s.cache_head_size) for s in shape.attention]
         self.sampler = Sampler()
