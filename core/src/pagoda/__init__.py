@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagoda.cpu_threads import set_wait_policy
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -30,10 +31,12 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # Lazy: `import pagoda` (and plugin discovery) must not pull in torch.
     if name == "LLM":
+        set_wait_policy()  # before torch loads OpenMP (pagoda.cpu_threads)
         from pagoda.entrypoints.llm import LLM
 
         return LLM
     if name == "AsyncLLM":
+        set_wait_policy()
         from pagoda.engine.async_llm import AsyncLLM
 
         return AsyncLLM

@@ -51,6 +51,13 @@ class ModelConfig(_Section):
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: model's")
     seed: int = Field(0, description="seed for random weights and unseeded sampling")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads of each engine process; None: OMP_NUM_THREADS if set, else"
+        " the CPUs the process may use, shared among its engine processes (a GPU engine: a"
+        " quarter)",
+    )
     trust_remote_code: bool = Field(False, description="allow the model's own tokenizer code")
     enforce_eager: bool = Field(
         False, description="never replay CUDA graphs (decode steps run eagerly)"

@@ -19,6 +19,7 @@ from typing import Any
 
 from pagoda.config import ConfigError, EngineConfig, plugin_settings
 from pagoda.config.loader import flat_names, format_effective, sections
+from pagoda.cpu_threads import set_wait_policy
 from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.cli")
@@ -469,6 +470,7 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """The ``pagoda`` command. A foreseeable error (configuration, input, missing model or
     plugin) is one line on stderr and exit status 2; ``--debug`` shows its traceback."""
+    set_wait_policy()  # before any command loads torch (pagoda.cpu_threads)
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
     configure_logging(debug, getattr(args, "quiet", False))

@@ -117,9 +117,8 @@ class WorkerProc:
             info = dataclasses.replace(info, device=torch.device("cuda", spec.device_index))
             backend = "nccl"
         else:
+            # NOTE: the ranks share the machine's cores: the Worker gives each its share.
             info = dataclasses.replace(info, device=torch.device("cpu"))
-            # NOTE: the ranks share the machine's cores; each taking all of them thrashes.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
             backend = "gloo"
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)

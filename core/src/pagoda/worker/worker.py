@@ -8,6 +8,7 @@ import os
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.cpu_threads import allowed_cpus, choose_threads
 from pagoda.model_info import ModelInfo
 from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
@@ -20,6 +21,7 @@ class Worker:
         self.config = config
         self.info = info
         torch.manual_seed(config.model.seed)
+        set_cpu_threads(config, info.device)
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
         self.model_runner = ModelRunner(
@@ -37,8 +39,6 @@ class Worker:
 
     def load_model(self) -> None:
         self.model_runner.load_model()
-        if self.info.device.type == "cuda":
-            limit_cpu_threads()
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -50,17 +50,16 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
 
-def limit_cpu_threads() -> None:
-    """A GPU engine's host work is scheduling, small copies and the grammar backend's threads;
-    torch's CPU thread pool, sized to every core, spins on those cores after each CPU op (as
-    vLLM, cap it; OMP_NUM_THREADS chooses instead)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    threads = max(1, min(torch.get_num_threads(), cpus // 4))
-    if threads < torch.get_num_threads():
-        logger.info("torch CPU threads: %d of %d (GPU engine)", threads, torch.get_num_threads())
+def set_cpu_threads(config: EngineConfig, device: torch.device) -> int:
+    """Size torch's CPU pool for this engine process (``pagoda.cpu_threads`` says how) and log
+    the choice; returns the thread count."""
+    cpus = allowed_cpus()
+    processes = config.parallel.tensor_parallel_size if device.type == "cpu" else 1
+    threads, why = choose_threads(
+        cpus, processes, gpu=device.type == "cuda", configured=config.model.cpu_threads
+    )
+    wait = os.environ.get("OMP_WAIT_POLICY", "the OpenMP default")
+    logger.info("torch CPU threads: %d (%s; OpenMP wait policy: %s)", threads, why, wait)
+    if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
+    return threads
