@@ -84,7 +84,11 @@ class CacheConfig(_Section):
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prefixes")
     gpu_memory_utilization: float = Field(
-        0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="this engine's share of the GPU's memory (vLLM's meaning: memory others"
+        " held before it started is not counted; two engines at 0.45 share one GPU)",
     )
     kv_cache_memory_bytes: int | None = Field(
         None,

@@ -46,7 +46,7 @@ from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.pooling import PoolingRunner
-from pagoda.worker.profile import profile_peak_activations
+from pagoda.worker.profile import check_gpu_share, gpu_kv_budget, profile_peak_activations
 from pagoda.worker.spec_propose import propose_after
 from pagoda.worker.spec_verify import run_verify_graph, verify_drafts
 from pagoda.worker.speculation import Speculation
@@ -85,6 +85,9 @@ class ModelRunner:
         self.hf_dir = hf_dir
         self.load_format = load_format
         self.device = device
+        # The device's free memory before this engine takes any: its share
+        # (cache.gpu_memory_utilization) is counted from here, whatever others hold.
+        self.gpu_free_at_start = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_batched_tokens
@@ -240,9 +243,10 @@ class ModelRunner:
         return budget
 
     def _gpu_kv_budget(self) -> int:
-        """What ``cache.gpu_memory_utilization`` of the GPU leaves for the KV cache once the
-        weights, everything else on the device (CUDA context, libraries' workspaces, other
-        processes) and the activations of the largest step (measured) are counted."""
+        """What this engine's share of the GPU (``cache.gpu_memory_utilization`` of it, vLLM's
+        meaning) leaves for the KV cache once what the engine took since it started (weights,
+        CUDA context, libraries' workspaces) and the activations of the largest step (measured)
+        are counted; memory others held before it started is not (``gpu_kv_budget``)."""
         start = time.perf_counter()
         activations = profile_peak_activations(
             self.model,
@@ -260,8 +264,11 @@ class ModelRunner:
             graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
             if self.proposer is not None and self.config.parallel.tensor_parallel_size == 1:
                 graphs += GreedyVerifyGraphs.reserve_bytes(self.shape.vocab_size, self.dtype)
-        limit = total * self.config.cache.gpu_memory_utilization
-        budget = int(limit - (total - free) - activations - graphs)
+        utilization = self.config.cache.gpu_memory_utilization
+        check_gpu_share(utilization, total, self.gpu_free_at_start)
+        budget = gpu_kv_budget(
+            utilization, total, self.gpu_free_at_start, free, activations, int(graphs)
+        )
         self.startup_times["profile_s"] = time.perf_counter() - start
         self.memory_profile = {
             "total_bytes": total,

@@ -129,3 +129,35 @@ def profile_peak_activations(
     buffers.block_table.zero_()
     torch.cuda.empty_cache()
     return max(int(peak), 0)
+
+
+def gpu_kv_budget(
+    utilization: float,
+    total: int,
+    free_at_start: int,
+    free_now: int,
+    activations: int,
+    graphs: int = 0,
+) -> int:
+    """Bytes for the KV cache: this engine's share of the device (``utilization`` of ``total``,
+    vLLM's meaning: each engine's own share) less what the engine itself took since it started
+    (``free_at_start - free_now``: weights, CUDA context, workspaces), its peak ``activations``
+    and its decode graphs' pool. Memory in use before the engine started (another engine in
+    this process or another process on the device) is not counted against its share. Negative
+    when the share does not even hold the weights and activations."""
+    share = total * utilization
+    taken = free_at_start - free_now
+    return int(share - taken - activations - graphs)
+
+
+def check_gpu_share(utilization: float, total: int, free_at_start: int) -> None:
+    """Raise ``ValueError`` when the device had less free memory at the engine's start than the
+    share ``cache.gpu_memory_utilization`` asks for (other engines or processes hold the rest)."""
+    share = total * utilization
+    if free_at_start < share:
+        raise ValueError(
+            f"cache.gpu_memory_utilization={utilization:.2f} asks for {share / 2**30:.2f} GiB of "
+            f"the GPU's {total / 2**30:.2f} GiB, but only {free_at_start / 2**30:.2f} GiB was free "
+            "when the engine started (other engines or processes hold the rest): lower it, or "
+            "free the device"
+        )
