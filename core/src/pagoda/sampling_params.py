@@ -18,7 +18,9 @@ class StructuredOutputsParams:
     - ``regex``: the output fully matches this regular expression;
     - ``choice``: the output is one of these strings;
     - ``grammar``: an EBNF grammar (GBNF style, root rule ``root``) the output is a sentence of;
-    - ``json_object=True``: the output is any JSON object.
+    - ``json_object=True``: the output is any JSON object;
+    - ``structural_tag``: an xgrammar structural tag (its JSON text): free text, except that
+      what follows a trigger (a tool call's start) is held to its tag's schema.
 
     A grammar backend (``structured_output.backend``) compiles it; the engine masks every
     token the constraint does not allow, and the request ends when the constraint is complete.
@@ -30,13 +32,14 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         set_ = [k for k in _CONSTRAINTS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(
                 "StructuredOutputsParams: give exactly one of json, regex, choice, grammar, "
-                f"json_object=True; got {', '.join(set_) or 'none'}"
+                f"json_object=True, structural_tag; got {', '.join(set_) or 'none'}"
             )
         if isinstance(self.json, str):
             try:
@@ -52,7 +55,7 @@ class StructuredOutputsParams:
             self.choice = [str(c) for c in self.choice]
             if not self.choice:
                 raise ValueError("StructuredOutputsParams.choice: give at least one choice")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"StructuredOutputsParams.{name}: must be a non-empty string")
@@ -72,7 +75,7 @@ class StructuredOutputsParams:
         return kind, "" if kind == "json_object" else value
 
 
-_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass

@@ -332,6 +332,26 @@ class ServerConfig(_Section):
     request_chat_template_max_chars: int = Field(
         4_000_000, ge=1, description="a request's chat template may render at most this much text"
     )
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="serve `tool_choice: auto` (the default when a chat request has `tools`):"
+        " the `tool_call_parser` finds the calls in the output; off: such a request gets a 400",
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="the tool-call parser (`register_tool_parsers`: hermes, llama3_json,"
+        " mistral, qwen3_coder, ...) that `enable_auto_tool_choice` uses",
+    )
+    tool_call_grammar: bool = Field(
+        False,
+        description="with `tool_choice: auto`, hold each tool call, once its start is written,"
+        " to its tool's schema (an xgrammar structural tag; the parser must give one)",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="split the output's reasoning into `reasoning_content`"
+        " (`register_reasoning_parsers`: deepseek_r1, qwen3, ...); None: all is content",
+    )
     max_request_body_bytes: int = Field(
         16 << 20, ge=1, description="longer request bodies get a 413 before they are read whole"
     )

@@ -24,6 +24,7 @@ from pagoda.bench.report import hardware
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
 from pagoda.engine.core_client import EngineDeadError, EngineStartError
+from pagoda.entrypoints.openai.chat_parsers import ServerParsers
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.limits import BodyGuard, check_count
 from pagoda.entrypoints.openai.openapi import install as install_openapi
@@ -239,8 +240,9 @@ def run_server(config: EngineConfig) -> int:
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     try:
+        ServerParsers.of(config.server)  # an unknown parser fails before the model loads
         engine = AsyncLLM(config)
-    except (EngineStartError, OSError) as e:
+    except (EngineStartError, OSError, ValueError) as e:
         print(f"pagoda: error: {e}", file=sys.stderr)
         return 1
     try:

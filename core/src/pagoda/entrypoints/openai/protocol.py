@@ -6,6 +6,7 @@ defines that this server does not implement yet; each error names the field.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -242,7 +243,22 @@ class ChatMessage(_Body):
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call as chat templates read it (vLLM's way): ``arguments`` an object, not its
+    JSON text; ``function``'s fields also at the top (some templates read ``call.name``)."""
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            function["arguments"] = json.loads(args)
+        except ValueError:
+            pass  # the template gets the text as it came
+    return {**call, **function, "function": function}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -269,7 +285,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def tool_plan(self) -> ToolCallPlan | None:
-        """The forced tool call asked for (``tool_choice`` required or a named function)."""
+        """The tool calls asked for: forced (``tool_choice`` required or a named function) or
+        found by the parser (``auto``)."""
         return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def output_constraint(self) -> StructuredOutputsParams | None:

@@ -11,6 +11,7 @@ from jinja2 import TemplateError
 
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.request_stream import OutputKind
+from pagoda.entrypoints.openai.chat_parsers import ServerParsers
 from pagoda.entrypoints.openai.chat_template import TemplateSandbox, request_template
 from pagoda.entrypoints.openai.errors import APIError
 from pagoda.entrypoints.openai.limits import check_count, check_sampling_limits
@@ -38,6 +39,7 @@ class ServingChat(Serving):
         self.sandbox = TemplateSandbox(
             server.request_chat_template_timeout_s, server.request_chat_template_max_chars
         )
+        self.parsers = ServerParsers.of(server)
 
     async def render(
         self,
@@ -93,7 +95,8 @@ class ServingChat(Serving):
         check_count("messages", len(req.messages), self.limits.max_messages, "max_messages")
         check_sampling_limits(req, self.limits)
         try:
-            plan = req.tool_plan  # a forced tool call: the template shows the model its tools
+            plan = req.tool_plan  # tool calls: the template shows the model its tools
+            self.parsers.check(plan)
         except ValueError as e:
             raise bad_value(e) from e
         template_kwargs = req.chat_template_kwargs
@@ -115,6 +118,15 @@ class ServingChat(Serving):
             )
         except ValueError as e:
             raise bad_value(e) from e
+        grammar = self.parsers.constraint(plan)
+        if grammar is not None:
+            if params.structured_outputs is not None:
+                raise APIError(
+                    "give one output constraint; the server holds `tool_choice` auto's calls "
+                    "to a grammar, and this request gives another",
+                    param="tool_choice",
+                )
+            params.structured_outputs = grammar
         rid = new_id("chatcmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         submitted = [(rid, prompt, params)]
@@ -135,7 +147,12 @@ class ServingChat(Serving):
         assert final is not None
         choices = []
         for c in final.outputs:
-            message, finish_reason = chat_message(plan, c.text, c.finish_reason)
+            parser = self.parsers.choice(plan)
+            if parser is not None:
+                message = parser.message(c.text)
+                finish_reason = "tool_calls" if parser.called else c.finish_reason
+            else:
+                message, finish_reason = chat_message(plan, c.text, c.finish_reason)
             choices.append(
                 {
                     "index": c.index,
@@ -189,6 +206,8 @@ class ServingChat(Serving):
         completion_tokens = 0
         plan = req.tool_plan
         calls_text = [""] * req.n  # a forced tool call's output, sent whole when it ends
+        parsers = [self.parsers.choice(plan) for _ in range(req.n)]
+        forced = plan is not None and not plan.auto
         try:
             # The role comes first, in a chunk of its own per choice, as OpenAI sends it.
             yield chunk(
@@ -211,7 +230,14 @@ class ServingChat(Serving):
                         ended.add(c.index)
                     delta = {"content": c.text} if c.text else {}
                     finish_reason = c.finish_reason
-                    if plan is not None:
+                    parser = parsers[c.index]
+                    if parser is not None:
+                        delta = parser.feed(c.text, final=c.finished())
+                        if not delta and not c.finished():
+                            continue
+                        if c.finished() and parser.called:
+                            finish_reason = "tool_calls"
+                    if forced:
                         calls_text[c.index] += c.text
                         if not c.finished():
                             continue

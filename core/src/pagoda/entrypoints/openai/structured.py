@@ -5,8 +5,9 @@ turned into the engine's :class:`StructuredOutputsParams`; and forced calls' out
 
 A forced call constrains the output to JSON: a named function's output is its arguments (an
 object of its ``parameters`` schema); ``required`` gives an array of ``{"name", "parameters"}``
-objects, one per call, each for one of the tools. ``tool_choice: auto`` needs a parser that finds
-tool calls in free text, which this server does not have: it is refused by name.
+objects, one per call, each for one of the tools. ``tool_choice: auto`` (the default with
+``tools``) needs a tool-call parser that finds calls in free text (``chat_parsers.py``); it is
+refused by name unless the server enables it (``--enable-auto-tool-choice``).
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class ToolCallPlan:
     """What a forced tool call expects of the output."""
 
     tools: list[Tool]
-    function: str | None  # the named function; None: ``required`` (an array of calls)
-    parallel: bool = True  # ``required``: more than one call allowed
+    function: str | None  # the named function; None: ``required`` or ``auto``
+    parallel: bool = True  # ``required``, ``auto``: more than one call allowed
+    auto: bool = False  # ``auto``: free text, calls found by the tool-call parser
 
     def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
         """The OpenAI ``tool_calls`` of a finished output (JSON the grammar produced), or None
@@ -132,12 +134,10 @@ def tool_plan(
         ) from None
     if choice == "none":
         return None
+    for tool in parsed:
+        _check_parameters(tool)
     if choice == "auto":
-        raise ValueError(
-            "`tool_choice` auto (the default when `tools` are given) is not supported by this "
-            "server: it needs a tool-call parser; set `tool_choice` to `required` or name a "
-            "function"
-        )
+        return ToolCallPlan(parsed, None, parallel_tool_calls is not False, auto=True)
     if isinstance(choice, NamedToolChoice):
         names = [t.function.name for t in parsed]
         if choice.function.name not in names:
@@ -147,6 +147,46 @@ def tool_plan(
             )
         return ToolCallPlan(parsed, choice.function.name)
     return ToolCallPlan(parsed, None, parallel_tool_calls is not False)
+
+
+_SCHEMA_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """The shape of a JSON schema, checked enough to refuse what no parser or grammar can use:
+    ``ValueError`` naming the place."""
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} is not a JSON schema (an object)")
+    kinds = schema.get("type")
+    for kind in kinds if isinstance(kinds, list) else [] if kinds is None else [kinds]:
+        if kind not in _SCHEMA_TYPES:
+            raise ValueError(f"{where}: `type` {kind!r} is not a JSON schema type")
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise ValueError(f"{where}: `properties` must be an object")
+        for key, sub in props.items():
+            _check_schema(sub, f"{where}.properties.{key}")
+    required = schema.get("required")
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
+    ):
+        raise ValueError(f"{where}: `required` must be a list of property names")
+    items = schema.get("items")
+    if items is not None:
+        _check_schema(items, f"{where}.items")
+
+
+def _check_parameters(tool: Tool) -> None:
+    params = tool.function.parameters
+    if params is None:
+        return
+    where = f"`tools` function {tool.function.name!r}: `parameters`"
+    _check_schema(params, where)
+    if params.get("type", "object") != "object":
+        raise ValueError(f"{where} must describe an object (`type` object)")
 
 
 def tool_constraint(plan: ToolCallPlan) -> StructuredOutputsParams:
@@ -216,7 +256,7 @@ def _constraints(req: Any, plan: ToolCallPlan | None) -> list[tuple[str, Structu
         value = getattr(req, name)
         if value is not None:
             found.append((name, StructuredOutputsParams(**{kind: value})))
-    if plan is not None:
+    if plan is not None and not plan.auto:
         found.append(("tool_choice", tool_constraint(plan)))
     return found
 

@@ -45,7 +45,28 @@ def _grammar(params: StructuredOutputsParams, any_whitespace: bool) -> xgr.Gramm
     if kind == "choice":
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
         return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+    if kind == "structural_tag":
+        tag = json.loads(params.structural_tag)
+        if not any_whitespace:
+            tag = _compact_json(tag)
+        return xgr.Grammar.from_structural_tag(json.dumps(tag))
     return xgr.Grammar.from_ebnf(params.grammar)
+
+
+def _compact_json(node: Any) -> Any:
+    """A structural tag whose JSON contents allow no whitespace between tokens (as
+    ``any_whitespace`` false does for a JSON schema): each becomes the grammar of its schema."""
+    if isinstance(node, list):
+        return [_compact_json(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        schema = node["json_schema"]
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(",", ":"), strict_mode=True
+        )
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {k: _compact_json(v) for k, v in node.items()}
 
 
 _WHAT = {
@@ -54,6 +75,7 @@ _WHAT = {
     "regex": "invalid or unsupported regex",
     "choice": "invalid choice",
     "grammar": "invalid EBNF grammar",
+    "structural_tag": "invalid structural tag",
 }
 
 
