@@ -22,10 +22,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
+import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, NoReturn
 
 #: Allocations (less deallocations) before the youngest generation is collected; Python's
 #: default is 700 (2000 from 3.13).
@@ -64,3 +67,24 @@ def die_with_parent() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def run_then_end_quietly(main: Callable[..., Any], *args: Any) -> NoReturn:
+    """Run an engine child process's ``main(*args)``, then end the process without the
+    interpreter's teardown, with ``main``'s exit status (``sys.exit`` included).
+
+    NOTE: Triton's compiler library (nanobind) prints a "nanobind: leaked ..." line on stderr for
+    each of its objects still alive at teardown: over a hundred when ``pagoda serve`` stops a GPU
+    engine. ``main`` has released what it holds (sockets, workers, the device) by the time it
+    returns, so nothing is lost by skipping the teardown; stdio and logging are flushed first.
+    A fork-started child of ``multiprocessing`` ends the same way."""
+    code = 0
+    try:
+        main(*args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

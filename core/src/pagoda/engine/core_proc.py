@@ -23,7 +23,7 @@ from pagoda import wire
 from pagoda.config import EngineConfig
 from pagoda.engine.heap import HeapTrimmer
 from pagoda.plugins import PLUGIN_API_VERSION, RequestRejectedError, hookimpl, register_plugin
-from pagoda.process import die_with_parent
+from pagoda.process import die_with_parent, run_then_end_quietly
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,11 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 
 
 def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Entry point of the spawned process."""
+    """Entry point of the spawned process; it ends without the interpreter's teardown."""
+    run_then_end_quietly(_run_engine, config, input_addr, output_addr)
+
+
+def _run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts us down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

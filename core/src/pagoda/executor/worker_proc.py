@@ -27,7 +27,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed import destroy_tensor_parallel, init_tensor_parallel
 from pagoda.executor import messages as m
 from pagoda.model_info import ModelInfo
-from pagoda.process import die_with_parent, tune_gc
+from pagoda.process import die_with_parent, run_then_end_quietly, tune_gc
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,12 @@ class WorkerProc:
 
 
 def run_worker_process(spec: WorkerSpec) -> None:
-    """Entry point of a worker process (the multiprocess executor's)."""
+    """Entry point of a worker process (the multiprocess executor's); it ends without the
+    interpreter's teardown."""
+    run_then_end_quietly(_run_worker, spec)
+
+
+def _run_worker(spec: WorkerSpec) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine, which stops us
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
