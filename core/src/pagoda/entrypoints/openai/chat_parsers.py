@@ -53,9 +53,9 @@ class ServerParsers:
         """A 400's ``ValueError`` if the request asks for what the server does not serve."""
         if plan is not None and plan.auto and not self.auto_tools:
             raise ValueError(
-                "`tool_choice` auto (the default when `tools` are given) is not enabled on this "
-                "server (start it with --enable-auto-tool-choice --tool-call-parser NAME); set "
-                "`tool_choice` to `required` or name a function"
+                "`tool_choice` auto (the default when `tools` are given) is not supported by "
+                "this server as started (it needs --enable-auto-tool-choice --tool-call-parser "
+                "NAME); set `tool_choice` to `required` or name a function"
             )
 
     def constraint(self, plan: ToolCallPlan | None) -> StructuredOutputsParams | None:

@@ -251,7 +251,9 @@ class ChatMessage(_Body):
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
     """An earlier call as chat templates read it (vLLM's way): ``arguments`` an object, not its
     JSON text; ``function``'s fields also at the top (some templates read ``call.name``)."""
-    function = dict(call.get("function") or {})
+    if not isinstance(call.get("function"), dict):
+        return call  # not OpenAI's shape: the template sees it as sent
+    function = dict(call["function"])
     args = function.get("arguments")
     if isinstance(args, str):
         try:
