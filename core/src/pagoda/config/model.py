@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pagoda.config import plugin_settings
 from pagoda.config.errors import ConfigError as ConfigError  # re-exported
@@ -303,6 +303,27 @@ class StructuredOutputConfig(_Section):
         description="JSON output may hold any whitespace between tokens; false: compact JSON"
         " (small models otherwise tend to emit whitespace until max_tokens)",
     )
+    disable_any_whitespace: bool | None = Field(
+        None,
+        description="vLLM's name for the opposite of any_whitespace: true: JSON grammars allow no"
+        " free whitespace; None: any_whitespace decides",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_whitespace(cls, data: Any) -> Any:
+        # NOTE: vLLM's disable_any_whitespace sets any_whitespace, which the backends read.
+        if not isinstance(data, dict) or data.get("disable_any_whitespace") is None:
+            return data
+        disable = data["disable_any_whitespace"]
+        if not isinstance(disable, bool):
+            return data  # its own type error names it
+        if "any_whitespace" in data and data["any_whitespace"] is disable:
+            raise ValueError(
+                f"structured_output.disable_any_whitespace={disable} contradicts "
+                f"structured_output.any_whitespace={data['any_whitespace']}; give one of them"
+            )
+        return {**data, "any_whitespace": not disable}
     matcher_process: bool | Literal["auto"] = Field(
         "auto",
         description="advance the grammar matchers and fill the bitmasks in a process of their"
