@@ -166,6 +166,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     )
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         print(_format_answer(i, len(prompts), prompt, out, args.json), flush=True)
+    if args.stats:
+        print(llm.spec_decoding_stats().summary(), file=sys.stderr, flush=True)
     return 0
 
 
@@ -354,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help="print one JSON line per answer (text, token counts, finish reason)",
+    )
+    gen.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the engine's counters at the end (speculative decoding's acceptance)",
     )
     add_engine_args(gen, skip=OFFLINE_SKIP)
     gen.set_defaults(func=_cmd_generate)

@@ -24,6 +24,7 @@ from pagoda.outputs import (
 from pagoda.pooling.ops import cosine, maxsim
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
+from pagoda.spec_decode.metrics import SpecDecodingStats
 
 
 class LLM:
@@ -54,6 +55,19 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_metrics(self) -> dict[str, Any]:
+        """This engine's counters since it started, under the names ``/metrics`` gives them
+        (without the ``model_name`` label): speculative decoding's drafts, draft tokens,
+        accepted tokens and accepted tokens per position (``SpecDecodingStats.as_metrics``);
+        zeros without speculation."""
+        return self.spec_decoding_stats().as_metrics()
+
+    def spec_decoding_stats(self) -> SpecDecodingStats:
+        """Drafts verified since the engine started (``summary()`` says it in one line)."""
+        scheduler = getattr(self.engine.engine_core, "scheduler", None)
+        total = getattr(scheduler, "spec_stats_total", None)
+        return total if total is not None else SpecDecodingStats()
 
     def generate(
         self,

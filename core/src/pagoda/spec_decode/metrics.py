@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -43,3 +44,26 @@ class SpecDecodingStats:
         """Tokens a verification step emits per draft: accepted drafts plus the target's own
         (vLLM's "mean acceptance length"; 1.0 means nothing was accepted)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_metrics(self) -> dict[str, Any]:
+        """The counters under the names ``/metrics`` gives them (a Prometheus counter's name
+        ends in ``_total``; there each also carries the ``model_name`` label). The per-position
+        counts are a list, index = position (``/metrics``: one series per ``position`` label)."""
+        return {
+            "pagoda:spec_decode_num_drafts_total": self.num_drafts,
+            "pagoda:spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "pagoda:spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+            "pagoda:spec_decode_num_accepted_tokens_per_pos_total": list(self.accepted_per_pos),
+        }
+
+    def summary(self) -> str:
+        """One line for a person: mean acceptance length, acceptance rate, per position."""
+        if not self.num_drafts:
+            return "SpecDecoding metrics: no drafts verified"
+        per_pos = ", ".join(f"{n / self.num_drafts:.3f}" for n in self.accepted_per_pos)
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+            f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} "
+            f"tokens in {self.num_drafts} drafts, Per-position acceptance rate: {per_pos}, "
+            f"Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%"
+        )

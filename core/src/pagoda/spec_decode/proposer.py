@@ -131,26 +131,36 @@ class VerifiedBatch:
 class Drafts:
     """A proposer's answer: up to ``k`` draft tokens per request of the batch.
 
-    ``token_ids[i, :m]`` are request ``i``'s drafts, where ``m`` is the count of leading entries
-    that are valid ids (``0 <= id < vocab_size``); ``-1`` pads. A row of ``-1`` proposes nothing.
-    ``probs``, if given, is the proposer's distribution q at each draft position, [n, k, vocab]
+    ``token_ids`` has ``k'`` columns, ``k' <= k`` (``ctx.num_speculative_tokens``), in every
+    scheduling mode; the engine refuses more (``ValueError``), and uses at most
+    ``ProposalBatch.max_num_drafts[i]`` of row ``i``. ``token_ids[i, :m]`` are request ``i``'s
+    drafts, where ``m`` is the count of leading entries that are valid ids (``0 <= id <
+    vocab_size``); ``-1`` pads. A row of ``-1`` proposes nothing. ``probs``, if given, is the
+    proposer's distribution q at each draft position, [n, k', vocab]
     float32 on the device; without it every draft counts as certain (one-hot q), which is exact
     for a proposer that does not sample its drafts (n-gram, greedy draft models).
     """
 
-    token_ids: np.ndarray  # [n, k] int64
-    probs: torch.Tensor | None = None  # [n, k, vocab] float32 or None
+    token_ids: np.ndarray  # [n, k'] int64, k' <= k
+    probs: torch.Tensor | None = None  # [n, k', vocab] float32 or None
 
     @staticmethod
     def empty(n: int) -> Drafts:
         return Drafts(np.full((n, 0), -1, dtype=np.int64))
 
-    def counts(self, vocab_size: int, max_num_drafts: np.ndarray) -> np.ndarray:
-        """[n] int64: how many leading drafts of each request are usable ids (capped)."""
+    def counts(
+        self, vocab_size: int, max_num_drafts: np.ndarray, k: int | None = None
+    ) -> np.ndarray:
+        """[n] int64: how many leading drafts of each request are usable ids (capped). With
+        ``k`` (``num_speculative_tokens``), more than ``k`` columns is a ``ValueError``."""
         ids = self.token_ids
+        want = f"[{len(max_num_drafts)}, <= {'k' if k is None else k}]"
         if ids.ndim != 2 or ids.shape[0] != len(max_num_drafts):
+            raise ValueError(f"a proposer returned drafts of shape {ids.shape}; want {want}")
+        if k is not None and ids.shape[1] > k:
             raise ValueError(
-                f"a proposer returned drafts of shape {ids.shape}; want [{len(max_num_drafts)}, k]"
+                f"a proposer returned {ids.shape[1]} draft columns, more than "
+                f"speculative.num_speculative_tokens={k}; want {want}"
             )
         ok = (ids >= 0) & (ids < vocab_size)
         leading = np.cumprod(ok, axis=1).sum(axis=1) if ids.shape[1] else np.zeros(len(ids))

@@ -85,7 +85,7 @@ def propose(
         hidden_loc=loc,
     )
     drafts = proposer.propose(batch)
-    counts = drafts.counts(spec.vocab_size, batch.max_num_drafts)
+    counts = drafts.counts(spec.vocab_size, batch.max_num_drafts, k)
     ids = drafts.token_ids
     for i in np.flatnonzero(counts).tolist():
         req_id = batch.req_ids[i]
