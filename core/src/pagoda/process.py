@@ -1,4 +1,5 @@
-"""The engine loop and Python's garbage collector.
+"""An engine process's life: Python's garbage collector in the engine loop, dying with the
+parent, and ending without the interpreter's teardown (:func:`run_then_end_quietly`).
 
 Every step allocates a few objects per request (outputs, token lists, scheduler records), so the
 collector runs its youngest generation several times a step at large batches, and now and then
