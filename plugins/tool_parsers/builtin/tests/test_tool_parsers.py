@@ -116,3 +116,9 @@ def test_reasoning_parser_passes_the_think_table_whole_and_streamed(
     name: str, inside: bool
 ) -> None:
     check_reasoning_parser(reasoning_parser_class(name), think_cases(inside))
+
+
+def test_hermes_takes_a_control_character_inside_a_string_and_escapes_it() -> None:
+    text = '<tool_call>{"name": "add", "arguments": {"s": "a\x1ab"}}</tool_call>'
+    (call,) = tool_parser_class("hermes")(TOOLS).parse(text).tool_calls
+    assert call.arguments == '{"s": "a\\u001ab"}' and json.loads(call.arguments) == {"s": "a\x1ab"}

@@ -16,7 +16,7 @@ def call_of(value: Any) -> ToolCall | None:
     args = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args, strict=False)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -27,7 +27,9 @@ def call_of(value: Any) -> ToolCall | None:
 def calls_of(text: str, separators: str = "") -> list[ToolCall] | None:
     """Every call in ``text``: JSON objects or arrays of them, one after another, apart by
     whitespace or ``separators``; None if anything else is there."""
-    decoder = json.JSONDecoder()
+    # NOTE: strict=False takes control characters inside strings, which byte-level tokens can
+    # write even under a JSON grammar; the arguments are dumped again, escaped.
+    decoder = json.JSONDecoder(strict=False)
     calls: list[ToolCall] = []
     pos, skip = 0, " \t\r\n" + separators
     while True:
