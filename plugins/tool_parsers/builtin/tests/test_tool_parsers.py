@@ -104,11 +104,17 @@ def test_qwen3_coder_types_parameters_by_the_schema() -> None:
     assert json.loads(got.tool_calls[0].arguments) == {"city": "42", "days": 3}
 
 
-def test_hermes_structural_tag_compiles_and_names_each_tool() -> None:
+@pytest.mark.parametrize("name", ["hermes", "qwen3_coder"])
+def test_structural_tag_accepts_the_formats_own_calls_and_refuses_bad_arguments(name) -> None:
     xgr = pytest.importorskip("xgrammar")
-    tag = tool_parser_class("hermes")(TOOLS).structural_tag()
-    assert [t["begin"].split('"')[3] for t in tag["format"]["tags"]] == ["get_weather", "add"]
-    xgr.Grammar.from_structural_tag(json.dumps(tag))
+    grammar = xgr.Grammar.from_structural_tag(
+        json.dumps(tool_parser_class(name)(TOOLS).structural_tag())
+    )
+    accepts = xgr.testing._is_grammar_accept_string
+    good = FORMATS[name].write([ToolCall("get_weather", json.dumps({"city": "Oslo"}))])
+    assert accepts(grammar, "Sure. " + good + " Done.")
+    bad = FORMATS[name].write([ToolCall("get_weather", json.dumps({"days": 3}))])  # no city
+    assert not accepts(grammar, "Sure. " + bad)
 
 
 @pytest.mark.parametrize(("name", "inside"), [("qwen3", False), ("deepseek_r1", True)])

@@ -46,3 +46,12 @@ def calls_of(text: str, separators: str = "") -> list[ToolCall] | None:
             if call is None:
                 return None
             calls.append(call)
+
+
+def triggered_tags(trigger: str, tags: list[dict[str, Any]]) -> dict[str, Any]:
+    """An xgrammar structural tag: free text until ``trigger``, then one of ``tags`` (each a
+    ``{"type": "tag", "begin", "content", "end"}``), then free text again."""
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": [trigger], "tags": tags},
+    }

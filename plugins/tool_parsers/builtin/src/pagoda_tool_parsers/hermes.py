@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.parsers import MarkedToolParser, ToolCall
-from pagoda_tool_parsers.calls import calls_of
+from pagoda_tool_parsers.calls import calls_of, triggered_tags
 
 
 class HermesToolParser(MarkedToolParser):
@@ -30,7 +30,4 @@ class HermesToolParser(MarkedToolParser):
             }
             for t in self.tools
         ]
-        return {
-            "type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags},
-        }
+        return triggered_tags(self.call_start, tags)

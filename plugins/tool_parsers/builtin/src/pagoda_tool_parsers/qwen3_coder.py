@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from pagoda.parsers import MarkedToolParser, ToolCall
+from pagoda_tool_parsers.calls import triggered_tags
 
 _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
@@ -41,6 +42,22 @@ class Qwen3CoderToolParser(MarkedToolParser):
         if _PARAMETER.sub("", body).strip():
             return None  # text outside the parameters: not a call this parser understands
         return [ToolCall(name, json.dumps(args, ensure_ascii=False))]
+
+    def structural_tag(self) -> dict[str, Any] | None:
+        tags = [
+            {
+                "type": "tag",
+                "begin": f"<tool_call>\n<function={t['function']['name']}>\n",
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": self.schema(t["function"]["name"]),
+                    "style": "qwen_xml",
+                },
+                "end": "</function>\n</tool_call>",
+            }
+            for t in self.tools
+        ]
+        return triggered_tags(self.call_start, tags)
 
 
 def _value(text: str, schema: Any) -> Any:
