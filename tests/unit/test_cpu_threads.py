@@ -44,6 +44,13 @@ def test_cpu_threads_then_omp_num_threads_override_the_choice() -> None:
     assert choose_threads(16, 2, environ={"OMP_NUM_THREADS": "x"})[0] == 8  # not a count
 
 
+@pytest.mark.parametrize(
+    ("bind", "threads"), [("0-3", 4), ("0-3,6", 5), ("0-1|2-3", 2), ("auto", 8), ("nobind", 8)]
+)
+def test_vllm_cpu_omp_threads_bind_counts_its_cpus(bind: str, threads: int) -> None:
+    assert choose_threads(16, 2, environ={"VLLM_CPU_OMP_THREADS_BIND": bind})[0] == threads
+
+
 def test_wait_policy_is_passive_unless_the_environment_chooses() -> None:
     env: dict[str, str] = {}
     assert set_wait_policy(env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}

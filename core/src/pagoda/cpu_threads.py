@@ -10,8 +10,9 @@ figures on the CI machine are in the README's CPU notes).
 So each engine process takes its share of the CPUs its affinity mask allows, divided among the
 engine processes that compute on them (the tensor-parallel ranks), a quarter of that on a GPU
 engine (its host work is scheduling and small copies); OpenMP's threads sleep when idle
-(``OMP_WAIT_POLICY=PASSIVE``) unless the environment says otherwise. ``model.cpu_threads``, or
-``OMP_NUM_THREADS`` (the name torch and vLLM read), chooses the count instead.
+(``OMP_WAIT_POLICY=PASSIVE``) unless the environment says otherwise. ``model.cpu_threads``,
+``OMP_NUM_THREADS`` (the name torch reads) or vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (its count of
+CPUs) chooses the count instead.
 
 NOTE: the wait policy is read once, when OpenMP loads with torch: :func:`set_wait_policy` runs
 before the command line, ``LLM`` or ``AsyncLLM`` import torch, and the engine's child processes
@@ -42,7 +43,8 @@ def choose_threads(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[int, str]:
     """``(threads, why)`` for one engine process: ``configured`` (``model.cpu_threads``) if
-    set, else ``OMP_NUM_THREADS`` from ``environ``, else ``cpus`` (the affinity mask's size)
+    set, else ``OMP_NUM_THREADS`` or the CPUs ``VLLM_CPU_OMP_THREADS_BIND`` lists from
+    ``environ``, else ``cpus`` (the affinity mask's size)
     shared among ``processes`` engine processes, a quarter of the share for a ``gpu`` engine;
     at least 1. ``why`` says which rule chose, for the log."""
     environ = os.environ if environ is None else environ
@@ -51,11 +53,27 @@ def choose_threads(
     omp = environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp), "OMP_NUM_THREADS"
+    bound = _bound_cpus(environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+    if bound:
+        return bound, "VLLM_CPU_OMP_THREADS_BIND"
     share = max(1, cpus // max(1, processes))
     why = f"{cpus} CPUs allowed" + (f", {processes} engine processes" if processes > 1 else "")
     if gpu:
         return max(1, share // 4), why + ", a quarter for a GPU engine's host work"
     return share, why
+
+
+def _bound_cpus(spec: str) -> int:
+    """The CPUs vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` lists for one process (``0-3,6``; ranks
+    separated by ``|``: the first rank's), 0 when it lists none (unset, ``auto``, ``nobind``)."""
+    first = spec.split("|")[0].strip()
+    count = 0
+    for part in filter(None, (p.strip() for p in first.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return 0
+        count += int(hi) - int(lo) + 1 if hi else 1
+    return max(count, 0)
 
 
 def set_wait_policy(environ: dict[str, str] | None = None) -> str:

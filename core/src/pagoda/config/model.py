@@ -54,9 +54,9 @@ class ModelConfig(_Section):
     cpu_threads: int | None = Field(
         None,
         ge=1,
-        description="torch CPU threads of each engine process; None: OMP_NUM_THREADS if set, else"
-        " the CPUs the process may use, shared among its engine processes (a GPU engine: a"
-        " quarter)",
+        description="torch CPU threads of each engine process; None: OMP_NUM_THREADS or the CPUs"
+        " VLLM_CPU_OMP_THREADS_BIND lists, if set, else the CPUs the process may use, shared"
+        " among its engine processes (a GPU engine: a quarter)",
     )
     trust_remote_code: bool = Field(False, description="allow the model's own tokenizer code")
     enforce_eager: bool = Field(
