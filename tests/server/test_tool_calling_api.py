@@ -117,3 +117,13 @@ def test_an_unknown_parser_fails_at_start_naming_the_available_ones(tmp_path) ->
     out = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "unknown tool parser 'nope'" in out.stderr and "hermes" in out.stderr
+
+
+def test_streamed_logprobs_of_held_text_are_sent_with_it(smol) -> None:
+    stream = chat(smol).create(
+        messages=ASK, tools=TOOLS, max_tokens=60, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body={"request_id": "call"},
+    )  # fmt: skip
+    chunks = list(stream)
+    sent = sum(len(c.logprobs.content) for ch in chunks for c in ch.choices if c.logprobs)
+    assert sent == chunks[-1].usage.completion_tokens

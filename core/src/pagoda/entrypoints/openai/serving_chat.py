@@ -208,6 +208,8 @@ class ServingChat(Serving):
         calls_text = [""] * req.n  # a forced tool call's output, sent whole when it ends
         parsers = [self.parsers.choice(plan) for _ in range(req.n)]
         forced = plan is not None and not plan.auto
+        # Logprobs of tokens whose text a parser or a forced call holds back: sent with it.
+        held: list[list[dict[str, Any]] | None] = [None] * req.n
         try:
             # The role comes first, in a chunk of its own per choice, as OpenAI sends it.
             yield chunk(
@@ -230,6 +232,9 @@ class ServingChat(Serving):
                         ended.add(c.index)
                     delta = {"content": c.text} if c.text else {}
                     finish_reason = c.finish_reason
+                    logprobs = self._logprobs(req, c)
+                    if logprobs is not None:
+                        held[c.index] = (held[c.index] or []) + logprobs["content"]
                     parser = parsers[c.index]
                     if parser is not None:
                         delta = parser.feed(c.text, final=c.finished())
@@ -247,9 +252,10 @@ class ServingChat(Serving):
                     choice = {
                         "index": c.index,
                         "delta": delta,
-                        "logprobs": self._logprobs(req, c),
+                        "logprobs": None if held[c.index] is None else {"content": held[c.index]},
                         "finish_reason": finish_reason,
                     }
+                    held[c.index] = None
                     if c.finished():
                         choice["stop_reason"] = c.stop_reason
                     if req.continuous_usage:
