@@ -139,12 +139,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def bad_value(e: ValueError | TypeError, constraint_field: str | None = None) -> APIError:
-    """A 400 for a value the engine refused, naming the field of a ``SamplingParams`` error; a
-    refused output constraint names ``constraint_field``, the request field that gave it."""
+    """A 400 for a value the engine refused, naming the field of a ``SamplingParams`` error
+    (without the class's name); a refused output constraint names ``constraint_field``, the
+    request field that gave it."""
     msg = str(e)
     param = None
     if msg.startswith("SamplingParams."):
-        param = re.split(r"[=:\s]", msg.removeprefix("SamplingParams."), maxsplit=1)[0]
+        msg = msg.removeprefix("SamplingParams.")  # the field the client sent, not the class
+        param = re.split(r"[=:\s]", msg, maxsplit=1)[0]
         if param == "structured_outputs" and constraint_field is not None:
             reason = msg.partition(": ")[2]
             return APIError(f"`{constraint_field}`: {reason}", param=constraint_field)
