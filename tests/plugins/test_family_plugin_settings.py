@@ -45,6 +45,22 @@ def register_plugin_settings(register):
 @hookimpl
 def register_spec_proposers(register):
     register("suffix", "suffix_plugin:SuffixProposer")
+
+
+from pagoda.attention.torch_native import TorchNativeBackend
+
+
+class ConfiguredBackend(TorchNativeBackend):
+    min_match = None
+
+    @classmethod
+    def configure(cls, config):
+        cls.min_match = config.plugin_settings("suffix").min_match
+
+
+@hookimpl
+def register_attention_backends(register):
+    register("configured", "suffix_plugin:ConfiguredBackend")
 """
 
 YAML = """\
@@ -88,3 +104,18 @@ def test_a_bad_value_for_a_proposer_setting_names_the_key_and_file(engine_yaml) 
     engine_yaml.write_text(YAML.replace("min_match: 4", "min_match: 0"))
     with pytest.raises(ConfigError, match=r"plugins\.suffix\.min_match: .*greater than or equal"):
         EngineConfig.load(engine_yaml)
+
+
+def test_an_attention_backend_reads_its_setting_in_configure_when_the_engine_starts(
+    engine_yaml,
+) -> None:
+    import suffix_plugin
+
+    from pagoda import LLM
+
+    engine_yaml.write_text(
+        "attention:\n  backend: configured\nplugins:\n  suffix:\n    min_match: 7\n"
+    )
+    llm = LLM(config=str(engine_yaml), max_model_len=64, max_num_seqs=2)
+    assert llm.engine.engine_core is not None
+    assert suffix_plugin.ConfiguredBackend.min_match == 7
