@@ -109,3 +109,10 @@ def test_auto_on_a_server_without_a_parser_is_refused_by_name() -> None:
     parsers = ServerParsers.of(ServerConfig())
     with pytest.raises(ValueError, match="not supported by this server"):
         parsers.check(tool_plan(TOOLS, None, None))
+
+
+def test_mistral_keeps_special_tokens_for_auto_requests_only() -> None:
+    parsers = _parsers(tool_call_parser="mistral")
+    assert parsers.keeps_special_tokens(tool_plan(TOOLS, "auto", None))
+    assert not parsers.keeps_special_tokens(tool_plan(TOOLS, "required", None))
+    assert not _parsers().keeps_special_tokens(tool_plan(TOOLS, "auto", None))

@@ -89,6 +89,9 @@ class ToolParser(ABC):
     #: The text that starts a call, if the format has one; the server's tool-call grammar
     #: (xgrammar structural tags) triggers on it.
     call_start: ClassVar[str | None] = None
+    #: The format's markers are special tokens (Mistral's ``[TOOL_CALLS]``): the server then
+    #: decodes the output with ``skip_special_tokens`` false, so that the parser sees them.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         self.tools = tools

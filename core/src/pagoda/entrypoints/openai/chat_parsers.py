@@ -70,6 +70,11 @@ class ServerParsers:
             tag = {**tag, "format": {**tag["format"], "stop_after_first": True}}
         return StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
 
+    def keeps_special_tokens(self, plan: ToolCallPlan | None) -> bool:
+        """Whether an ``auto`` request's output must keep special tokens for the parser."""
+        auto = plan is not None and plan.auto
+        return auto and self.tool is not None and self.tool.keeps_special_tokens
+
     def choice(self, plan: ToolCallPlan | None) -> ChoiceParser | None:
         """A parser for one choice, or None when its text is all content."""
         tools = plan is not None and plan.auto and self.tool is not None

@@ -127,6 +127,8 @@ class ServingChat(Serving):
                     param="tool_choice",
                 )
             params.structured_outputs = grammar
+        if self.parsers.keeps_special_tokens(plan):
+            params.skip_special_tokens = False
         rid = new_id("chatcmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         submitted = [(rid, prompt, params)]

@@ -1,6 +1,6 @@
 """Mistral calls after ``[TOOL_CALLS]``: a JSON array of ``{"name", "arguments"}`` objects, or
 (tokenizer v11 and later) ``name[ARGS]{...}``, one per ``[TOOL_CALLS]``. The marker is a special
-token: serve with ``skip_special_tokens`` false so that it stays in the text."""
+token, kept in the text (``keeps_special_tokens``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pagoda_tool_parsers.calls import calls_of
 class MistralToolParser(MarkedToolParser):
     call_start = "[TOOL_CALLS]"
     call_end = None
+    keeps_special_tokens = True
 
     def parse_block(self, block: str) -> list[ToolCall] | None:
         calls: list[ToolCall] = []
