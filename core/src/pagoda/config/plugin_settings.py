@@ -27,7 +27,6 @@ ENV_PREFIX = "PAGODA_PLUGINS__"
 #: Keys that select a registered thing by name -> the registry that must hold the name. A name
 #: no plugin registers is a configuration error at load (``auto`` and None select none).
 SELECTIONS: dict[str, str] = {
-    "parallel.executor": "executors",
     "speculative.method": "spec_proposers",
     "structured_output.backend": "grammar_backends",
 }
