@@ -122,3 +122,28 @@ def test_qwen3_enable_thinking_false_reaches_the_template(qwen3) -> None:
         f"{qwen3.url}/detokenize", headers=qwen3.headers, json={"tokens": tokens}, timeout=30
     ).json()["prompt"]
     assert text.rstrip().endswith("<think>\n\n</think>")
+
+
+def test_qwen3_second_turn_renders_the_call_and_the_tool_result(qwen3) -> None:
+    client = chat(qwen3)
+    first = client.create(
+        messages=ASK, tools=TOOLS, max_tokens=160, extra_body={"request_id": "both"}
+    )
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    tokens = httpx.post(
+        f"{qwen3.url}/tokenize", headers=qwen3.headers, json={"messages": history}, timeout=30
+    ).json()["tokens"]
+    text = httpx.post(
+        f"{qwen3.url}/detokenize", headers=qwen3.headers, json={"tokens": tokens}, timeout=30
+    ).json()["prompt"]
+    # The template got the arguments as an object (it writes them with tojson).
+    arguments = json.dumps(json.loads(call.function.arguments))
+    assert f'"arguments": {arguments}' in text
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
+    second = client.create(messages=history, tools=TOOLS, max_tokens=8)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
