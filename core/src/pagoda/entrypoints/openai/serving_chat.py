@@ -132,7 +132,8 @@ class ServingChat(Serving):
         rid = new_id("chatcmpl", req.request_id)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         submitted = [(rid, prompt, params)]
-        (outputs,) = await self.submit(submitted, kind, req.priority, req.constraint_field())
+        field = "tools" if grammar is not None else req.constraint_field()
+        (outputs,) = await self.submit(submitted, kind, req.priority, field)
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, num_prompt, outputs),
