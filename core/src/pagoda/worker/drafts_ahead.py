@@ -96,6 +96,12 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
     got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
     if got is None:
         return None
+    k = spec.num_spec_tokens
+    if got[1].shape[-1] != k:  # the documented bound holds in this mode too: k columns exactly
+        raise ValueError(
+            f"a proposer's drafts_ahead returned {got[1].shape[-1]} draft columns; want "
+            f"speculative.num_speculative_tokens={k}"
+        )
     return AheadPlan(last, sel, rows, reach, *got)
 
 
