@@ -21,7 +21,8 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.attention.spec import AttentionSpec
-from pagoda.loader.sharded import WeightSlice, as_slice
+from pagoda.loader.sharded import WeightSlice
+from pagoda.models.parallel_layers import copy_weight
 
 #: A token's segment id sits in its id's bits from here up (``encode_token_types``).
 TOKEN_TYPE_SHIFT = 30
@@ -312,15 +313,7 @@ class BertEncoderModel(nn.Module):
                 if key.startswith(body + "pooler.") and body + "pooler.dense.weight" not in params:
                     continue  # XLM-R's unused pooler
                 raise ValueError(f"checkpoint weight {name!r} has no parameter in the model")
-            tensor = as_slice(tensor).full()
-            param = params[key]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
+            copy_weight(params[key], name, tensor)
             loaded.add(key)
         missing = set(params) - loaded
         if not self.classifier_head:

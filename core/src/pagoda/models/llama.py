@@ -17,7 +17,7 @@ from pagoda.attention.layer import Attention
 from pagoda.attention.spec import AttentionSpec
 from pagoda.distributed import tp_shape
 from pagoda.loader.arch import ModelArchConfig
-from pagoda.loader.sharded import WeightSlice, as_slice
+from pagoda.loader.sharded import WeightSlice
 from pagoda.models.layers import RMSNorm, RotaryEmbedding
 from pagoda.models.parallel_layers import (
     ColumnParallelLinear,
@@ -25,6 +25,7 @@ from pagoda.models.parallel_layers import (
     Part,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_weight,
     split_evenly,
 )
 from pagoda.ops import qk_norm_rotary, silu_and_mul
@@ -231,15 +232,7 @@ class LlamaForCausalLM(nn.Module):
                 module.load_weight(parts[-1], tensor)
                 loaded.add(name)
                 continue
-            tensor = as_slice(tensor).full()
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
+            copy_weight(params[name], name, tensor)
             loaded.add(name)
         missing = set(params) - loaded
         if self.config.tie_word_embeddings:

@@ -36,6 +36,14 @@ def _copy(param: torch.Tensor, src: torch.Tensor) -> None:
         param.copy_(src)
 
 
+def copy_weight(param: torch.Tensor, name: str, weight: torch.Tensor | WeightSlice) -> None:
+    """Copy the whole checkpoint tensor ``weight`` (or lazy slice, read whole) named ``name``
+    into the unsplit ``param``; another shape is an error that names both."""
+    full = as_slice(weight).full()
+    _check(repr(name), tuple(full.shape), tuple(param.shape))
+    _copy(param, full)
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """One projection of a column-parallel layer: ``size`` output rows in the checkpoint, of

@@ -82,15 +82,18 @@ def probe_attention(
     return query.new_zeros(b, n, h, value.shape[-1]), None
 
 
-def start_probe() -> list[ProbeCall]:
+def record_attention(model: Any) -> list[ProbeCall]:
+    """The attention calls of ``model`` (built on the meta device with the probe's attention,
+    ``PROBE``) in a forward of its base model on two tokens."""
     global _probe_calls
-    _probe_calls = []
-    return _probe_calls
-
-
-def stop_probe() -> None:
-    global _probe_calls
-    _probe_calls = None
+    ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
+    _probe_calls = calls = []
+    try:
+        with torch.no_grad():
+            model.base_model(input_ids=ids, position_ids=ids, use_cache=False)
+    finally:
+        _probe_calls = None
+    return calls
 
 
 AttentionInterface.register(PAGODA, pagoda_attention)

@@ -57,6 +57,7 @@ def fuse(model: nn.Module) -> dict[str, int]:
             if kind not in probe_norms:
                 probe_norms[kind] = _agrees(module, _fused_norm_forward, module.weight.shape[-1])
             if probe_norms[kind]:
+                object.__setattr__(module, "_pagoda_eps", _eps(module))
                 module.forward = types.MethodType(_fused_norm_forward, module)
                 done["rms_norm"] += 1
         elif _is_gated_mlp(module):
@@ -99,7 +100,7 @@ def _fused_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         flat = x.view(-1, x.shape[-1])
     except RuntimeError:  # not viewable flat: the original path
         return type(self).forward(self, x)
-    return rms_norm(flat, self.weight, _eps(self)).view(x.shape)
+    return rms_norm(flat, self.weight, self._pagoda_eps).view(x.shape)
 
 
 def _agrees(module: nn.Module, stand_in: Callable[..., torch.Tensor], width: int) -> bool:
@@ -107,6 +108,7 @@ def _agrees(module: nn.Module, stand_in: Callable[..., torch.Tensor], width: int
     try:
         probe = _random_copy(module)
         x = _randn(probe, 5, width)
+        object.__setattr__(probe, "_pagoda_eps", _eps(probe))
         with torch.no_grad():
             want = type(probe).forward(probe, x)
             got = stand_in(probe, x)

@@ -225,13 +225,7 @@ def _probe(config_json: str, architecture: str) -> Probed:
                 model_cls, config, attention.PROBE, torch.float32, experts="batched_mm"
             )
         names = {id(m): n for n, m in model.named_modules()}
-        ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
-        calls = attention.start_probe()
-        try:
-            with torch.no_grad():
-                model.base_model(input_ids=ids, position_ids=ids, use_cache=False)
-        finally:
-            attention.stop_probe()
+        calls = attention.record_attention(model)
     except Refusal:
         raise
     except Exception as e:

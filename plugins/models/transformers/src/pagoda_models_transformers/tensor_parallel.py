@@ -219,19 +219,6 @@ def probe_sharded(hf_config: dict[str, Any], architecture: str, size: int) -> Pr
     return _probe_sharded(json.dumps(hf_config, sort_keys=True, default=str), architecture, size)
 
 
-def record_attention(model: Any) -> list[attention.ProbeCall]:
-    """The attention calls of ``model`` (built on the meta device with the probe's attention) on
-    two tokens."""
-    ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
-    calls = attention.start_probe()
-    try:
-        with torch.no_grad():
-            model.base_model(input_ids=ids, position_ids=ids, use_cache=False)
-    finally:
-        attention.stop_probe()
-    return calls
-
-
 @functools.lru_cache(maxsize=16)
 def _probe_sharded(config_json: str, architecture: str, size: int) -> Probed:
     hf_config = json.loads(config_json)
@@ -247,7 +234,7 @@ def _probe_sharded(config_json: str, architecture: str, size: int) -> Probed:
         )
     shard_model(model, full.module_names, full.specs, 0, size, torch.device("meta"))
     try:
-        calls = record_attention(model)
+        calls = attention.record_attention(model)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise Refusal(
