@@ -100,6 +100,7 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=24, help="steady decode steps timed")
     p.add_argument("--attention-backend", default="triton")
+    p.add_argument("--model-impl", default="native", help="the model impl that builds the model")
     p.add_argument("--top", type=int, default=18, help="kernels listed")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -112,6 +113,7 @@ def main() -> None:
         max_num_seqs=b,
         max_model_len=args.input_len + new_tokens + 8,
         attention_backend=args.attention_backend,
+        model_impl=args.model_impl,
     )
     engine = llm.engine
     vocab = engine.info.shape.vocab_size
@@ -175,15 +177,17 @@ def main() -> None:
         prof_host.disable()
         host = _host_table(prof_host, args.steps)
 
+    runner = core.executor.worker.model_runner
+    graphs = runner.decode_graphs
+    replays = graphs.replays if graphs is not None else 0
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         prof_steps = 6
         for _ in range(prof_steps):
             engine.step()
         torch.cuda.synchronize()
     table = _kernel_table(prof, prof_steps, args.top)
-
-    runner = core.executor.worker.model_runner
-    graphs = runner.decode_graphs
+    # Whether the profiled decode steps replayed graphs (a step run eagerly shows here as 0).
+    graph_replays_per_step = ((graphs.replays if graphs is not None else 0) - replays) / prof_steps
     parts: dict[str, float] = {}
     with torch.inference_mode():
         if graphs is not None and b in graphs.graphs:
@@ -206,6 +210,8 @@ def main() -> None:
         "min_input_len": lo,
         "temperature": args.temperature,
         "attention_backend": args.attention_backend,
+        "model_impl": args.model_impl,
+        "graph_replays_per_step": graph_replays_per_step,
         "gpu": hardware(torch.device("cuda")),
         "commit": commit(),
         "wall_ms_per_step": round(wall_ms, 3),
@@ -216,10 +222,13 @@ def main() -> None:
         "host_profile_per_step": host,
         "prefill": prefill,
     }
-    path = save_report(report, f"profile-decode-{args.config}-b{b}", args.output_json)
+    path = save_report(
+        report, f"profile-decode-{args.config}-{args.model_impl}-b{b}", args.output_json
+    )
     print(
         f"{args.config} batch {b}, context ~{args.input_len}: wall {wall_ms:.2f} ms a step "
-        f"(median {float(np.median(step_walls)):.2f}, slowest {max(step_walls):.2f})"
+        f"(median {float(np.median(step_walls)):.2f}, slowest {max(step_walls):.2f}); "
+        f"model impl {args.model_impl}, {graph_replays_per_step:.2f} graph replays a step"
     )
     for k, v in parts.items():
         print(f"  {k:<18}{v:8.3f} ms")
