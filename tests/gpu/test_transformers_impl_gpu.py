@@ -45,6 +45,9 @@ def test_qwen3_through_the_plugin_gives_the_native_tokens(tmp_path: Path) -> Non
     plugin = LLM(model_impl="transformers", **common)
     assert plugin.engine.info.model_impl == "transformers"
     runner = plugin.engine.engine_core.executor.worker.model_runner
+    # Built under the CUDA device, the fused norms, MLPs and rotary still replace transformers'.
+    layers = plugin.engine.info.shape.num_hidden_layers
+    assert runner.model.fused == {"rms_norm": 4 * layers + 1, "gated_mlp": layers, "rotary": 1}
     got = [o.outputs[0].token_ids for o in plugin.generate(prompts, params, use_tqdm=False)]
     if runner.decode_graphs is not None:  # the backend captures: the HF forward must too
         assert runner.decode_graphs.replays >= 31

@@ -236,13 +236,14 @@ def _rotary_agrees(original: Callable[..., Any], stand_in: _Rotary, model: nn.Mo
         param = next(model.parameters())
         gen = torch.Generator().manual_seed(0)
         d, n = 16, 7
-        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        freqs = torch.outer(torch.randint(0, 4000, (n,), generator=gen).double(), inv)
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cpu") / d))
+        steps = torch.randint(0, 4000, (n,), generator=gen, device="cpu")
+        freqs = torch.outer(steps.double(), inv)
         emb = torch.cat((freqs, freqs), dim=-1)
         dev, dt = param.device, param.dtype
         cos, sin = (t.to(device=dev, dtype=dt)[None] for t in (emb.cos(), emb.sin()))
-        q = torch.randn(1, 4, n, d, generator=gen).to(device=dev, dtype=dt)
-        k = torch.randn(1, 2, n, d, generator=gen).to(device=dev, dtype=dt)
+        q = torch.randn(1, 4, n, d, generator=gen, device="cpu").to(device=dev, dtype=dt)
+        k = torch.randn(1, 2, n, d, generator=gen, device="cpu").to(device=dev, dtype=dt)
         with torch.no_grad(), pagoda_forward():
             want = original(q.clone(), k.clone(), cos, sin)
             got = stand_in(q.clone(), k.clone(), cos, sin)
@@ -253,6 +254,9 @@ def _rotary_agrees(original: Callable[..., Any], stand_in: _Rotary, model: nn.Mo
 
 
 # ---- shared ---------------------------------------------------------------------------------
+# NOTE: every probe tensor is made on the CPU, where its generator is, and then moved: the worker
+# builds the model under ``torch.device(cuda)``, where a CPU generator's draw would raise and
+# every stand-in would be dropped without a word but a debug line.
 
 
 def _random_copy(module: nn.Module) -> nn.Module:
@@ -260,13 +264,14 @@ def _random_copy(module: nn.Module) -> nn.Module:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in probe.parameters():
-            p.copy_((torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5 + 1).to(p))
+            r = torch.randn(p.shape, generator=gen, device="cpu")
+            p.copy_((r * p.shape[-1] ** -0.5 + 1).to(p))
     return probe
 
 
 def _randn(module: nn.Module, *shape: int) -> torch.Tensor:
     p = next(module.parameters())
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(p)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1), device="cpu").to(p)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:

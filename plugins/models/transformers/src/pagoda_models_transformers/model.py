@@ -164,7 +164,7 @@ class TransformersCausalLM(nn.Module):
         if head is None or self.config.tensor_parallel_size != 1:
             return False
         gen = torch.Generator().manual_seed(0)
-        h = torch.randn(3, like.shape[-1], generator=gen).to(like)
+        h = torch.randn(3, like.shape[-1], generator=gen, device="cpu").to(like)
         with torch.inference_mode():
             plain = head(h).float()
             if not bool(torch.isfinite(plain).all()) or float(plain.abs().max()) == 0.0:
