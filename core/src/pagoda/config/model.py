@@ -174,6 +174,18 @@ class ParallelConfig(_Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks (GPUs, or CPU processes) one model is split over"
     )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="stages the model's layers are split into, each on its own ranks (tensor"
+        " parallel inside a stage)",
+    )
+    data_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="engine cores (replicas, each with its own executor and ranks) behind one"
+        " front end, requests routed by load and prefix",
+    )
     executor: str = Field(
         "auto",
         description="executor by name (`pagoda plugins`): uniproc, multiproc, ray; auto: uniproc"
