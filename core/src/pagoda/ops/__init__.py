@@ -17,10 +17,11 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pagoda.ops import batch_invariant, reference
+from pagoda.ops import batch_invariant, fused_moe, reference
 from pagoda.ops.draw import sample_from_probs
 
 __all__ = [
+    "fused_experts",
     "fused_ops_enabled",
     "linear",
     "qk_norm_rotary",
@@ -148,6 +149,25 @@ def qk_norm_rotary(
     q = rms_norm(q, q_weight, eps)
     k = rms_norm(k, k_weight, eps)
     return rotary_embedding(positions, q, k, cos, sin)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """A mixture of experts' routed experts (:mod:`pagoda.ops.fused_moe`): ``x`` [n, H], stacked
+    ``w13`` [E, 2 * I, H] (gate rows, then up rows) and ``w2`` [E, H, I], each token's experts
+    ``topk_ids`` [n, k] (-1: none) and weights ``topk_weights`` [n, k]; returns [n, H]. The
+    grouped-GEMM Triton kernels where they run (batch-invariant in that mode), else torch."""
+    if _use_triton(x):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
+        from pagoda.ops.triton_fused_moe import fused_experts_triton
+
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe.fused_experts_reference(x, w13, w2, topk_weights, topk_ids)
 
 
 def fused_draw_applies(logits: torch.Tensor) -> bool:
