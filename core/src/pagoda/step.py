@@ -63,6 +63,9 @@ class CachedRequestData:
     # Where ``new_block_ids`` start in the request's block list: the blocks the runner holds past
     # it were returned (speculative decoding frees blocks that held only rejected drafts).
     block_offset: int = -1
+    # Pipeline parallelism only: its output tokens from ``num_computed_tokens`` on (or from the
+    # prompt's end): the stages that do not sample learn them here.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

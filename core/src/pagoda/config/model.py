@@ -180,6 +180,11 @@ class ParallelConfig(_Section):
         description="stages the model's layers are split into, each on its own ranks (tensor"
         " parallel inside a stage)",
     )
+    pipeline_layer_partition: list[int] | None = Field(
+        None,
+        description="decoder layers per pipeline stage, first stage first (e.g. [14, 16]; vLLM's"
+        " VLLM_PP_LAYER_PARTITION); None: an even split",
+    )
     data_parallel_size: int = Field(
         1,
         ge=1,

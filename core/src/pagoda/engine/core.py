@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from pagoda.config import EngineConfig
 from pagoda.executor.base import PendingOutput, executor_name
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.kv_offload import build_offload_manager
 from pagoda.model_info import ModelInfo
+from pagoda.models.pipeline import check_pipeline_parallel
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
@@ -25,6 +27,8 @@ class EngineCore:
         self.config = config
         self.info = info
         start = time.perf_counter()
+        # Pipeline stages: a split or a feature they cannot serve fails here, before anything.
+        check_pipeline_parallel(config, info.shape, info.model_impl, info.pooler is not None)
         # KV offload's CPU pool (None: off); a bad policy name fails here, before any loading.
         offload = build_offload_manager(config, info)
         check_speculative(config, info)  # before any worker starts
@@ -59,12 +63,21 @@ class EngineCore:
             structured_output=self.structured_output,
             drafts=draft_policy(config),
             spec_governor=build_governor(config.speculative),
+            batch_queue=config.parallel.pipeline_parallel_size > 1,
         )
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
         self.async_scheduling = config.scheduler.async_scheduling
         # The step launched last whose output is not read yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        # Pipeline parallelism: up to one step in flight per stage, oldest first (vLLM's batch
+        # queue; None: off), and the most there ever were at once.
+        pp = config.parallel.pipeline_parallel_size
+        self.batch_queue_size = pp
+        self._batches: deque[tuple[SchedulerOutput, PendingOutput]] | None = (
+            deque() if pp > 1 else None
+        )
+        self.max_batches_in_flight = 0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -79,6 +92,8 @@ class EngineCore:
         and this returns the previous step's outputs: the host schedules and prepares step N+1
         while the device runs step N.
         """
+        if self._batches is not None:
+            return self._step_with_batch_queue(self._batches)
         outputs: list[EngineCoreOutput] = []
         so = self.scheduler.schedule()
         if so.is_empty and self._in_flight is None and self.structured_output.num_pending:
@@ -94,6 +109,32 @@ class EngineCore:
                 self._in_flight = launched
             else:  # NOTE: a step that only drops finished requests has nothing to overlap
                 outputs += self._finish(*launched)
+        if self.scheduler.grammar_errors:
+            outputs += self.scheduler.take_grammar_errors()
+        return outputs
+
+    def _step_with_batch_queue(
+        self, batches: deque[tuple[SchedulerOutput, PendingOutput]]
+    ) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: launch the next batch while earlier ones are in flight in the
+        stages; read the oldest once the queue is full or nothing new could be scheduled.
+
+        The scheduler leaves out the requests whose sampled token is in flight, so each batch
+        holds other requests (or the next chunks of prompts), and the stages overlap.
+        """
+        outputs: list[EngineCoreOutput] = []
+        launched = False
+        if len(batches) < self.batch_queue_size:
+            so = self.scheduler.schedule()
+            if not so.is_empty or so.finished_req_ids or so.kv_transfers is not None:
+                batches.append((so, self.executor.launch(so)))
+                launched = not so.is_empty
+                running = sum(not b.is_empty for b, _ in batches)
+                self.max_batches_in_flight = max(self.max_batches_in_flight, running)
+            elif not batches and self.structured_output.num_pending:
+                self.structured_output.wait(0.05)  # nothing runs: wait for a grammar
+        if batches and (not launched or len(batches) >= self.batch_queue_size):
+            outputs += self._finish(*batches.popleft())
         if self.scheduler.grammar_errors:
             outputs += self.scheduler.take_grammar_errors()
         return outputs

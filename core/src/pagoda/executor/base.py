@@ -9,8 +9,9 @@ registry) and calls, in this order:
    number of blocks. ``startup_times`` is read right after.
 3. ``launch(scheduler_output)``: once per step, from one thread, in step order; ``get()`` on its
    result is called exactly once per launch and in launch order, at most one step later (the
-   engine launches step N+1 before it reads step N: async scheduling). ``execute_model`` is the
-   same without the overlap.
+   engine launches step N+1 before it reads step N: async scheduling; with pipeline parallelism
+   up to ``pipeline_parallel_size`` steps are in flight, each read in launch order).
+   ``execute_model`` is the same without the overlap.
 4. ``shutdown()``: once, also after an error; it must leave no process or device memory behind.
 
 An executor whose worker dies or hangs raises from ``get()`` (or ``initialize``) within seconds,
@@ -61,8 +62,10 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step ``scheduler_output`` on every worker and wait for it. Returns rank 0's
-        :class:`ModelRunnerOutput`: the sampled ids (and logprobs) of the step's requests."""
+        """Run the step ``scheduler_output`` on every worker and wait for it. Returns the
+        :class:`ModelRunnerOutput` of the rank that samples (rank 0; with pipeline parallelism
+        the first rank of the last stage): the sampled ids (and logprobs) of the step's
+        requests."""
 
     def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         """Start the step ``scheduler_output`` and return at once. Returns a
@@ -87,4 +90,5 @@ def executor_name(parallel: ParallelConfig) -> str:
     """``parallel.executor``, with ``auto`` resolved: uniproc for one rank, multiproc for more."""
     if parallel.executor != "auto":
         return _VLLM_NAMES.get(parallel.executor, parallel.executor)
-    return "uniproc" if parallel.tensor_parallel_size == 1 else "multiproc"
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    return "uniproc" if ranks == 1 else "multiproc"

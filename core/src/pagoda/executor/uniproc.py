@@ -13,12 +13,13 @@ from pagoda.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def initialize(self) -> int:
-        if self.config.parallel.tensor_parallel_size != 1:
-            raise ValueError(
-                "the uniproc executor runs one rank; for parallel.tensor_parallel_size="
-                f"{self.config.parallel.tensor_parallel_size} pick multiproc or ray "
-                "(parallel.executor)"
-            )
+        parallel = self.config.parallel
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(parallel, key) != 1:
+                raise ValueError(
+                    f"the uniproc executor runs one rank; for parallel.{key}="
+                    f"{getattr(parallel, key)} pick multiproc or ray (parallel.executor)"
+                )
         self.worker = Worker(self.config, self.info)
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()

@@ -2,7 +2,10 @@
 
 It joins the group, builds its ``Worker`` (its slice of the model, its KV heads), then serves
 its executor over ZMQ: start-up calls, then one ``Step`` per engine step. Every rank runs every
-step (the collectives need all); rank 0 sends the runner output back. A thread sends heartbeats,
+step (the collectives need all); the output rank (the first of the last pipeline stage: rank 0
+without pipeline parallelism) sends the runner output back. A pipeline stage takes its input from
+the previous stage's ranks and hands its output on (``pagoda.distributed``), so the stages work
+on different steps at once. A thread sends heartbeats,
 so that the executor notices a rank that hangs as well as one that dies.
 """
 
@@ -24,7 +27,7 @@ import torch
 import zmq
 
 from pagoda.config import EngineConfig
-from pagoda.distributed import destroy_tensor_parallel, init_tensor_parallel
+from pagoda.distributed import destroy_parallel, init_parallel, split_layers
 from pagoda.executor import messages as m
 from pagoda.model_info import ModelInfo
 from pagoda.process import die_with_parent, run_then_end_quietly, tune_gc
@@ -33,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 #: Seconds between two heartbeats of a worker.
 HEARTBEAT_S = 0.5
-_SPIN_S = 1e-4  # rank 0's wait between "step done?" and "next step here?"
+_SPIN_S = 1e-4  # the output rank's wait between "step done?" and "next step here?"
 
 
 @dataclass
@@ -48,6 +51,18 @@ class WorkerSpec:
     steps_addr: str  # where this rank's steps come from (ZMQ, connect)
     results_addr: str  # where replies go (ZMQ, connect)
     device_index: int | None = None  # the CUDA device of this rank; None on a CPU
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that sends each step's runner output: the first of the last stage."""
+        return output_rank(self.config)
+
+
+def output_rank(config: EngineConfig) -> int:
+    """The rank whose runner samples and answers each step: the first of the last pipeline
+    stage (rank 0 without pipeline parallelism)."""
+    parallel = config.parallel
+    return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
 
 def free_port() -> int:
@@ -84,7 +99,7 @@ class WorkerProc:
         finally:
             self._stop_beats.set()
             beats.join(2 * HEARTBEAT_S)
-            destroy_tensor_parallel()
+            destroy_parallel()
             self.ctx.destroy(linger=2000)
 
     def _send(self, msg: Any) -> None:
@@ -122,8 +137,19 @@ class WorkerProc:
             backend = "gloo"
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
-        init_tensor_parallel(
-            spec.rank, spec.world_size, spec.dist_init_method, backend, info.device
+        parallel = spec.config.parallel
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        stages = split_layers(
+            info.shape.num_hidden_layers, pp, parallel.pipeline_layer_partition
+        )
+        init_parallel(
+            spec.rank,
+            tp,
+            spec.dist_init_method,
+            backend,
+            info.device,
+            pipeline_parallel_size=pp,
+            stage_layers=stages[spec.rank // tp],
         )
         self.worker = Worker(spec.config, info)
         self.worker.load_model()
@@ -141,7 +167,9 @@ class WorkerProc:
     # ---- the loop ------------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        pending: tuple[int, Any] | None = None  # rank 0: the step whose output is not sent yet
+        # The output rank: the step whose output is not sent yet.
+        pending: tuple[int, Any] | None = None
+        answers = self.rank == self.spec.output_rank
         while True:
             if pending is not None:
                 # Send it once the device is done, unless the next step comes first: then that
@@ -158,7 +186,7 @@ class WorkerProc:
             if isinstance(msg, m.StepIn):
                 so = m.scheduler_output_from_wire(msg.scheduler_output)
                 step = self.worker.model_runner.launch(so)
-                if self.rank == 0:
+                if answers:
                     if pending is not None:
                         self._send(m.StepDone(pending[0], pending[1].get()))
                     pending = (msg.seq, step)

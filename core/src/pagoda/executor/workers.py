@@ -1,6 +1,7 @@
-"""The engine side of a group of tensor-parallel workers, shared by the multiprocess and Ray
-executors: a ZMQ socket to each rank and one back from all, start-up calls, each step's
-scheduler output sent to every rank, rank 0's output read back, and the watch over the workers.
+"""The engine side of a group of workers (tensor-parallel ranks, in one or more pipeline
+stages), shared by the multiprocess and Ray executors: a ZMQ socket to each rank and one back
+from all, start-up calls, each step's scheduler output sent to every rank, the output rank's
+answer read back (the first rank of the last stage), and the watch over the workers.
 
 A subclass starts and stops the workers (processes, actors) and says when one is gone; this
 class notices a worker that dies (at once) or hangs (no heartbeat for ``step_timeout_s``), stops
@@ -21,6 +22,7 @@ from typing import Any
 
 import zmq
 
+from pagoda.config.model import ParallelConfig
 from pagoda.executor import messages as m
 from pagoda.executor.base import Executor, PendingOutput
 from pagoda.executor.worker_proc import WorkerSpec
@@ -47,7 +49,8 @@ class _PendingStep:
 
 
 class WorkerGroupExecutor(Executor):
-    """Runs ``parallel.tensor_parallel_size`` workers, one per rank."""
+    """Runs ``tensor_parallel_size * pipeline_parallel_size`` workers, one per rank; each
+    stage sizes its own KV cache (its layers'), and the engine's is the smallest of them."""
 
     #: ``ipc`` (one machine) or ``tcp`` (workers may be on other machines).
     transport = "ipc"
@@ -84,7 +87,7 @@ class WorkerGroupExecutor(Executor):
     # ---- the executor --------------------------------------------------------------------------
 
     def initialize(self) -> int:
-        self.world_size = self.config.parallel.tensor_parallel_size
+        self.world_size = world_size(self.config.parallel)
         self.failed: WorkerFailedError | None = None
         self._seq = itertools.count(1)
         self._call_ids = itertools.count()
@@ -284,6 +287,11 @@ class WorkerGroupExecutor(Executor):
             self._ctx = None
             if self._ipc_dir is not None:
                 shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def world_size(parallel: ParallelConfig) -> int:
+    """The ranks one engine's executor runs: tensor-parallel ranks in each pipeline stage."""
+    return parallel.tensor_parallel_size * parallel.pipeline_parallel_size
 
 
 def worker_env() -> dict[str, str]:

@@ -15,7 +15,7 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.attention.spec import AttentionSpec
-from pagoda.distributed import tp_shape
+from pagoda.distributed import is_first_stage, is_last_stage, stage_layers, tp_shape
 from pagoda.loader.arch import ModelArchConfig
 from pagoda.loader.sharded import WeightSlice
 from pagoda.models.layers import RMSNorm, RotaryEmbedding
@@ -154,23 +154,53 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder. Split into pipeline stages, it holds only its stage's layers (``start`` to
+    ``end``), the embedding on the first stage and the final norm on the last; a stage that is
+    not the last returns its hidden states and residual stacked, ``[2, num_tokens, hidden]``,
+    which the next stage takes as ``intermediate``."""
+
     def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.hidden_size = cfg.hidden_size
+        self.start, self.end = stage_layers(cfg.num_hidden_layers)
+        self.first, self.last = is_first_stage(), is_last_stage()
+        # NOTE: a tied LM head is the embedding: the last stage holds it too.
+        if self.first or (self.last and cfg.tie_word_embeddings):
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         # One rotary table for all layers (it is a buffer, not a weight).
         rotary_emb = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
+        # NOTE: other stages' layers are parameterless stand-ins, so that names and indices
+        # stay the checkpoint's.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, rotary_emb, i) for i in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, rotary_emb, i)
+            if self.start <= i < self.end
+            else nn.Identity()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.first:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:  # a dry run (profiling, warm-up): zeros stand in
+                dtype = next(self.parameters()).dtype
+                intermediate = torch.zeros(
+                    (2, input_ids.shape[0], self.hidden_size), dtype=dtype, device=input_ids.device
+                )
+            x, residual = intermediate[0], intermediate[1]
+        for layer in self.layers[self.start : self.end]:
             x, residual = layer(positions, x, residual)
+        if not self.last:
+            return torch.stack((x, residual))
         x, _ = self.norm(x, residual)
         return x
 
@@ -180,18 +210,38 @@ class LlamaForCausalLM(nn.Module):
 
     #: Every layer's spec, before the model is built: the runner selects the backend with them.
     attention_specs = staticmethod(attention_specs)
+    #: It splits into pipeline stages (``parallel.pipeline_parallel_size``).
+    supports_pipeline_parallel = True
 
     def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.last:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states of every token of the flat batch: [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of every token of the flat batch: [num_tokens, hidden_size]; on a
+        pipeline stage before the last, its hidden states and residual, [2, num_tokens,
+        hidden_size], which the next stage takes as ``intermediate``."""
+        return self.model(input_ids, positions, intermediate)
+
+    def _elsewhere(self, name: str) -> bool:
+        """Whether checkpoint weight ``name`` belongs to another pipeline stage."""
+        m = self.model
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return not m.start <= i < m.end
+        if name.startswith("model.embed_tokens."):
+            return not hasattr(m, "embed_tokens")
+        return name.startswith(("model.norm.", "lm_head.")) and not m.last
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[num_rows, vocab] in the model's dtype: whoever needs float32 converts (the sampler's
@@ -218,6 +268,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if self._elsewhere(name):
+                continue
             parts = name.split(".")
             shard = parts[-2] if len(parts) >= 2 else ""
             if shard in merged:
@@ -236,7 +288,7 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         missing = set(params) - loaded
         if self.config.tie_word_embeddings:
-            missing.discard("lm_head.weight")
+            missing.discard("lm_head.weight")  # (on the last stage: the embedding's)
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
         return loaded

@@ -49,9 +49,11 @@ class ModelShape:
         """The distinct query/key head sizes of the layers, ascending."""
         return tuple(sorted({s.head_size for s in self.attention}))
 
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes one token takes in this rank's KV cache, every layer's keys and values."""
-        return sum(2 * s.num_kv_heads * s.cache_head_size for s in self.attention) * itemsize
+    def kv_bytes_per_token(self, itemsize: int, layers: tuple[int, int] | None = None) -> int:
+        """Bytes one token takes in this rank's KV cache, every layer's keys and values (of
+        the layers ``[start, end)`` only, a pipeline stage's, when given)."""
+        specs = self.attention if layers is None else self.attention[layers[0] : layers[1]]
+        return sum(2 * s.num_kv_heads * s.cache_head_size for s in specs) * itemsize
 
     @property
     def sliding_window_layers(self) -> tuple[int, ...]:

@@ -152,11 +152,15 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         drafts: DraftPolicy | None = None,
         spec_governor: SpeculationGovernor | None = None,
+        batch_queue: bool = False,
     ) -> None:
         """``structured_output`` compiles grammars (None: requests with one are refused);
         ``drafts`` is how drafts are scheduled (``pagoda.scheduler.draft_policy``; None:
         speculation is off); ``spec_governor`` turns drafting off for the batch while it does
-        not pay (None: drafts every step)."""
+        not pay (None: drafts every step). ``batch_queue``: the engine keeps several steps in
+        flight (pipeline parallelism): a request whose sampled token is still in flight sits
+        out until it is back, and each scheduled request carries its new output tokens
+        (``CachedRequestData.new_token_ids``) for the stages that do not sample."""
         self.num_preemptions_total = 0
         chunked = scheduler_config.enable_chunked_prefill
         budget = scheduler_config.max_num_batched_tokens
@@ -218,6 +222,7 @@ class Scheduler:
         # batch while it does not pay (``pagoda.scheduler.spec_governor``).
         self.spec_governor = spec_governor
         self._drafting = True
+        self.batch_queue = batch_queue
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -284,7 +289,12 @@ class Scheduler:
                 step.budget,
                 self.max_model_len - req.num_computed_tokens,
             )
-            if num_new <= 0 or self._ends_before(req, known) or self._sits_out(req):
+            if (
+                num_new <= 0
+                or self._ends_before(req, known)
+                or self._sits_out(req)
+                or (self.batch_queue and req.num_output_placeholders)  # its token is in flight
+            ):
                 i += 1
                 continue
             drafts = self._drafts_to_schedule(req, known, step.budget)
@@ -329,6 +339,7 @@ class Scheduler:
                 new_block_ids=[b.block_id for b in step.new_blocks[r.request_id]],
                 num_computed_tokens=r.num_computed_tokens,
                 block_offset=kv.num_held_blocks(r.request_id) - len(step.new_blocks[r.request_id]),
+                new_token_ids=self._new_outputs(r) if self.batch_queue else [],
             )
             for r in step.cached_reqs
         ]
@@ -359,6 +370,11 @@ class Scheduler:
             # runner's proposals after this one feed (the first step of a batch is its prompts').
             alternate_drafts=self._alternates(),
         )
+
+    @staticmethod
+    def _new_outputs(req: Request) -> list[int]:
+        """The output tokens from ``num_computed_tokens`` (or the prompt's end) on."""
+        return req.output_token_ids[max(req.num_computed_tokens - req.num_prompt_tokens, 0) :]
 
     def _alternates(self) -> bool:
         """Whether speculation alternates with the requests running now

@@ -71,6 +71,16 @@ class InputBatch:
         self.num_tokens[rows] = pos + 1
         return pos
 
+    def write_outputs(self, req_id: str, num_computed: int, token_ids: list[int]) -> None:
+        """A pipeline stage that does not sample learns the request's output tokens from the
+        scheduler (``CachedRequestData.new_token_ids``): they start at ``num_computed`` or, if
+        that lies in the prompt, where the prompt ends."""
+        row = self.row_of[req_id]
+        pos = max(num_computed, int(self.num_prompt[row]))
+        end = pos + len(token_ids)
+        self.token_ids[row, pos:end] = token_ids
+        self.num_tokens[row] = max(int(self.num_tokens[row]), end)
+
     def write_drafts(self, drafts: dict[str, list[int]]) -> None:
         """Put each request's scheduled drafts after its known tokens, where the step reads its
         input ids and the sampler its history; ``num_tokens`` does not count them."""

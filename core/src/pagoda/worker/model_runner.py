@@ -21,7 +21,15 @@ from pagoda.attention.batch_invariant import invariant_attention_backend
 from pagoda.attention.layer import Attention, set_forward_context
 from pagoda.attention.selector import select_attention_backend
 from pagoda.config import EngineConfig
-from pagoda.distributed import get_tp_size
+from pagoda.distributed import (
+    get_pp_size,
+    get_tp_size,
+    is_first_stage,
+    is_last_stage,
+    recv_from_prev_stage,
+    send_to_next_stage,
+    stage_layers,
+)
 from pagoda.kv_offload.medium import OffloadMedium, build_offload_medium
 from pagoda.loader import init_dummy_, iter_safetensors
 from pagoda.loader.construct import build_model
@@ -113,8 +121,15 @@ class ModelRunner:
             )
         )
         self.attn_backend.configure(config.attention)
-        # Each layer's cache: this tensor-parallel rank's KV heads of the layer's head size.
-        self.kv_layouts = [(s.num_kv_heads, s.cache_head_size) for s in shape.attention]
+        # Pipeline parallelism: this stage's decoder layers; only the first stage embeds token
+        # ids, only the last samples (the others hand their output on).
+        self.pipeline = get_pp_size() > 1
+        self.stage = stage_layers(shape.num_hidden_layers)
+        self.first_stage, self.last_stage = is_first_stage(), is_last_stage()
+        self.stage_attention = shape.attention[self.stage[0] : self.stage[1]]
+        # Each layer's cache: this tensor-parallel rank's KV heads of the layer's head size (of
+        # this stage's layers).
+        self.kv_layouts = [(s.num_kv_heads, s.cache_head_size) for s in self.stage_attention]
         self.sampler = Sampler()
         # Speculative decoding: the proposer named by ``speculative.method`` (None: off).
         self.proposer = build_proposer(
@@ -179,11 +194,12 @@ class ModelRunner:
             model_cls, self.shape.config, self.attn_backend, device=self.device, dtype=self.dtype
         )
         built = [m.spec for m in model.modules() if isinstance(m, Attention)]
-        if built != list(self.shape.attention):
+        if built != list(self.stage_attention):
             raise ValueError(
                 f"{model_cls.__name__} built {len(built)} attention layers whose specs differ "
-                f"from the {len(self.shape.attention)} its model impl declared "
-                f"({self.model_impl!r}): the KV cache is laid out from the declared ones"
+                f"from the {len(self.stage_attention)} its model impl declared "
+                f"({self.model_impl!r}, layers {self.stage[0]} to {self.stage[1]}): the KV "
+                "cache is laid out from the declared ones"
             )
         if self.load_format == "dummy":
             init_dummy_(model, self.config.model.seed)
@@ -199,7 +215,7 @@ class ModelRunner:
         self.startup_times["load_weights_s"] = time.perf_counter() - start
 
     def kv_cache_block_bytes(self) -> int:
-        per_token = self.shape.kv_bytes_per_token(self.dtype.itemsize)
+        per_token = self.shape.kv_bytes_per_token(self.dtype.itemsize, self.stage)
         extra = self.proposer.kv_cache_block_bytes(self.block_size) if self.proposer else 0
         return self.block_size * per_token + extra
 
@@ -328,6 +344,9 @@ class ModelRunner:
             and not self.config.model.enforce_eager
             and self.attn_backend.supports_cuda_graph
             and not getattr(self.model, "pooling_only", False)  # it never decodes
+            # NOTE: a pipeline stage runs eagerly: a later stage's input is the previous
+            # stage's hidden states, which the decode graphs do not take.
+            and not self.pipeline
         ):
             self.decode_graphs = self._graphs()
             self.graph_capture_s = self.decode_graphs.capture()
@@ -409,6 +428,8 @@ class ModelRunner:
             computed.append(new.num_computed_tokens)
         for cached in so.scheduled_cached_reqs:
             ib.append_blocks(ib.row_of[cached.req_id], cached.new_block_ids, cached.block_offset)
+            if cached.new_token_ids and not self.last_stage:  # (the last stage sampled them)
+                ib.write_outputs(cached.req_id, cached.num_computed_tokens, cached.new_token_ids)
             req_ids.append(cached.req_id)
             computed.append(cached.num_computed_tokens)
         return req_ids, np.asarray(computed, dtype=np.int64)
@@ -527,6 +548,14 @@ class ModelRunner:
             hidden = graphs.run(common, bucket)
         elif verified is not None:
             hidden = verified
+        elif self.pipeline:
+            with set_forward_context(self.attn_backend.build_metadata(common)):
+                hidden = self._stage_forward(total)
+            if not self.last_stage:  # the next stage goes on from here; nothing samples here
+                send_to_next_stage(hidden)
+                out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
+                in_flight.launched(out)
+                return out
         else:
             with set_forward_context(self.attn_backend.build_metadata(common)):
                 hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
@@ -570,6 +599,15 @@ class ModelRunner:
             self._end_launch(out, bool(drafts))
         in_flight.launched(out)
         return out
+
+    def _stage_forward(self, total: int) -> torch.Tensor:
+        """This pipeline stage's forward pass over the step's ``total`` tokens: the first
+        stage's from the token ids, a later one's from the previous stage's output."""
+        ids, positions = self.buffers.input_ids[:total], self.buffers.positions[:total]
+        if self.first_stage:
+            return self.model(ids, positions)
+        shape = (2, total, self.shape.hidden_size)
+        return self.model(ids, positions, recv_from_prev_stage(shape, self.dtype, self.device))
 
     def _end_launch(self, out: StepOutput, drafted: bool) -> None:
         """The end of a step's launch, once its sampling is launched: the event its output

@@ -16,6 +16,7 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.layer import Attention, set_forward_context
+from pagoda.distributed import is_last_stage
 from pagoda.ops import fused_draw_applies, sample_from_logits
 from pagoda.sample.ops import sample_from_probs
 from pagoda.utils import cdiv
@@ -104,7 +105,8 @@ def profile_peak_activations(
     with set_forward_context(attn_backend.build_metadata(common)):
         hidden = model(buffers.input_ids[:n_tok], buffers.positions[:n_tok])
     raw = logits = probs = None
-    if not getattr(model, "pooling_only", False):  # a pooling model has no LM head to sample
+    # A pooling model has no LM head to sample; nor has a pipeline stage before the last.
+    if not getattr(model, "pooling_only", False) and is_last_stage():
         last = torch.from_numpy(qsl[1:] - 1).to(dev)
         raw = model.compute_logits(hidden[last])  # the model's dtype
         # NOTE: the sampler's general path works on a float32 copy: its peak is the one to

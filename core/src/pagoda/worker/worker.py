@@ -54,7 +54,10 @@ def set_cpu_threads(config: EngineConfig, device: torch.device) -> int:
     """Size torch's CPU pool for this engine process (``pagoda.cpu_threads`` says how) and log
     the choice; returns the thread count."""
     cpus = allowed_cpus()
-    processes = config.parallel.tensor_parallel_size if device.type == "cpu" else 1
+    parallel = config.parallel
+    ranks = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    # NOTE: data-parallel cores share the machine's CPUs too.
+    processes = (ranks if device.type == "cpu" else 1) * parallel.data_parallel_size
     threads, why = choose_threads(
         cpus, processes, gpu=device.type == "cuda", configured=config.model.cpu_threads
     )

@@ -1,4 +1,4 @@
-"""Tensor parallelism on one machine: one spawned worker process per rank (NCCL between GPUs,
+"""Tensor and pipeline parallelism on one machine: one spawned worker process per rank (NCCL between GPUs,
 gloo between CPU processes), driven by the engine over ZMQ with msgpack.
 
 Each worker dies with the engine's process (Linux's parent-death signal) and ignores Ctrl-C, which
@@ -12,23 +12,25 @@ import weakref
 from multiprocessing.process import BaseProcess
 
 from pagoda.executor.worker_proc import WorkerSpec, free_port, run_worker_process
-from pagoda.executor.workers import WorkerGroupExecutor
+from pagoda.executor.workers import WorkerGroupExecutor, world_size
 
 
 class MultiprocExecutor(WorkerGroupExecutor):
     transport = "ipc"
 
     def initialize(self) -> int:
-        tp = self.config.parallel.tensor_parallel_size
+        parallel = self.config.parallel
+        ranks = world_size(parallel)
         if self.info.device.type == "cuda":
             import torch
 
             have = torch.cuda.device_count()
-            if have < tp:
+            if have < ranks:
                 raise ValueError(
-                    f"parallel.tensor_parallel_size={tp} needs {tp} GPUs on this machine; "
-                    f"{have} are visible (CUDA_VISIBLE_DEVICES). Use the ray executor to span "
-                    "machines"
+                    f"parallel.tensor_parallel_size={parallel.tensor_parallel_size} x "
+                    f"parallel.pipeline_parallel_size={parallel.pipeline_parallel_size} needs "
+                    f"{ranks} GPUs on this machine; {have} are visible (CUDA_VISIBLE_DEVICES). "
+                    "Use the ray executor to span machines"
                 )
         self.procs: list[BaseProcess] = []
         return super().initialize()

@@ -1,4 +1,4 @@
-"""Tensor parallelism on Ray: one actor per rank, in a placement group of one bundle per rank
+"""Tensor and pipeline parallelism on Ray: one actor per rank, in a placement group of one bundle per rank
 (a GPU each, or a CPU), on the cluster ``parallel.ray_address`` names (else ``RAY_ADDRESS``'s,
 else a local one started here and stopped with the engine).
 
@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from pagoda.executor.worker_proc import WorkerSpec
-from pagoda.executor.workers import WorkerGroupExecutor, worker_env
+from pagoda.executor.workers import WorkerGroupExecutor, worker_env, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RayExecutor(WorkerGroupExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        tp = self.config.parallel.tensor_parallel_size
+        tp = world_size(self.config.parallel)  # every rank of every pipeline stage
         self._started_ray = False
         self.actors: list[Any] = []
         self._runs: list[Any] = []
@@ -78,7 +78,8 @@ class RayExecutor(WorkerGroupExecutor):
                 raise RuntimeError(
                     f"the Ray cluster did not grant {tp} bundles of {bundle} within "
                     f"{_PLACEMENT_TIMEOUT_S:.0f} s (it has {ray.cluster_resources()}); "
-                    "lower parallel.tensor_parallel_size or add nodes"
+                    "lower parallel.tensor_parallel_size or parallel.pipeline_parallel_size, or "
+                    "add nodes"
                 )
             actor_cls = ray.remote(RayWorker)
             env = {"env_vars": worker_env()}
