@@ -57,9 +57,6 @@ class EngineConfig(BaseSettings):
             batch_invariant=self.model.batch_invariant,
             tensor_parallel_size=self.parallel.tensor_parallel_size,
         )
-        for key in ("data_parallel_size", "pipeline_parallel_size"):
-            if getattr(self.parallel, key) > 1:  # TODO(issue 49): being built
-                raise ValueError(f"parallel.{key} above 1 is not supported yet")
         return self
 
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any
 from pagoda import wire
 from pagoda.config import EngineConfig
 from pagoda.engine.core_client import AsyncMPClient, EngineDeadError
+from pagoda.engine.dp_client import DPClient
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.metrics import EngineMetrics
@@ -49,8 +50,13 @@ class AsyncLLM:
         self._seq_to_request: dict[str, str] = {}
         self._seq_ids: dict[str, list[str]] = {}  # request id -> its core sequences
         self._stats_task: asyncio.Task[None] | None = None
-        ModelInfo.from_config(config)  # a bad model or config fails here, before any process starts
-        self.client = AsyncMPClient(config, self._on_outputs, self._on_dead)
+        # A bad model or config fails here, before any process starts.
+        info = ModelInfo.from_config(config)
+        self.client: AsyncMPClient | DPClient
+        if config.parallel.data_parallel_size > 1:
+            self.client = DPClient(config, info, self._on_outputs, self._on_dead)
+        else:
+            self.client = AsyncMPClient(config, self._on_outputs, self._on_dead)
         try:
             self.engine = LLMEngine(config, engine_core=self.client)
         except BaseException:
@@ -58,7 +64,9 @@ class AsyncLLM:
             raise
         self.info = self.engine.info
         self.tokenizer = self.engine.tokenizer
-        self.metrics = EngineMetrics(self.served_model_name, log_stats_interval)
+        self.metrics = EngineMetrics(
+            self.served_model_name, log_stats_interval, config.parallel.data_parallel_size
+        )
 
     @property
     def served_model_name(self) -> str:
@@ -89,11 +97,9 @@ class AsyncLLM:
         return self.client.dead
 
     def check_health(self) -> None:
-        """Raise :class:`EngineDeadError` if the engine process has stopped."""
-        if self.client.dead is not None:
-            raise self.client.dead
-        if not self.client.proc.is_alive():
-            raise EngineDeadError("the engine process has exited")
+        """Raise :class:`EngineDeadError` if the engine process has stopped (with data
+        parallelism: any of its cores, naming them, while the others may still serve)."""
+        self.client.check_health()
 
     def shutdown(self) -> None:
         if self._stats_task is not None and not self._stats_task.get_loop().is_closed():
@@ -114,7 +120,7 @@ class AsyncLLM:
         """Validate and submit a request; its outputs arrive on the returned stream. Raises
         ``ValueError``/``TypeError`` for a bad prompt or parameters, before anything is sent."""
         self.start()
-        self.check_health()
+        self.client.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         processed = self.engine.input_processor.process(prompt)
@@ -179,7 +185,7 @@ class AsyncLLM:
         cross-encoder); its one output arrives on the returned stream. Raises ``ValueError``/
         ``TypeError`` naming the field for bad input, before anything is sent."""
         self.start()
-        self.check_health()
+        self.client.check_alive()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         engine = self.engine
@@ -243,12 +249,12 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> None:
         self.start()
-        await self.client.call_utility("reset_prefix_cache")
+        await self.client.call_all("reset_prefix_cache")
 
     async def num_free_blocks(self) -> int:
-        """Free KV cache blocks in the engine process now."""
+        """Free KV cache blocks in the engine process now (over every live core)."""
         self.start()
-        return await self.client.call_utility("num_free_blocks")
+        return sum(await self.client.call_all("num_free_blocks"))
 
     @property
     def num_running_requests(self) -> int:
@@ -256,8 +262,8 @@ class AsyncLLM:
 
     # ---- the output loop -----------------------------------------------------------------------
 
-    def _on_outputs(self, msg: wire.EngineOutputs) -> None:
-        self.metrics.record(msg.outputs, msg.stats)
+    def _on_outputs(self, msg: wire.EngineOutputs, core: int = 0) -> None:
+        self.metrics.record(msg.outputs, msg.stats, core)
         for err in msg.errors:
             self._refused(err)
         for seq_id in msg.accepted:
@@ -298,7 +304,20 @@ class AsyncLLM:
             self._seq_to_request.pop(seq_id, None)
         return seq_ids
 
-    def _on_dead(self, error: EngineDeadError) -> None:
+    def _on_dead(
+        self, error: EngineDeadError, lost: list[str] | None = None, core: int | None = None
+    ) -> None:
+        """An engine process stopped: ``lost``, the sequences of the one data-parallel core
+        that did (the others serve on); None: every request."""
+        if core is not None:
+            self.metrics.engine_stopped(core)
+        if lost is not None:
+            for request_id in {self._seq_to_request.get(s) for s in lost} - {None}:
+                stream = self._streams.get(request_id)  # type: ignore[arg-type]
+                self.abort(request_id)  # type: ignore[arg-type]
+                if stream is not None:
+                    stream.fail(error)
+            return
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.fail(error)

@@ -54,6 +54,10 @@ class AsyncMPClient:
         config: EngineConfig,
         on_outputs: Callable[[wire.EngineOutputs], None],
         on_dead: Callable[[EngineDeadError], None],
+        *,
+        dp_rank: int | None = None,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
         self.on_outputs = on_outputs
         self.on_dead = on_dead
@@ -76,14 +80,21 @@ class AsyncMPClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.proc: BaseProcess = multiprocessing.get_context("spawn").Process(
             target=run_engine_process,
-            args=(config, in_addr, out_addr),
-            name="PagodaEngineCore",
+            args=(config, in_addr, out_addr, dp_rank, env or {}),
+            name="PagodaEngineCore" if dp_rank is None else f"PagodaEngineCore_DP{dp_rank}",
         )
         self.proc.start()
         # Also runs at interpreter exit, before multiprocessing waits for its children.
         self._finalizer = weakref.finalize(
             self, _stop, self.proc, self._ctx, self._in, self._ipc_dir
         )
+        self.num_blocks = self.max_model_len = 0
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the engine has loaded the model (the constructor does, unless told not
+        to, so that several engines load at once)."""
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -126,19 +137,54 @@ class AsyncMPClient:
         try:
             while True:
                 frame = await sock.recv(copy=False)
-                msg = self._decoder.decode(frame.buffer)
-                if isinstance(msg, wire.EngineOutputs):
-                    if msg.utility is not None:
-                        self._finish_utility(msg.utility)
-                    self.on_outputs(msg)
-                elif isinstance(msg, wire.EngineFailed):
-                    self._mark_dead(f"the engine process failed:\n{msg.message}")
+                if not self._handle(self._decoder.decode(frame.buffer)):
                     return
         except asyncio.CancelledError:
             raise
         except Exception as e:
             logger.exception("reading engine outputs failed")
             self._mark_dead(f"reading engine outputs failed: {e!r}")
+
+    def _handle(self, msg: Any) -> bool:
+        """Hand on one message from the engine; False once it said it failed."""
+        if isinstance(msg, wire.EngineOutputs):
+            if msg.utility is not None:
+                self._finish_utility(msg.utility)
+            self.on_outputs(msg)
+        elif isinstance(msg, wire.EngineFailed):
+            self._mark_dead(f"the engine process failed:\n{msg.message}")
+            return False
+        return True
+
+    @property
+    def out_socket(self) -> zmq.Socket:
+        """The socket the engine's outputs arrive on, for a caller that polls several."""
+        return self._out
+
+    def read_now(self) -> None:
+        """Without an event loop (``start`` not called): hand on every message waiting, and
+        notice an engine that has exited."""
+        while self.dead is None:
+            try:
+                data = self._out.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                if not self.proc.is_alive():
+                    self._on_exit()
+                return
+            self._handle(self._decoder.decode(data))
+
+    def check_health(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine process has stopped."""
+        if self.dead is not None:
+            raise self.dead
+        if not self.proc.is_alive():
+            raise EngineDeadError("the engine process has exited")
+
+    check_alive = check_health  # one engine: it takes requests exactly while it is healthy
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [self.proc.pid]
 
     def _on_exit(self) -> None:
         self.proc.join(1)  # reap it: it has exited, so this returns at once with its exit code
@@ -149,7 +195,7 @@ class AsyncMPClient:
             return
         logger.error("%s", why)
         self.dead = EngineDeadError(why)
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.proc.sentinel)
         for fut in self._utility_calls.values():
             if not fut.done():
@@ -184,6 +230,10 @@ class AsyncMPClient:
         self._utility_calls[call_id] = fut
         self._send(wire.UtilityCall(call_id, method, list(args)))
         return await fut
+
+    async def call_all(self, method: str, *args: Any) -> list[Any]:
+        """``call_utility``'s result in a list (as a data-parallel client gives one per core)."""
+        return [await self.call_utility(method, *args)]
 
     def _finish_utility(self, result: wire.UtilityResult) -> None:
         fut = self._utility_calls.pop(result.call_id, None)

@@ -38,17 +38,29 @@ UTILITIES: dict[str, Callable[..., Any]] = {
 }
 
 
-def run_engine_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Entry point of the spawned process; it ends without the interpreter's teardown."""
-    run_then_end_quietly(_run_engine, config, input_addr, output_addr)
+def run_engine_process(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    dp_rank: int | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Entry point of the spawned process; it ends without the interpreter's teardown.
+    ``dp_rank``: which data-parallel core this is (for the log); ``env``: variables set before
+    anything loads (a core's devices)."""
+    os.environ.update(env or {})
+    run_then_end_quietly(_run_engine, config, input_addr, output_addr, dp_rank)
 
 
-def _run_engine(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+def _run_engine(
+    config: EngineConfig, input_addr: str, output_addr: str, dp_rank: int | None = None
+) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts us down
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    name = "engine" if dp_rank is None else f"engine dp{dp_rank}"
     logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s engine %(name)s: %(message)s"
+        level=logging.INFO, format=f"%(levelname)s %(asctime)s {name} %(name)s: %(message)s"
     )
     ctx = zmq.Context()
     in_sock = ctx.socket(zmq.PULL)

@@ -8,6 +8,7 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.engine.dp_client import SyncDPClient, check_device_ranks
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
@@ -23,6 +24,8 @@ class LLMEngine:
 
     ``engine_core`` is the core itself (in this process; the default) or a client of one in
     another process (``AsyncLLM`` passes its ``AsyncMPClient``; ``step`` is then not used).
+    With ``parallel.data_parallel_size`` above 1 the default is a ``SyncDPClient``: that many
+    cores, each in its own process.
     """
 
     def __init__(self, config: EngineConfig, engine_core: Any = None) -> None:
@@ -34,7 +37,13 @@ class LLMEngine:
         self.extra_eos_ids = model_eos_ids(self.info) - {self.eos_token_id}
         self.input_processor = InputProcessor(self.tokenizer, self.info)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = engine_core if engine_core is not None else EngineCore(config, self.info)
+        if engine_core is None:
+            check_device_ranks(config, self.info)
+            if config.parallel.data_parallel_size > 1:
+                engine_core = SyncDPClient(config, self.info)
+            else:
+                engine_core = EngineCore(config, self.info)
+        self.engine_core = engine_core
         self._ids = itertools.count()
 
     def new_request_id(self) -> str:

@@ -108,7 +108,11 @@ class _SeqTimes:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, log_interval: float = 10.0) -> None:
+    """The series of one model's engine. With ``num_engines`` data-parallel cores, the
+    scheduler's gauges are their sums (KV usage: their mean) and counters add up every core's
+    events; ``pagoda:engine_*`` series with an ``engine`` label give each core's own."""
+
+    def __init__(self, model_name: str, log_interval: float = 10.0, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
 
@@ -204,6 +208,7 @@ class EngineMetrics:
             registry=self.registry,
         )
         self._model_name = model_name
+        self._engines = _EngineSeries(self.registry, model_name, num_engines)
         self._seqs: dict[str, _SeqTimes] = {}
         self._log = _PeriodicLog(log_interval)
 
@@ -224,7 +229,21 @@ class EngineMetrics:
             self.e2e.observe(now - t.arrival)
         self._success.labels(self._model_name, reason).inc()
 
-    def record(self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None) -> None:
+    def engine_stopped(self, engine: int) -> None:
+        """A data-parallel core is gone: its gauges drop out of the sums."""
+        self._engines.stopped(engine)
+        self._set_state()
+
+    def _set_state(self) -> None:
+        state = self._engines.summed()
+        self.running.set(state.num_running)
+        self.waiting.set(state.num_waiting)
+        self.kv_usage.set(state.kv_cache_usage)
+        self._log.stats = state
+
+    def record(
+        self, outputs: list[EngineCoreOutput], stats: SchedulerStats | None, engine: int = 0
+    ) -> None:
         now = time.monotonic()
         for out in outputs:
             t = self._seqs.get(out.request_id)
@@ -248,9 +267,8 @@ class EngineMetrics:
                 del self._seqs[out.request_id]
                 self._end(t, out.finish_reason, now)
         if stats is not None:
-            self.running.set(stats.num_running)
-            self.waiting.set(stats.num_waiting)
-            self.kv_usage.set(stats.kv_cache_usage)
+            self._engines.record(engine, stats)
+            self._set_state()
             self.prefix_queries.inc(stats.prefix_cache_queries)
             self.prefix_hits.inc(stats.prefix_cache_hits)
             self.preemptions.inc(stats.num_preemptions)
@@ -267,7 +285,6 @@ class EngineMetrics:
                 self.grammar_compile.observe(s)
             self.grammar_queries.inc(stats.grammar_cache_queries)
             self.grammar_hits.inc(stats.grammar_cache_hits)
-            self._log.stats = stats
             self._log.prefix_queries += stats.prefix_cache_queries
             self._log.prefix_hits += stats.prefix_cache_hits
             self._log.cpu_prefix_hits += stats.cpu_prefix_cache_hits
@@ -299,6 +316,62 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
+
+
+class _EngineSeries:
+    """Each data-parallel core's latest scheduler state; its own series when there are more
+    than one core (``engine`` label: the core's index)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_engines: int) -> None:
+        self.latest: list[SchedulerStats | None] = [None] * num_engines
+        self.up = [True] * num_engines
+        self.labeled = num_engines > 1
+        if not self.labeled:
+            return
+        names = ["model_name", "engine"]
+
+        def per_engine(kind: type, name: str, doc: str) -> list:
+            metric = kind(name, doc, names, registry=registry)
+            return [metric.labels(model_name, str(i)) for i in range(num_engines)]
+
+        self.running = per_engine(Gauge, "pagoda:engine_num_requests_running",
+                                  "Requests in the running batch of one engine core.")  # fmt: skip
+        self.waiting = per_engine(Gauge, "pagoda:engine_num_requests_waiting",
+                                  "Requests waiting in one engine core.")  # fmt: skip
+        self.kv_usage = per_engine(Gauge, "pagoda:engine_kv_cache_usage_perc",
+                                   "KV cache usage of one engine core (1 = full).")  # fmt: skip
+        self.prefix_hits = per_engine(Counter, "pagoda:engine_prefix_cache_hits",
+                                      "Prompt tokens found cached in one engine core.")  # fmt: skip
+        self.alive = per_engine(Gauge, "pagoda:engine_up",
+                                "1 while an engine core runs, 0 once it has stopped.")  # fmt: skip
+        for g in self.alive:
+            g.set(1)
+
+    def record(self, engine: int, stats: SchedulerStats) -> None:
+        if not self.up[engine]:
+            return
+        self.latest[engine] = stats
+        if self.labeled:
+            self.running[engine].set(stats.num_running)
+            self.waiting[engine].set(stats.num_waiting)
+            self.kv_usage[engine].set(stats.kv_cache_usage)
+            self.prefix_hits[engine].inc(stats.prefix_cache_hits)
+
+    def stopped(self, engine: int) -> None:
+        self.up[engine] = False
+        self.latest[engine] = None
+        if self.labeled:
+            self.alive[engine].set(0)
+            for series in (self.running, self.waiting, self.kv_usage):
+                series[engine].set(0)
+
+    def summed(self) -> SchedulerStats:
+        """Running and waiting over the live cores; KV usage their mean."""
+        live = [s for s in self.latest if s is not None]
+        usage = sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0
+        return SchedulerStats(
+            sum(s.num_running for s in live), sum(s.num_waiting for s in live), usage
+        )
 
 
 class _PeriodicLog:

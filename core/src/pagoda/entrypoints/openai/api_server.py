@@ -249,9 +249,8 @@ def run_server(config: EngineConfig) -> int:
         names = model_names(engine)
         app = build_app(engine, names, config.server.api_key)
         host, port = config.server.host, config.server.port
-        logger.info(
-            "serving %s on http://%s:%d (engine pid %s)", names[0], host, port, engine.client.pid
-        )
+        pids = ", ".join(str(p) for p in engine.client.pids)
+        logger.info("serving %s on http://%s:%d (engine pid %s)", names[0], host, port, pids)
         grace = config.server.shutdown_grace_s
         uv_config = uvicorn.Config(
             app,
