@@ -19,13 +19,15 @@ class NativeModelImpl(ModelImpl):
     class that ``register_models`` registered under its name (a plugin may override one). The
     class declares its layers' specs with ``attention_specs(arch, tensor_parallel_size)``
     (without one: the Llama family's). BERT-style encoders (``pagoda.models.bert``) are served
-    here too, each layer bidirectional."""
+    here too, each layer bidirectional. A plugin adds a native architecture of its own by
+    registering, with ``register_models``, a class that declares its shape: a classmethod
+    ``model_shape(hf_config, tensor_parallel_size) -> ModelShape``."""
 
     priority = 100
 
     @classmethod
     def supports(cls, hf_config: dict[str, Any], architecture: str) -> str | None:
-        if _encoder(hf_config) is not None:
+        if _encoder(hf_config) is not None or _declared(hf_config) is not None:
             return None
         try:
             architecture_of(hf_config)
@@ -39,6 +41,9 @@ class NativeModelImpl(ModelImpl):
         if encoder is not None:
             return _encoder_shape(BertArchConfig.from_hf_config(hf_config, encoder),
                                   tensor_parallel_size)  # fmt: skip
+        declared = _declared(hf_config)
+        if declared is not None:
+            return declared.model_shape(hf_config, tensor_parallel_size)
         arch = ModelArchConfig.from_hf_config(hf_config)
         check_tensor_parallel(arch, tensor_parallel_size)
         model_cls = get_registry("models").get(arch.architecture)
@@ -60,6 +65,19 @@ class NativeModelImpl(ModelImpl):
     @classmethod
     def model_class(cls, shape: ModelShape) -> Any:
         return get_registry("models").get(shape.architecture)
+
+
+def _declared(hf_config: dict[str, Any]) -> Any:
+    """The class ``register_models`` registered under an architecture the config.json names
+    that declares its own shape (``model_shape``), if any; the core's own names are not asked."""
+    registry = get_registry("models")
+    known = set(registry.names())
+    for name in hf_config.get("architectures") or []:
+        if name in known:
+            model_cls = registry.get(name)
+            if hasattr(model_cls, "model_shape"):
+                return model_cls
+    return None
 
 
 def _encoder(hf_config: dict[str, Any]) -> str | None:
