@@ -29,12 +29,16 @@ def configs() -> dict[str, tf.PretrainedConfig]:
     }  # fmt: skip
 
 
-def hf_model(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict]:
+def hf_model(name: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, dict]:
     """The transformers model of config ``name`` (float32, eager) with weights that make the
     routing matter: every matrix ``N(0, 1/fan_in)``, routers 1.5x sharper, experts 2x, norms near 1."""
     cfg = configs()[name]
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     cfg.architectures = [type(tf.AutoModelForCausalLM.from_config(cfg)).__name__]
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model = tf.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
