@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from pagoda.config import plugin_settings
 from pagoda.config.errors import ConfigError as ConfigError  # re-exported
@@ -182,8 +182,8 @@ class ParallelConfig(_Section):
     )
     pipeline_layer_partition: list[int] | None = Field(
         None,
-        description="decoder layers per pipeline stage, first stage first (e.g. [14, 16]; vLLM's"
-        " VLLM_PP_LAYER_PARTITION); None: an even split",
+        description="decoder layers per pipeline stage, first stage first (`14,16` or [14, 16];"
+        " vLLM's VLLM_PP_LAYER_PARTITION); None: an even split",
     )
     data_parallel_size: int = Field(
         1,
@@ -201,6 +201,14 @@ class ParallelConfig(_Section):
         description="Ray cluster the ray executor joins (`auto`, `ray://host:10001`, ...);"
         " None: the one RAY_ADDRESS names, else a local one it starts",
     )
+
+    @field_validator("pipeline_layer_partition", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """A flag or a variable gives the partition as text: ``14,16`` or ``[14, 16]``."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.strip().strip("[]").split(",") if part.strip()]
+        return value
 
 
 class SpeculativeConfig(_Section):

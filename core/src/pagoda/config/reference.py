@@ -15,6 +15,8 @@ def _type_name(annotation: Any) -> str:
     literals = [a for a in args if isinstance(a, str)]
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in literals)
+    if typing.get_origin(annotation) is list:
+        return f"list of {_type_name(args[0])}"
     if args:
         return " \\| ".join(_type_name(a) for a in args)
     return "null" if annotation is type(None) else annotation.__name__
