@@ -16,6 +16,7 @@ from pagoda.attention.spec import AttentionSpec
 from pagoda.distributed import get_tp_rank, get_tp_size
 from pagoda.loader.sharded import WeightSlice
 from pagoda_models_transformers import attention
+from pagoda_models_transformers.experts import experts_implementation
 from pagoda_models_transformers.fuse import fuse, pagoda_forward
 from pagoda_models_transformers.probe import build_config, build_hf_model, check_config
 from pagoda_models_transformers.tensor_parallel import build_sharded
@@ -82,9 +83,10 @@ class TransformersCausalLM(nn.Module):
         self.config = cfg
         hf_config = build_config(cfg.hf_config)
         model_cls = check_config(hf_config, cfg.architecture)
-        # NOTE: grouped experts: no per-expert loop, no host sync (transformers counts the
-        # tokens per expert with histc, which CUDA graphs can capture).
-        experts = "grouped_mm"
+        # NOTE: Pagoda's fused MoE operator (grouped-GEMM kernels reading only the routed
+        # experts, no host sync: CUDA graphs capture it); transformers' grouped_mm where the
+        # experts' layout is another (pagoda_models_transformers.experts).
+        experts = experts_implementation()
         #: The split parameters' shards (by name), from which their weights load.
         self.shards: dict[str, Shard] = {}
         size = cfg.tensor_parallel_size
