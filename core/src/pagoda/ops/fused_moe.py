@@ -82,20 +82,37 @@ def route(
     experts = router_logits.shape[-1]
     if not 0 < top_k <= experts:
         raise ValueError(f"fused MoE: top_k={top_k} must be in 1..{experts} (the experts)")
-    logits = router_logits.float()
-    if scoring == "softmax":
-        if batch_invariant._enabled and not logits.is_cuda:
-            scores = batch_invariant.fixed_rows(lambda a: a.softmax(dim=-1), 1, logits)
-        else:
-            scores = logits.softmax(dim=-1)
-    elif scoring == "sigmoid":
-        scores = logits.sigmoid()
-    else:
+    if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"fused MoE: scoring {scoring!r} is not supported (softmax, sigmoid)")
+    logits = router_logits.float()
+    if batch_invariant._enabled and logits.shape[0]:
+        # Chunks of a fixed number of rows: every call of one shape, whatever the batch.
+        rows = batch_invariant.sampler_rows(logits.device)
+        packed = batch_invariant.fixed_rows(
+            lambda a: _route_packed(a, top_k, scoring, renormalize), rows, logits
+        )
+        return packed[:, :top_k], packed[:, top_k:].to(torch.int32)
+    weights, ids = _route(logits, top_k, scoring, renormalize)
+    return weights, ids.to(torch.int32)
+
+
+def _route(
+    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+        total = weights[:, 0]
+        for j in range(1, top_k):  # slot order: the same sum for a row in any batch
+            total = total + weights[:, j]
+        weights = weights / total.unsqueeze(1)
+    return weights, ids
+
+
+def _route_packed(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool) -> torch.Tensor:
+    """:func:`_route`'s weights and ids side by side in one float32 tensor (ids are exact)."""
+    weights, ids = _route(logits, top_k, scoring, renormalize)
+    return torch.cat([weights, ids.float()], dim=1)
 
 
 def fused_experts_reference(
