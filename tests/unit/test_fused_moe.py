@@ -121,3 +121,40 @@ def test_triton_kernels_match_the_reference(n: int) -> None:
     cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
     got = fused_experts_triton(*(t.to(device) for t in (x, w13, w2, weights, ids)), config=cfg)
     assert torch.allclose(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_launch_config_comes_from_the_gpus_file_else_the_heuristic(tmp_path, monkeypatch) -> None:
+    import json
+
+    from pagoda.ops import triton_fused_moe as k
+
+    w13, _ = _experts(8, 32, 24)
+    key = k.config_key(8, 24, 32, 2, torch.float32)
+    tuned = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 2, "num_stages": 2}
+    by_m = {"1": tuned, "512": {**tuned, "BLOCK_M": 64}}
+    (tmp_path / "cpu.json").write_text(json.dumps({key: by_m}))
+    monkeypatch.setattr(k, "CONFIG_DIR", tmp_path)
+    k._tuned.cache_clear()
+    try:
+        assert k.pick_config(3, w13, 2, torch.float32) == tuned  # the nearest token count
+        assert k.pick_config(400, w13, 2, torch.float32)["BLOCK_M"] == 64
+        assert k.pick_config(3, w13, 4, torch.float32) == k.heuristic_config(3, 4, 8)  # no entry
+        batch_invariant.set_batch_invariant(True)
+        assert k.pick_config(400, w13, 2, torch.float32) == k.INVARIANT_CONFIG
+    finally:
+        batch_invariant.set_batch_invariant(False)
+        k._tuned.cache_clear()
+
+
+def test_shipped_launch_configs_have_every_key() -> None:
+    import json
+    from pathlib import Path
+
+    import pagoda.ops
+
+    keys = {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+    for path in (Path(pagoda.ops.__file__).parent / "moe_configs").glob("*.json"):
+        for shape, by_m in json.loads(path.read_text()).items():
+            assert shape.startswith("E=") and by_m, path
+            assert all(set(c) == keys and int(m) > 0 for m, c in by_m.items()), (path, shape)

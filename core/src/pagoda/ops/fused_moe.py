@@ -51,7 +51,9 @@ class FusedExperts(Protocol):
     ) -> torch.Tensor: ...
 
 
-def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> None:
+def check_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
     """One-line errors for shapes the operator cannot take."""
     if w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"fused MoE: stacked experts must be 3-d, got {tuple(w13.shape)} and "
@@ -109,7 +111,9 @@ def _route(
     return weights, ids
 
 
-def _route_packed(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool) -> torch.Tensor:
+def _route_packed(
+    logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool
+) -> torch.Tensor:
     """:func:`_route`'s weights and ids side by side in one float32 tensor (ids are exact)."""
     weights, ids = _route(logits, top_k, scoring, renormalize)
     return torch.cat([weights, ids.float()], dim=1)

@@ -31,7 +31,8 @@ def configs() -> dict[str, tf.PretrainedConfig]:
 
 def hf_model(name: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, dict]:
     """The transformers model of config ``name`` (float32, eager) with weights that make the
-    routing matter: every matrix ``N(0, 1/fan_in)``, routers 1.5x sharper, experts 2x, norms near 1."""
+    routing matter: every matrix ``N(0, 1/fan_in)``, routers 1.5x sharper, experts 2x, norms
+    near 1."""
     cfg = configs()[name]
     for key, value in overrides.items():
         setattr(cfg, key, value)
