@@ -30,8 +30,9 @@ _TINY_PROMPTS = [
 def _run(
     model: str | Path, pp: int = 1, tp: int = 1, prompts: list = _PROMPTS, **kw
 ) -> tuple[list, int]:
-    """Greedy tokens of the prompts, and the most batches the engine had in flight at once.
-    A small token budget splits the prompts over steps, so requests fall into micro-batches."""
+    """Greedy tokens of the prompts, and the most batches the engine had in flight at once
+    (``_run.preempted``: the preemptions). A small token budget splits the prompts over steps, so
+    requests fall into micro-batches."""
     threads = torch.get_num_threads()
     if pp * tp == 1:  # NOTE: in this process; on a busy CI machine, torch's threads wait
         torch.set_num_threads(1)
@@ -41,18 +42,18 @@ def _run(
         tensor_parallel_size=tp,
         executor=kw.pop("executor", "multiproc" if pp * tp > 1 else "uniproc"),
         dtype="float32",
-        max_model_len=128,
         max_num_batched_tokens=16,
-        kv_cache_memory_bytes=16 << 20,
-        **kw,
+        **{"max_model_len": 128, "kv_cache_memory_bytes": 16 << 20, **kw},
     )
     try:
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        in_flight = llm.engine.engine_core.max_batches_in_flight
+        core = llm.engine.engine_core
+        in_flight, preempted = core.max_batches_in_flight, core.scheduler.num_preemptions_total
     finally:
         llm.engine.shutdown()
         torch.set_num_threads(threads)
+    _run.preempted = preempted  # type: ignore[attr-defined]
     return [o.outputs[0].token_ids for o in outs], in_flight
 
 
@@ -84,6 +85,17 @@ def test_two_stages_of_two_tensor_ranks_on_a_tiny_llama(tiny_models) -> None:
     tokens, in_flight = _run(tiny_models["llama"], pp=2, tp=2, prompts=_TINY_PROMPTS)
     assert tokens == ref
     assert in_flight >= 2
+
+
+def test_requests_preempted_between_stages_recompute_to_the_same_tokens(tiny_models) -> None:
+    """Six blocks of 16 tokens do not hold the four requests: some are preempted (the engine
+    reads every batch in flight first, so that none brings back a token of a preempted
+    request) and recomputed from their tokens on every stage."""
+    small = dict(prompts=_TINY_PROMPTS, max_model_len=64, num_gpu_blocks_override=6)
+    ref, _ = _run(tiny_models["llama"], **small)
+    tokens, _ = _run(tiny_models["llama"], pp=2, **small)
+    assert _run.preempted > 0  # type: ignore[attr-defined]
+    assert tokens == ref
 
 
 def test_two_stages_through_ray_on_a_local_cluster(tiny_models) -> None:

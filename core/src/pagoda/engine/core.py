@@ -123,8 +123,9 @@ class EngineCore:
         holds other requests (or the next chunks of prompts), and the stages overlap.
         """
         outputs: list[EngineCoreOutput] = []
-        launched = False
+        launched = drain = False
         if len(batches) < self.batch_queue_size:
+            preemptions = self.scheduler.num_preemptions_total
             so = self.scheduler.schedule()
             if not so.is_empty or so.finished_req_ids or so.kv_transfers is not None:
                 batches.append((so, self.executor.launch(so)))
@@ -133,7 +134,13 @@ class EngineCore:
                 self.max_batches_in_flight = max(self.max_batches_in_flight, running)
             elif not batches and self.structured_output.num_pending:
                 self.structured_output.wait(0.05)  # nothing runs: wait for a grammar
-        if batches and (not launched or len(batches) >= self.batch_queue_size):
+            # NOTE: a request preempted now may be in an earlier batch still in flight: every
+            # batch is read before it can be scheduled again, so that their token is dropped.
+            drain = self.scheduler.num_preemptions_total != preemptions
+        if drain:
+            while batches:
+                outputs += self._finish(*batches.popleft())
+        elif batches and (not launched or len(batches) >= self.batch_queue_size):
             outputs += self._finish(*batches.popleft())
         if self.scheduler.grammar_errors:
             outputs += self.scheduler.take_grammar_errors()
