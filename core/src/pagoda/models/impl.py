@@ -60,7 +60,9 @@ class ModelImpl(ABC):
         batch of a step (``[num_tokens]`` each) to hidden states ``[num_tokens, hidden_size]``,
         and ``compute_logits(hidden_states)`` to ``[rows, vocab_size]``. Its attention layers
         are :class:`pagoda.attention.layer.Attention` modules, built in the order and with the
-        specs of ``shape.attention``."""
+        specs of ``shape.attention``. A class that splits into pipeline stages sets
+        ``supports_pipeline_parallel = True`` and builds only its stage's layers
+        (``pagoda.distributed.stage_layers``; ``docs/plugins.md``, "Model implementations")."""
 
 
 def named_architecture(hf_config: dict[str, Any]) -> str:
