@@ -61,7 +61,8 @@ def expert_parallel_experts(
     valid = flat >= 0
     dest = torch.where(valid, flat // local, size)  # ``size``: no rank
     # Each pair's place in its destination's rows: how many earlier pairs go there.
-    onehot = torch.nn.functional.one_hot(dest, size + 1)
+    # NOTE: a comparison, not F.one_hot, which checks its input on the host (a sync).
+    onehot = (dest.unsqueeze(1) == torch.arange(size + 1, device=x.device)).long()
     place = (onehot.cumsum(0) - onehot).gather(1, dest.unsqueeze(1)).squeeze(1)
     slot = torch.where(valid, dest * cap + place, size * cap)  # the extra row: a sink
     src_rows = torch.arange(chunk * k, device=x.device) // k
