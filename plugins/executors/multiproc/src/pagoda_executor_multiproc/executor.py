@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallelism on one machine: one spawned worker process per rank (NCCL between GPUs,
-gloo between CPU processes), driven by the engine over ZMQ with msgpack.
+"""Tensor and pipeline parallelism on one machine: one spawned worker process per rank (NCCL
+between GPUs, gloo between CPU processes), driven by the engine over ZMQ with msgpack.
 
 Each worker dies with the engine's process (Linux's parent-death signal) and ignores Ctrl-C, which
 reaches the engine; ``shutdown``, an error, or the interpreter's exit stops and reaps them all.

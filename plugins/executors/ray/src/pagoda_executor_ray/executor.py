@@ -1,6 +1,6 @@
-"""Tensor and pipeline parallelism on Ray: one actor per rank, in a placement group of one bundle per rank
-(a GPU each, or a CPU), on the cluster ``parallel.ray_address`` names (else ``RAY_ADDRESS``'s,
-else a local one started here and stopped with the engine).
+"""Tensor and pipeline parallelism on Ray: one actor per rank, in a placement group of one bundle
+per rank (a GPU each, or a CPU), on the cluster ``parallel.ray_address`` names (else
+``RAY_ADDRESS``'s, else a local one started here and stopped with the engine).
 
 Ray places and starts the workers; each step then travels over ZMQ (TCP) with msgpack, the same
 channel as the multiprocess executor's, so a step costs no Ray task.
