@@ -139,9 +139,7 @@ class WorkerProc:
             torch.cuda.set_device(info.device)
         parallel = spec.config.parallel
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        stages = split_layers(
-            info.shape.num_hidden_layers, pp, parallel.pipeline_layer_partition
-        )
+        stages = split_layers(info.shape.num_hidden_layers, pp, parallel.pipeline_layer_partition)
         init_parallel(
             spec.rank,
             tp,
