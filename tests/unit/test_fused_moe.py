@@ -158,3 +158,27 @@ def test_shipped_launch_configs_have_every_key() -> None:
         for shape, by_m in json.loads(path.read_text()).items():
             assert shape.startswith("E=") and by_m, path
             assert all(set(c) == keys and int(m) > 0 for m, c in by_m.items()), (path, shape)
+
+
+@needs_triton
+@pytest.mark.parametrize("n, experts, k, block_m", [(1, 8, 2, 16), (9, 64, 8, 16), (300, 8, 2, 32)])
+def test_triton_alignment_groups_the_pairs_as_the_torch_one_does(n, experts, k, block_m) -> None:
+    from pagoda.ops.triton_fused_moe import align_tokens_triton
+
+    g = torch.Generator().manual_seed(n)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)]).int()
+    ids[::4, 0] = -1
+    want = align_tokens(ids, experts, block_m)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = align_tokens_triton(ids.to(device), experts, block_m)
+    assert torch.equal(got.num_padded.cpu(), want.num_padded)
+    assert torch.equal(got.block_experts.cpu(), want.block_experts)
+
+    def runs(a) -> dict[int, list[int]]:  # each expert's pairs and padding, in any order
+        out: dict[int, list[int]] = {}
+        rows = a.sorted_pairs.cpu().view(-1, block_m)
+        for b, e in enumerate(a.block_experts.cpu().tolist()):
+            out.setdefault(e, []).extend(rows[b].tolist())
+        return {e: sorted(v) for e, v in out.items()}
+
+    assert runs(got) == runs(want)

@@ -1,7 +1,8 @@
 """The experts of a mixture of experts as grouped GEMMs in Triton.
 
-The routed pairs (token, slot) are sorted by expert, each expert's run padded to ``BLOCK_M``
-rows (:func:`pagoda.ops.fused_moe.align_tokens`). One program computes ``BLOCK_M`` rows of one
+The routed pairs (token, slot) are grouped by expert, each expert's run padded to ``BLOCK_M``
+rows (:func:`align_tokens_triton`, three small kernels, as
+:func:`pagoda.ops.fused_moe.align_tokens` specifies). One program computes ``BLOCK_M`` rows of one
 expert times ``BLOCK_N`` output columns, so each expert's weights are read once per block of
 its tokens, and an expert that received no token is never read: a decode step reads only the
 routed experts' weights.
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pagoda.ops import batch_invariant
-from pagoda.ops.fused_moe import align_tokens, check_experts
+from pagoda.ops.fused_moe import Alignment, check_experts
 
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -146,6 +147,74 @@ def _sum_slots_kernel(
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    routed = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
+    one = tl.full((BLOCK,), 1, tl.int32)
+    tl.atomic_add(counts_ptr + tl.where(routed, expert, 0), one, mask=routed)
+
+
+@triton.jit
+def _offsets_kernel(
+    counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    es = tl.arange(0, E_POW2)
+    real = es < num_experts
+    counts = tl.load(counts_ptr + es, mask=real, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + es, ends - padded, mask=real)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded_ptr, total)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        rows = blocks * BLOCK_M
+        # A block's expert: how many experts' padded runs end at or before its first row.
+        ended = (ends[None, :] <= rows[:, None]) & real[None, :]
+        expert = tl.sum(ended.to(tl.int32), axis=1)
+        expert = tl.where(rows < total, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
+    routed = (offs < num_pairs) & (expert >= 0) & (expert < num_experts)
+    one = tl.full((BLOCK,), 1, tl.int32)
+    place = tl.atomic_add(cursor_ptr + tl.where(routed, expert, 0), one, mask=routed)
+    tl.store(sorted_ptr + place, offs.to(tl.int32), mask=routed)
+
+
+_ALIGN_BLOCK = 1024
+
+
+def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`pagoda.ops.fused_moe.align_tokens` in three small kernels (count, offsets,
+    place) instead of some forty torch operations: a decode step runs it once per MoE layer.
+    The pairs of one expert come in any order (each row's result is its own)."""
+    ids = topk_ids.reshape(-1)
+    ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32)
+    pairs, device = ids.numel(), ids.device
+    blocks = max(triton.cdiv(pairs + num_experts * (block_m - 1), block_m), 1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_pairs = torch.full((blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    block_experts = torch.empty(blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    grid = (max(triton.cdiv(pairs, _ALIGN_BLOCK), 1),)
+    _count_kernel[grid](ids, counts, pairs, num_experts, BLOCK=_ALIGN_BLOCK)
+    _offsets_kernel[(1,)](
+        counts, cursor, block_experts, num_padded, num_experts, blocks,
+        BLOCK_M=block_m, E_POW2=triton.next_power_of_2(num_experts), BLOCK_B=64,
+    )  # fmt: skip
+    _place_kernel[grid](ids, cursor, sorted_pairs, pairs, num_experts, BLOCK=_ALIGN_BLOCK)
+    return Alignment(sorted_pairs, block_experts, num_padded, block_m)
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "cpu"
 
@@ -215,7 +284,7 @@ def fused_experts_triton(
     x = x if x.stride(-1) == 1 else x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-    align = align_tokens(topk_ids, experts, bm)
+    align = align_tokens_triton(topk_ids, experts, bm)
     pairs = n * top_k
     blocks = align.block_experts.shape[0]
     ieee = x.dtype == torch.float32
