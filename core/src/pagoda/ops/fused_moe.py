@@ -104,10 +104,7 @@ def _route(
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     weights, ids = torch.topk(scores, top_k, dim=-1)
     if renormalize:
-        total = weights[:, 0]
-        for j in range(1, top_k):  # slot order: the same sum for a row in any batch
-            total = total + weights[:, j]
-        weights = weights / total.unsqueeze(1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
 
 
