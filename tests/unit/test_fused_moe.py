@@ -182,3 +182,11 @@ def test_triton_alignment_groups_the_pairs_as_the_torch_one_does(n, experts, k, 
         return {e: sorted(v) for e, v in out.items()}
 
     assert runs(got) == runs(want)
+
+
+@needs_triton
+def test_an_expert_count_the_kernels_cannot_group_is_refused_in_one_line() -> None:
+    from pagoda.ops.triton_fused_moe import align_tokens_triton
+
+    with pytest.raises(ValueError, match="2048 experts; the kernels group 1 to 1024"):
+        align_tokens_triton(torch.zeros(2, 2, dtype=torch.int32), 2048, 16)

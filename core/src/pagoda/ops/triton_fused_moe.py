@@ -190,12 +190,17 @@ def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, BLOCK
 
 
 _ALIGN_BLOCK = 1024
+#: The offsets kernel holds every expert's count in one program.
+MAX_EXPERTS = 1024
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """:func:`pagoda.ops.fused_moe.align_tokens` in three small kernels (count, offsets,
     place) instead of some forty torch operations: a decode step runs it once per MoE layer.
     The pairs of one expert come in any order (each row's result is its own)."""
+    if not 0 < num_experts <= MAX_EXPERTS:
+        raise ValueError(f"fused MoE: {num_experts} experts; the kernels group 1 to "
+                         f"{MAX_EXPERTS}")  # fmt: skip
     ids = topk_ids.reshape(-1)
     ids = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32)
     pairs, device = ids.numel(), ids.device
