@@ -56,7 +56,7 @@ def _mode() -> None:
     batch_invariant.set_batch_invariant(False)
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 33, 128, 1000, 8192])
+@pytest.mark.parametrize("n", [1, 7, 128, 1000, 8192])
 @pytest.mark.parametrize("top_k", [2, 8])
 @pytest.mark.parametrize("num", [8, 64, 128])
 def test_kernels_match_the_reference(num: int, top_k: int, n: int) -> None:

@@ -40,7 +40,9 @@ _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 INVARIANT_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
-@triton.jit
+# NOTE: the counts that change with the batch are not specialised on, so that one compiled
+# kernel serves every batch size (the CUDA graphs of the decode buckets, the tests' sizes).
+@triton.jit(do_not_specialize=["num_pairs", "top_k"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, top_k, hidden, inter,
@@ -88,7 +90,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, inter, hidden,
@@ -131,7 +133,7 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_k"])
 def _sum_slots_kernel(
     pairs_ptr, ids_ptr, out_ptr, top_k, hidden, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -147,7 +149,7 @@ def _sum_slots_kernel(
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
@@ -156,7 +158,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constex
     tl.atomic_add(counts_ptr + tl.where(routed, expert, 0), one, mask=routed)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _offsets_kernel(
     counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_blocks,
     BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK_B: tl.constexpr,
@@ -179,7 +181,7 @@ def _offsets_kernel(
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _place_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1)
