@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagoda.lora_request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -73,6 +74,12 @@ class Request:
     # A pooling request (embeddings, scores): its prompt is computed, its pooler's output is its
     # one result, and it ends there; ``sampling_params`` is then unused.
     pooling_params: PoolingParams | None = None
+    # The adapter it runs with (None: the base model); its name is part of the prefix-cache key.
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def all_token_ids(self) -> list[int]:

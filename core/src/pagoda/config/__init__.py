@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pagoda.config.model import (
         AttentionConfig,
         CacheConfig,
+        LoRAConfig,
         ModelConfig,
         ParallelConfig,
         SchedulerConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
@@ -48,6 +50,7 @@ _LAZY = {
         [
             "AttentionConfig",
             "CacheConfig",
+            "LoRAConfig",
             "ModelConfig",
             "ParallelConfig",
             "SchedulerConfig",

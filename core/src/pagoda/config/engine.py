@@ -17,6 +17,7 @@ from pagoda.config import loader, plugin_settings
 from pagoda.config.model import (
     AttentionConfig,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -44,6 +45,7 @@ class EngineConfig(BaseSettings):
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     # Dotted key -> where its value came from ("file engine.yaml, line 3", "default", ...).
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)

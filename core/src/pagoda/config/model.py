@@ -429,6 +429,69 @@ class ServerConfig(_Section):
         description="on SIGTERM or Ctrl-C, requests in flight get this long to finish; then they"
         " end with a 503",
     )
+    lora_modules: list[str] = Field(
+        [],
+        description="LoRA adapters served as models: `name=path` (or vLLM's JSON"
+        ' `{"name": ..., "path": ...}`) each; needs lora.enable_lora',
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's"
+        " VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, value: list[str]) -> list[str]:
+        for item in value:
+            text = item.strip()
+            if text.startswith("{"):
+                continue  # JSON: checked where the server parses it
+            name, sep, path = text.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"a LoRA module is `name=path`, got {item!r}")
+        return value
+
+
+class LoRAConfig(_Section):
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (LoRARequest, --lora-modules) on the base model"
+    )
+    max_loras: int = Field(
+        1, ge=1, description="adapters resident on the device at once (slots, least recently used"
+        " evicted); no step runs more distinct adapters"
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, le=64, description="the highest adapter rank served (slots are this wide)"
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="adapters kept loaded in host memory (least recently used evicted); None:"
+        " max_loras",
+    )
+    resolvers: list[str] = Field(
+        [],
+        description="adapter resolvers (`pagoda plugins`), asked in order for a `model` name the"
+        " server does not know, e.g. [local]",
+    )
+    resolver_dir: str | None = Field(
+        None,
+        description="the `local` resolver's folder: adapter NAME is the PEFT folder NAME in it",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_holds_slots(self) -> LoRAConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"lora.max_cpu_loras={self.max_cpu_loras} is below lora.max_loras="
+                f"{self.max_loras}: every adapter on the device is also held in host memory"
+            )
+        return self
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
 #: The sections of ``EngineConfig``, in order: its fields are exactly these (a test checks it).
@@ -441,4 +504,5 @@ SECTIONS: dict[str, type[_Section]] = {
     "speculative": SpeculativeConfig,
     "structured_output": StructuredOutputConfig,
     "server": ServerConfig,
+    "lora": LoRAConfig,
 }

@@ -1,7 +1,8 @@
 """Chained hashes of full KV cache blocks, the keys of the prefix cache.
 
-A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt, on the
-first block only), so equal hashes mean equal KV for the whole prefix, not just the block.
+A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt and the
+LoRA adapter's name, on the first block only: the chain carries them on), so equal hashes mean
+equal KV for the whole prefix, not just the block.
 """
 
 from __future__ import annotations
@@ -49,7 +50,18 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
         tokens = request.token_slice(i * block_size, (i + 1) * block_size)
-        extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+        extra = _first_block_keys(request) if i == 0 else ()
         parent = hash_block_tokens(parent, tokens, extra)
         hashes.append(parent)
     return hashes
+
+
+def _first_block_keys(request: Request) -> tuple[ExtraKey, ...]:
+    """The extra keys of a request's first block: its cache salt and its adapter (KV computed
+    with one adapter is not another's, nor the base model's)."""
+    keys: tuple[ExtraKey, ...] = ()
+    if request.cache_salt:
+        keys += (request.cache_salt,)
+    if request.lora_request is not None:
+        keys += (b"lora:" + request.lora_request.lora_name.encode(),)
+    return keys
