@@ -12,10 +12,10 @@ import signal
 import time
 
 import pytest
-import torch
+from dpkit import GREEDY, PROMPTS, SETTINGS
 from fastapi.testclient import TestClient
 
-from pagoda import LLM, SamplingParams
+from pagoda import SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.engine.async_llm import AsyncLLM
 from pagoda.engine.core_client import EngineDeadError
@@ -24,11 +24,6 @@ from pagoda.entrypoints.openai.api_server import build_app
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 16 << 20}
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-SUBJECTS = ["rivers", "bread", "chess", "owls", "glass", "tides", "maps", "bees"]
-FORMS = ["Tell me about {}.", "A short poem on {}:", "Why do people study {}?", "{} are"]
-PROMPTS = [f.format(s) for s in SUBJECTS for f in FORMS]  # 32 prompts
 # Six blocks of 16 tokens and more: a prefix the prefix cache keeps.
 PREFIX = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(12))
 
@@ -52,19 +47,13 @@ def _final(engine: AsyncLLM, prompts: list[str], params: SamplingParams = GREEDY
     return asyncio.run(run())
 
 
-def test_two_cores_give_one_cores_greedy_tokens_and_share_the_prompts(dp: AsyncLLM) -> None:
+def test_two_cores_give_one_cores_greedy_tokens_and_share_the_prompts(
+    dp: AsyncLLM, one_core_tokens: list[list[int]]
+) -> None:
     assert len(PROMPTS) == 32
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # NOTE: in this process, beside the two cores
-    try:
-        one = LLM(**SETTINGS)
-        ref = one.generate(PROMPTS, GREEDY, use_tqdm=False)
-        one.engine.shutdown()
-    finally:
-        torch.set_num_threads(threads)
     before = dp.client.coordinator.routed
     got = _final(dp, PROMPTS)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert [o.outputs[0].token_ids for o in got] == one_core_tokens
     routed = [b - a for a, b in zip(before, dp.client.coordinator.routed)]
     assert sum(routed) == 32 and min(routed) >= 12, routed  # least load: about half each
 

@@ -1,0 +1,26 @@
+"""Data parallelism through the Ray executor on a local cluster: ``LLM`` with two cores, each
+with its ranks in a placement group of its own, gives one core's greedy tokens and shares the
+prompts between the cores."""
+
+from __future__ import annotations
+
+import pytest
+from dpkit import GREEDY, PROMPTS, SETTINGS
+
+from pagoda import LLM
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_cores_through_ray_give_one_cores_greedy_tokens(
+    one_core_tokens: list[list[int]],
+) -> None:
+    pytest.importorskip("ray")
+    llm = LLM(data_parallel_size=2, executor="ray", **SETTINGS)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        routed = llm.engine.engine_core.coordinator.routed
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == one_core_tokens
+    assert sum(routed) == 32 and min(routed) >= 12, routed
