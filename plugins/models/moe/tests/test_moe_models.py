@@ -4,6 +4,7 @@ negative controls that drop the top-k renormalisation or the shared expert's gat
 
 from __future__ import annotations
 
+from functools import cache
 from types import SimpleNamespace
 
 import pytest
@@ -23,18 +24,25 @@ NEW = 8
 STEPS = [(5,), (4,)] + [(1,)] * (NEW - 1)
 
 
-@pytest.fixture(scope="module", params=list(configs()))
-def family(request) -> SimpleNamespace:
+@cache
+def _family(name: str) -> SimpleNamespace:
+    """A family's transformers model, its checkpoint, the native model that loaded it, the
+    greedy continuation and transformers' logits (built once per test session)."""
     torch.manual_seed(0)
-    hf, cfg = hf_model(request.param)
+    hf, cfg = hf_model(name)
     arch = cfg["architectures"][0]
     weights = per_expert_checkpoint(hf, arch)
     shape, model = build_impl_model("native", cfg, weights=weights)
     tokens = greedy(hf, PROMPT, NEW)
     with torch.no_grad():
         want = hf(torch.tensor([PROMPT + tokens[:-1]])).logits[0]
-    return SimpleNamespace(name=request.param, hf=hf, cfg=cfg, shape=shape, model=model,
+    return SimpleNamespace(name=name, hf=hf, cfg=cfg, shape=shape, model=model,
                            weights=weights, tokens=tokens, want=want)  # fmt: skip
+
+
+@pytest.fixture(params=list(configs()))
+def family(request) -> SimpleNamespace:
+    return _family(request.param)
 
 
 def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -84,9 +92,8 @@ class _Open(torch.nn.Module):
         return x.new_full((x.shape[0], 1), 40.0)
 
 
-def test_dropping_the_shared_experts_gate_changes_the_tokens(family) -> None:
-    if family.name != "qwen2_moe":
-        pytest.skip("only Qwen2-MoE has a shared expert")
+def test_dropping_the_shared_experts_gate_changes_the_tokens() -> None:
+    family = _family("qwen2_moe")  # the family with a shared expert
     blocks = _blocks(family.model)
     gates = [b.shared_expert_gate for b in blocks]
     try:
@@ -100,26 +107,23 @@ def test_dropping_the_shared_experts_gate_changes_the_tokens(family) -> None:
     assert got.argmax(-1).tolist() != family.want.argmax(-1).tolist()
 
 
-def test_stacked_transformers_weights_load_as_the_per_expert_files_do(family) -> None:
-    if family.name != "qwen3_moe":
-        pytest.skip("one family is enough: the loader's path is the same")
+def test_stacked_transformers_weights_load_as_the_per_expert_files_do() -> None:
+    family = _family("qwen3_moe")  # one family: the loader's path is the same for all
     _, stacked = build_impl_model("native", family.cfg, weights=family.hf.state_dict())
     mine = dict(family.model.named_parameters())
     for name, p in stacked.named_parameters():
         assert torch.equal(p, mine[name]), name
 
 
-def test_a_checkpoint_missing_an_expert_is_refused_naming_it(family) -> None:
-    if family.name != "mixtral":
-        pytest.skip("one family is enough")
+def test_a_checkpoint_missing_an_expert_is_refused_naming_it() -> None:
+    family = _family("mixtral")
     weights = {k: v for k, v in family.weights.items() if ".experts.3.w2." not in k}
     with pytest.raises(ValueError, match=r"lacks weights for: .*layers\.\d\.mlp\.experts"):
         build_impl_model("native", family.cfg, weights=weights)
 
 
-def test_moe_block_is_batch_invariant_in_that_mode(family) -> None:
-    if family.name != "qwen2_moe":
-        pytest.skip("one family is enough: the block is shared")
+def test_moe_block_is_batch_invariant_in_that_mode() -> None:
+    family = _family("qwen2_moe")  # routing, experts and the shared expert
     (block,) = _blocks(family.model)
     x = torch.randn(70, 64, generator=torch.Generator().manual_seed(5))
     batch_invariant.set_batch_invariant(True)
