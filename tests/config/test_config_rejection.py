@@ -151,11 +151,11 @@ def test_other_pagoda_variables_are_not_configuration(monkeypatch) -> None:
 
 def test_cross_field_error_names_the_sources_of_both_keys(tmp_path) -> None:
     path = tmp_path / "engine.yaml"
-    path.write_text("speculative:\n  method: ngram\n")
+    path.write_text("speculative:\n  method: ngram\n  num_speculative_tokens: 0\n")
     msg = _error(lambda: EngineConfig.load(path))
     assert "speculative.num_speculative_tokens must be at least 1" in msg
     assert f"speculative.method from file {path}, line 2" in msg
-    assert "speculative.num_speculative_tokens from default" in msg
+    assert f"speculative.num_speculative_tokens from file {path}, line 3" in msg
 
 
 def test_a_config_that_sets_the_retired_async_drafts_key_fails_naming_it(tmp_path) -> None:

@@ -56,7 +56,6 @@ class EngineConfig(BaseSettings):
     def _check_cross_fields(self) -> EngineConfig:
         # the rules the configuration alone decides
         self.speculative.check(
-            batch_invariant=self.model.batch_invariant,
             tensor_parallel_size=self.parallel.tensor_parallel_size,
         )
         return self

@@ -78,6 +78,17 @@ class ModelConfig(_Section):
         " runs in and however its prompt is chunked (fixed-shape matmuls, norms, attention and"
         " sampling; slower); also on with VLLM_BATCH_INVARIANT=1",
     )
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=lambda: {"image": 8},
+        description="most items of each modality one prompt may bring (vLLM's name); a"
+        " modality not named is refused",
+    )
+    max_image_pixels: int = Field(
+        16_777_216, ge=1, description="largest image a prompt may bring, in pixels (width x height)"
+    )
+    max_image_bytes: int = Field(
+        20_000_000, ge=1, description="largest image a prompt may bring, in encoded bytes"
+    )
 
 
 class CacheConfig(_Section):
@@ -162,6 +173,18 @@ class SchedulerConfig(_Section):
         description="schedule and prepare step N+1 while the device runs step N (a request"
         " that step N ends costs one wasted token)",
     )
+    max_num_encoder_input_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="encoder budget per step (multimodal models): the image tokens the vision"
+        " encoder may compute in one step; None: max_num_batched_tokens",
+    )
+    encoder_cache_size: int | None = Field(
+        None,
+        ge=1,
+        description="encoder outputs kept between steps, in tokens (until their placeholders are"
+        " prefilled, and for reuse after); None: max_num_encoder_input_tokens",
+    )
 
 
 class AttentionConfig(_Section):
@@ -211,12 +234,19 @@ class ParallelConfig(_Section):
         return value
 
 
+# Drafts a request gets at most when ``speculative.num_speculative_tokens`` is not given.
+AUTO_MAX_DRAFTS = 8
+
+
 class SpeculativeConfig(_Section):
     method: str | None = Field(
         None, description="speculative proposer by name (`pagoda plugins`), e.g. ngram; None: off"
     )
-    num_speculative_tokens: int = Field(
-        0, ge=0, description="draft tokens proposed per request per step"
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="draft tokens proposed per request per step, at most; None: the proposer"
+        f" chooses each request's draft length from what it measures, up to {AUTO_MAX_DRAFTS}",
     )
     prompt_lookup_min: int | None = Field(
         None,
@@ -246,10 +276,23 @@ class SpeculativeConfig(_Section):
         description="vLLM's knob: no drafts while at least this many requests run; None: off",
     )
 
+    @property
+    def max_num_drafts(self) -> int:
+        """k: the most drafts a request gets in a step (the verification's width); 0: off."""
+        if self.method is None:
+            return 0
+        k = self.num_speculative_tokens
+        return AUTO_MAX_DRAFTS if k is None else k
+
+    @property
+    def draft_length_given(self) -> bool:
+        """Whether the user fixed the draft length (``num_speculative_tokens``); otherwise the
+        proposer picks each request's, up to :attr:`max_num_drafts`."""
+        return self.num_speculative_tokens is not None
+
     def check(
         self,
         *,
-        batch_invariant: bool,
         tensor_parallel_size: int,
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -259,9 +302,10 @@ class SpeculativeConfig(_Section):
         the rules its own keys decide when it is built; the engine core checks them all at start
         (``pagoda.spec_decode.check_speculative``), with the model's length and the step's token
         budget (None: not known yet, their rule waits) and whether the proposer reads the target's
-        hidden states. ``batch_invariant`` and ``tensor_parallel_size`` are the values of
-        ``model.batch_invariant`` and ``parallel.tensor_parallel_size`` (the rules that involve
-        other sections). Raises ValueError naming the keys at fault."""
+        hidden states. ``tensor_parallel_size`` is ``parallel.tensor_parallel_size`` (the rule
+        that involves another section; ``model.batch_invariant`` allows speculation: its
+        verification rows are computed as one-token decode rows). Raises ValueError naming the
+        keys at fault."""
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is not None and hi is not None and lo > hi:
             raise ValueError(
@@ -270,16 +314,11 @@ class SpeculativeConfig(_Section):
             )
         if self.method is None:
             return
-        k = self.num_speculative_tokens
+        k = self.max_num_drafts
         if k < 1:
             raise ValueError(
                 "speculative.num_speculative_tokens must be at least 1 when speculative.method "
                 f"is set (method={self.method!r}, num_speculative_tokens={k})"
-            )
-        if batch_invariant:
-            raise ValueError(
-                "model.batch_invariant does not support speculative decoding (verification steps "
-                "sample through the rejection sampler); unset speculative.method"
             )
         if max_model_len is not None and max_num_batched_tokens is not None:
             budget = max_num_batched_tokens
@@ -397,6 +436,19 @@ class ServerConfig(_Section):
         None,
         description="split the output's reasoning into `reasoning_content`"
         " (`register_reasoning_parsers`: deepseek_r1, qwen3, ...); None: all is content",
+    )
+    allowed_local_media_path: str | None = Field(
+        None,
+        description="`image_url` parts may name local files (file:// URLs) under this folder;"
+        " None: no local file is read",
+    )
+    allow_remote_media: bool = Field(
+        False,
+        description="fetch `image_url` parts' http(s) URLs; off: such a part gets a 400 (data"
+        " URIs always work)",
+    )
+    media_fetch_timeout_s: float = Field(
+        10.0, gt=0.0, description="an http(s) image taking longer to fetch gets a 400"
     )
     max_request_body_bytes: int = Field(
         16 << 20, ge=1, description="longer request bodies get a 413 before they are read whole"

@@ -71,7 +71,7 @@ def draft_policy(config: EngineConfig) -> DraftPolicy | None:
     """The policy ``config`` asks for; None when speculation is off."""
     if config.speculative.method is None:
         return None
-    k = config.speculative.num_speculative_tokens
+    k = config.speculative.max_num_drafts
     if not config.scheduler.async_scheduling:
         return DraftPolicy(k, None, min_accepted=1, backoff_from=_MIN_BATCH)
     # NOTE: where steps alternate a request with drafts sits a step out, so a step that drafts

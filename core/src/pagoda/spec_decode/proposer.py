@@ -63,7 +63,14 @@ class ProposerContext:
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self.config.num_speculative_tokens
+        """k: the most drafts a request takes in a step (``Drafts`` has at most k columns)."""
+        return self.config.max_num_drafts
+
+    @property
+    def draft_length_given(self) -> bool:
+        """Whether the user fixed the draft length (``num_speculative_tokens``); if not, a
+        proposer should choose each request's (up to k) from what it measures."""
+        return self.config.draft_length_given
 
     def plugin_settings(self, name: str) -> BaseModel:
         """The proposer's own settings: the ``plugins.<name>`` section checked against the
@@ -289,7 +296,6 @@ def check_speculative(config: EngineConfig, info: ModelInfo) -> None:
         # NOTE: a factory (not a class) tells nothing before it builds: taken as history only.
         needs_hidden_states = bool(getattr(target, "needs_hidden_states", False))
     config.speculative.check(
-        batch_invariant=config.model.batch_invariant,
         tensor_parallel_size=config.parallel.tensor_parallel_size,
         max_model_len=info.max_model_len,
         max_num_batched_tokens=info.max_num_batched_tokens,

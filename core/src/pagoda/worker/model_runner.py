@@ -161,7 +161,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.spec = Speculation(
                 self.proposer,
-                config.speculative.num_speculative_tokens,
+                config.speculative.max_num_drafts,
                 shape.vocab_size,
                 max_model_len,
                 self.input_batch,

@@ -4,7 +4,10 @@ A request with ``k`` scheduled drafts contributes ``k + 1`` consecutive *scoring
 holds the target's logits after draft ``j - 1`` (row 0: after its last known token) and samples
 position ``num_tokens + j``. Every sampling setting applies to each row as if the drafts before
 it were output already (penalties count them, bad words and min_tokens see them, a seeded row
-draws by its position), so verified output equals what plain decoding would give.
+draws by its position), so verified output equals what plain decoding would give. In batch-invariant mode
+(``model.batch_invariant``) every scoring row is computed exactly as a one-token decode row
+(fixed-shape matmuls, attention from position 0 per query token, the same log-softmax), so greedy
+tokens and logprobs are bit-identical to those of the same engine without speculation.
 
 NOTE (for logits processors and grammar masks): in ``Sampler.process_logits`` a verification
 step's ``SamplingMetadata.req_ids`` repeats a request's id once per scoring row, in order.
@@ -15,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagoda.ops.batch_invariant import batch_invariant_enabled
+from pagoda.ops.batch_invariant import log_softmax as invariant_log_softmax
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.rejection import rejection_sample
 from pagoda.sample.sampler import Sampler
@@ -110,7 +115,11 @@ def verify_drafts(
         _count_drafts_before(md.penalties.output_counts, draft_ids, nd, starts, buffers)
     raw_logprobs = None
     if md.max_num_logprobs is not None:
-        raw_logprobs = logits.float().log_softmax(dim=-1)
+        # NOTE: in batch-invariant mode as the sampler computes a decode row's (exact mode).
+        if batch_invariant_enabled():
+            raw_logprobs = invariant_log_softmax(logits)
+        else:
+            raw_logprobs = logits.float().log_softmax(dim=-1)
     logits = sampler.process_logits(logits, md)
     argmax = logits.argmax(dim=-1)
     probs = greedy = u_accept = None
