@@ -85,10 +85,9 @@ class FusedMoE(nn.Module):
     def load_stacked(self, param: str, w: torch.Tensor | WeightSlice) -> None:
         """transformers' stacked ``gate_up_proj`` [E, 2 * inter, hidden] or ``down_proj``."""
         w = as_slice(w)
-        full = self.gate_up_proj if param == "gate_up_proj" else self.down_proj
-        want = (self.num_experts, *full.shape[1:])
-        want = (want[0], 2 * self.inter, want[2]) if param == "gate_up_proj" else (
-            want[0], want[1], self.inter)  # fmt: skip
+        hidden = self.down_proj.shape[1]
+        want = ((self.num_experts, 2 * self.inter, hidden) if param == "gate_up_proj"
+                else (self.num_experts, hidden, self.inter))  # fmt: skip
         if tuple(w.shape) != want:
             raise ValueError(f"checkpoint experts.{param} has shape {tuple(w.shape)}, the model "
                              f"expects {want}")  # fmt: skip
