@@ -14,8 +14,8 @@ rounded to ``x``'s dtype; the ``k`` contributions are summed in float32 in slot 
 order: the result of a token does not depend on where its pairs were computed) and rounded.
 
 The torch reference (:func:`fused_experts_reference`) runs on a CPU, and on CUDA without Triton;
-on CUDA the grouped-GEMM Triton kernels of :mod:`pagoda.ops.triton_fused_moe` run, on tokens
-sorted by expert (:func:`align_tokens`), with launch configs tuned per GPU.
+on CUDA the grouped-GEMM Triton kernels of :mod:`pagoda.ops.triton_fused_moe` run, on the pairs
+grouped by expert as :func:`align_tokens` specifies, with launch configs tuned per GPU.
 """
 
 from __future__ import annotations
