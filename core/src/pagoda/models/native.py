@@ -69,7 +69,7 @@ class NativeModelImpl(ModelImpl):
 
 def _declared(hf_config: dict[str, Any]) -> Any:
     """The class ``register_models`` registered under an architecture the config.json names
-    that declares its own shape (``model_shape``), if any; the core's own names are not asked."""
+    that declares its own shape (``model_shape``), if any (the core's own classes declare none)."""
     registry = get_registry("models")
     known = set(registry.names())
     for name in hf_config.get("architectures") or []:
