@@ -1,11 +1,16 @@
-"""The data-parallel router alone: least load first, a known prefix back to its core within the
-load cap, nothing to a dead core."""
+"""Data parallelism without an engine: the router (least load first, a known prefix back to its
+core within the load cap, nothing to a dead core) and the GPUs each core gets."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from pagoda.config import EngineConfig
 from pagoda.engine.coordinator import DPCoordinator
+from pagoda.engine.dp_client import check_device_ranks, core_envs
 
 PROMPT = list(range(100, 140))  # two full blocks of 16 and a partial one
 
@@ -61,3 +66,29 @@ def test_the_prefix_table_keeps_the_most_recent_hashes_only() -> None:
     c = DPCoordinator(2, block_size=4, max_prefixes=3)
     c.route(list(range(16)))  # four block hashes: the oldest goes
     assert len(c._prefixes) == 3
+
+
+def _gpu_setup(monkeypatch, **parallel) -> tuple[EngineConfig, SimpleNamespace]:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    return EngineConfig(parallel=parallel), SimpleNamespace(device=torch.device("cuda", 0))
+
+
+def test_each_core_gets_its_own_slice_of_the_visible_gpus(monkeypatch) -> None:
+    config, info = _gpu_setup(monkeypatch, data_parallel_size=2, tensor_parallel_size=2)
+    check_device_ranks(config, info)
+    assert core_envs(config, info) == [
+        {"CUDA_VISIBLE_DEVICES": "4,5"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"},
+    ]
+
+
+def test_more_ranks_than_gpus_is_one_line_naming_the_keys(monkeypatch) -> None:
+    config, info = _gpu_setup(monkeypatch, data_parallel_size=3, tensor_parallel_size=2)
+    with pytest.raises(ValueError) as caught:
+        check_device_ranks(config, info)
+    message = str(caught.value)
+    assert "\n" not in message and "6 ranks, more than the 4 GPUs visible" in message
+    for key in ("data_parallel_size=3", "tensor_parallel_size=2", "pipeline_parallel_size=1"):
+        assert f"parallel.{key}" in message
+    ray, _ = _gpu_setup(monkeypatch, data_parallel_size=3, tensor_parallel_size=2, executor="ray")
+    check_device_ranks(ray, info)  # the Ray cluster places the ranks (and says when it cannot)

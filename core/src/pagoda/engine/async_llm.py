@@ -18,7 +18,7 @@ from typing import Any
 from pagoda import wire
 from pagoda.config import EngineConfig
 from pagoda.engine.core_client import AsyncMPClient, EngineDeadError
-from pagoda.engine.dp_client import DPClient
+from pagoda.engine.dp_client import DPClient, check_device_ranks
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.metrics import EngineMetrics
@@ -52,6 +52,7 @@ class AsyncLLM:
         self._stats_task: asyncio.Task[None] | None = None
         # A bad model or config fails here, before any process starts.
         info = ModelInfo.from_config(config)
+        check_device_ranks(config, info)
         self.client: AsyncMPClient | DPClient
         if config.parallel.data_parallel_size > 1:
             self.client = DPClient(config, info, self._on_outputs, self._on_dead)

@@ -85,8 +85,14 @@ class _RayCluster:
     here (and stopped at shutdown), so that every core places its group on the same cluster."""
 
     def __init__(self, config: EngineConfig) -> None:
-        # NOTE: imported here: Ray is the ray executor plugin's dependency, not the core's.
-        import ray
+        try:
+            # NOTE: imported here: Ray is the ray executor plugin's dependency, not the core's.
+            import ray
+        except ImportError as e:
+            raise ValueError(
+                "parallel.executor='ray' with parallel.data_parallel_size="
+                f"{config.parallel.data_parallel_size} needs Ray ({e}); install pagoda-executor-ray"
+            ) from None
 
         p = config.parallel
         self.started = False
@@ -118,7 +124,8 @@ class _RayCluster:
 class DPClient:
     """``parallel.data_parallel_size`` engine cores behind one client, with ``AsyncMPClient``'s
     methods; ``on_outputs(msg, core)`` gets every core's outputs, ``on_dead(error, lost, core)``
-    each core's death. Blocks until every core has loaded the model."""
+    each core's death. Blocks until every core has loaded the model. ``check_device_ranks``
+    is the caller's, before anything starts."""
 
     def __init__(
         self,
@@ -127,7 +134,6 @@ class DPClient:
         on_outputs: Callable[[wire.EngineOutputs, int], None],
         on_dead: OnDead,
     ) -> None:
-        check_device_ranks(config, info)
         n = config.parallel.data_parallel_size
         self.on_outputs = on_outputs
         self.on_dead = on_dead

@@ -142,7 +142,10 @@ def _ok(path: str) -> dict[str, Any]:
     ints = {"type": "array", "items": {"type": "integer", "minimum": 0}}
     string = {"type": "string"}
     answers: dict[str, dict[str, Any]] = {
-        "/health": {"description": "the engine is up (no body)"},
+        "/health": {
+            "description": "the engine is up (no body); a 503 names what stopped, such as one"
+            " data-parallel core while the others serve on"
+        },
         "/metrics": {
             "description": "Prometheus metrics",
             "content": {"text/plain": {"schema": string}},
