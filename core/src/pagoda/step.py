@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagoda.lora_request import LoRARequest
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -51,6 +52,8 @@ class NewRequestData:
     num_computed_tokens: int
     # A pooling request: the runner pools its prompt's hidden states instead of sampling.
     pooling_params: PoolingParams | None = None
+    # The adapter it runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from pagoda.config import EngineConfig
 from pagoda.executor.base import PendingOutput, executor_name
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.kv_offload import build_offload_manager
+from pagoda.lora.support import check_lora
 from pagoda.model_info import ModelInfo
 from pagoda.models.pipeline import check_pipeline_parallel
 from pagoda.plugins import get_registry
@@ -32,6 +33,7 @@ class EngineCore:
         # KV offload's CPU pool (None: off); a bad policy name fails here, before any loading.
         offload = build_offload_manager(config, info)
         check_speculative(config, info)  # before any worker starts
+        check_lora(config, info)
         executor_cls = get_registry("executors").get(executor_name(config.parallel))
         self.executor = executor_cls(config, info)
         self.num_blocks = self.executor.initialize()
@@ -63,6 +65,7 @@ class EngineCore:
             structured_output=self.structured_output,
             drafts=draft_policy(config),
             spec_governor=build_governor(config.speculative),
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             batch_queue=config.parallel.pipeline_parallel_size > 1,
         )
         # Plugin seam: None unless a plugin implements on_step_end.

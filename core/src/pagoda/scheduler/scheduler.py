@@ -152,6 +152,7 @@ class Scheduler:
         structured_output: StructuredOutputManager | None = None,
         drafts: DraftPolicy | None = None,
         spec_governor: SpeculationGovernor | None = None,
+        max_loras: int | None = None,
         batch_queue: bool = False,
     ) -> None:
         """``structured_output`` compiles grammars (None: requests with one are refused);
@@ -223,6 +224,10 @@ class Scheduler:
         self.spec_governor = spec_governor
         self._drafting = True
         self.batch_queue = batch_queue
+        # LoRA: adapters the runner holds at once (None: LoRA off). The running requests never
+        # use more distinct adapters, so no step does; waiting ones that would wait their turn.
+        self.max_loras = max_loras
+        self._lora_held: list[Request] = []
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -330,6 +335,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in step.new_reqs
         ]
@@ -432,6 +438,9 @@ class Scheduler:
                 self._schedule_loaded(step)
             self._schedule_ready_waiting(step)
         finally:
+            for req in reversed(self._lora_held):
+                self.waiting.add_preempted(req)
+            self._lora_held = []
             for req in reversed(held):
                 self.waiting.add_preempted(req)
 
@@ -469,6 +478,9 @@ class Scheduler:
             req = self.waiting.peek()
             if req.request_id in step.preempted:
                 break  # pushed out by a better request this step; not back in the same step
+            if not self._lora_fits(req):  # its adapter waits for a free slot
+                self._lora_held.append(self.waiting.pop())
+                continue
             if len(self.running) >= self.max_num_seqs:
                 if self._preempt_worse_than(req, step):
                     continue
@@ -525,6 +537,8 @@ class Scheduler:
         for req in list(self.offload.ready):
             if step.budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
+            if not self._lora_fits(req):
+                continue
             num_new = req.num_tokens - req.num_computed_tokens
             if not self.enable_chunked_prefill and num_new > step.budget:
                 return
@@ -765,6 +779,20 @@ class Scheduler:
                 self.waiting.remove(req)
             req.status = finished_status
             self._release(req)
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether ``req`` may start running: it needs no adapter, or one that a running
+        request uses, or there is a slot for one more (``lora.max_loras``)."""
+        if self.max_loras is None or req.lora_request is None:
+            return True
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        return req.lora_request.lora_int_id in active or len(active) < self.max_loras
+
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The names of the adapters of the running requests, and of the waiting ones."""
+        running = {r.lora_name for r in self.running if r.lora_request is not None}
+        waiting = {r.lora_name for r in self.waiting if r.lora_request is not None}
+        return sorted(running), sorted(waiting - running)
 
     @property
     def num_waiting(self) -> int:

@@ -53,6 +53,7 @@ from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.lora_inputs import LoRAInputs
 from pagoda.worker.pooling import PoolingRunner
 from pagoda.worker.profile import check_gpu_share, gpu_kv_budget, profile_peak_activations
 from pagoda.worker.spec_propose import propose_after
@@ -174,6 +175,8 @@ class ModelRunner:
                 ),
             )
         self.model: torch.nn.Module | None = None
+        # LoRA (lora.enable_lora): the adapter slots and each step's slot inputs (None: off).
+        self.lora: LoRAInputs | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_offload: OffloadMedium | None = None  # KV offload's pool and copies
         # Seconds spent in each start-up phase: load_weights_s, profile_s, kv_cache_s,
@@ -208,6 +211,10 @@ class ModelRunner:
             read = iter_safetensors_slices if get_tp_size() > 1 else iter_safetensors
             model.load_weights(read(self.hf_dir))
         self.model = model.eval()
+        if self.config.lora.enable_lora:  # (after loading: it wraps the loaded linears)
+            self.lora = LoRAInputs(
+                self.config.lora, self.model, self.shape.config, self.buffers, self.device
+            )
         if self.pooler is not None:
             self.pooling = PoolingRunner(self.model, self.pooler)
         if self.device.type == "cuda":
@@ -349,7 +356,11 @@ class ModelRunner:
             and not self.pipeline
         ):
             self.decode_graphs = self._graphs()
+            if self.lora is not None:  # captured with the LoRA path, the slots as inputs
+                self.lora.context.batch = self.lora.graph_batch
             self.graph_capture_s = self.decode_graphs.capture()
+            if self.lora is not None:
+                self.lora.context.batch = None
             if spec is not None:
                 # Speculative verification steps (k + 1 tokens a request) as graphs too, and
                 # all-greedy verifications of small batches: their sampling as graphs too.
@@ -410,6 +421,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             ib.remove(req_id)
             self.grammar.remove(req_id)
+            if self.lora is not None:
+                self.lora.remove(req_id)
         if self.spec is not None:
             self.spec.forget(so.finished_req_ids)
         if self.pooling is not None:
@@ -419,6 +432,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             ib.remove(new.req_id)  # a resumed request may still hold its old row
             self.in_flight.forget_row(ib.add(new))
+            if self.lora is not None:
+                self.lora.add(new.req_id, new.lora_request)
             self.grammar.add(new.req_id, new.sampling_params.structured_outputs)
             if new.pooling_params is not None:
                 if self.pooling is None:
@@ -544,6 +559,9 @@ class ModelRunner:
                 seq_lens_cpu=seq_lens,
                 block_size=bs,
             )
+        if self.lora is not None:
+            graph_tokens = None if bucket is None else bucket * graphs.query_len
+            self.lora.prepare(req_ids, counts, qsl, graph_tokens)
         if bucket is not None:
             hidden = graphs.run(common, bucket)
         elif verified is not None:
