@@ -23,6 +23,7 @@ from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.metrics import EngineMetrics
 from pagoda.engine.request_stream import OutputKind, RequestStream
+from pagoda.lora_request import LoRARequest
 from pagoda.model_info import ModelInfo
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.plugins import RequestRejectedError
@@ -117,9 +118,11 @@ class AsyncLLM:
         *,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate and submit a request; its outputs arrive on the returned stream. Raises
-        ``ValueError``/``TypeError`` for a bad prompt or parameters, before anything is sent."""
+        """Validate and submit a request (``lora_request``: its adapter; None: the base
+        model); its outputs arrive on the returned stream. Raises ``ValueError``/``TypeError``
+        for a bad prompt, parameters or adapter, before anything is sent."""
         self.start()
         self.client.check_alive()
         if request_id in self._streams:
@@ -138,6 +141,7 @@ class AsyncLLM:
             params,
             priority,
             final_only=stream.kind is OutputKind.FINAL_ONLY,  # no output is built before the last
+            lora_request=lora_request,
         )
         self._streams[request_id] = stream
         seq_ids = self.engine.output_processor.seq_ids(request_id)
@@ -156,6 +160,7 @@ class AsyncLLM:
         *,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request until it finishes.
 
@@ -165,7 +170,12 @@ class AsyncLLM:
         """
         request_id = request_id or uuid.uuid4().hex
         stream = self.add_request(
-            request_id, prompt, sampling_params, output_kind=output_kind, priority=priority
+            request_id,
+            prompt,
+            sampling_params,
+            output_kind=output_kind,
+            priority=priority,
+            lora_request=lora_request,
         )
         outputs = self.stream(request_id, stream)
         try:

@@ -11,6 +11,8 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.dp_client import SyncDPClient, check_device_ranks
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.lora.peft import check_adapter
+from pagoda.lora_request import LoRARequest
 from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
@@ -45,6 +47,7 @@ class LLMEngine:
                 engine_core = EngineCore(config, self.info)
         self.engine_core = engine_core
         self._ids = itertools.count()
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked, by id
 
     def new_request_id(self) -> str:
         return str(next(self._ids))
@@ -56,12 +59,19 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Submit a request; ``final_only``: ``step`` returns its output once, when it finishes
-        (none before)."""
+        (none before); ``lora_request``: the adapter it runs with (None: the base model)."""
         processed = self.input_processor.process(prompt)
         self.add_processed(
-            request_id, processed.prompt, processed.prompt_token_ids, params, priority, final_only
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params,
+            priority,
+            final_only,
+            lora_request=lora_request,
         )
 
     def add_processed(
@@ -72,6 +82,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
@@ -82,6 +93,8 @@ class LLMEngine:
                 "(ask for embeddings, classification or scores instead)"
             )
         self._check_logprobs(params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if params.structured_outputs is not None:  # a bad schema, regex or grammar: refused here
             validate_structured_outputs(self.config, params.structured_outputs)
         eos_ids = self.extra_eos_ids | ({self.eos_token_id} - {None})
@@ -115,6 +128,7 @@ class LLMEngine:
                         priority=priority,
                         # Samples after the first wait for its prompt's blocks (prefilled once).
                         prefill_leader=seqs[0][0] if i else None,
+                        lora_request=lora_request,
                     )
                 )
         except BaseException:
@@ -122,6 +136,32 @@ class LLMEngine:
             # the request stays registered or sent.
             self.abort_request([request_id])
             raise
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Refuse, in one line naming it, an adapter the engine cannot serve: LoRA off, an id
+        that names another adapter, a missing or malformed PEFT folder, a rank above
+        ``lora.max_lora_rank``, target modules the model lacks. Checked once per adapter."""
+        if not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        if not self.config.lora.enable_lora:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r}: LoRA is off; start the engine with "
+                "lora.enable_lora (--enable-lora, LLM(enable_lora=True))"
+            )
+        known = self._loras.get(lora.lora_int_id)
+        if known == lora:
+            return
+        if known is not None:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r}: lora_int_id {lora.lora_int_id} is adapter "
+                f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id"
+            )
+        check_adapter(lora, self.info.shape.config, self.config.lora.max_lora_rank)
+        self._loras[lora.lora_int_id] = lora
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        """Forget a checked adapter (unloaded): its id may name another one next."""
+        self._loras.pop(lora_int_id, None)
 
     def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
         """``params`` checked against the model's pooling config and filled in; ``ValueError``

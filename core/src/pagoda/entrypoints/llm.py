@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from pagoda.config import EngineConfig
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -76,8 +77,11 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        ``lora_request``: the adapter of every prompt, or one per prompt (None: the base
+        model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -94,6 +98,14 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        for lora in dict.fromkeys(lr for lr in loras if lr is not None):
+            self.engine.check_lora(lora)
         # Validate everything first, so a bad prompt leaves no half-submitted batch behind.
         processed = [self.engine.input_processor.process(p) for p in prompts]
         ids = []
@@ -101,9 +113,10 @@ class LLM:
             for i, (p, sp) in enumerate(zip(processed, params)):
                 rid = self.engine.new_request_id()
                 prio = 0 if priority is None else priority[i]
+                lr = loras[i]
                 # ``_run`` reads only finished outputs: none is built before.
                 self.engine.add_processed(
-                    rid, p.prompt, p.prompt_token_ids, sp, prio, final_only=True
+                    rid, p.prompt, p.prompt_token_ids, sp, prio, final_only=True, lora_request=lr
                 )
                 ids.append(rid)
         except BaseException:
@@ -118,12 +131,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.apply_chat_template(c, **template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(
+            prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
 
     # ---- pooling ---------------------------------------------------------------------------------
 

@@ -212,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
     attention_specs = staticmethod(attention_specs)
     #: It splits into pipeline stages (``parallel.pipeline_parallel_size``).
     supports_pipeline_parallel = True
+    #: Its linears take LoRA adapters (``pagoda.lora``: q/k/v/o, gate/up/down).
+    supports_lora = True
 
     def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
         super().__init__()

@@ -1,0 +1,115 @@
+"""Batched LoRA: many adapters' low-rank products in one pass over a step's tokens (Punica's
+SGMV and BGMV), as a torch reference and the dispatch to the Triton kernels.
+
+An adapter lives in a device slot: ``a`` [slots, R, K] (shrink: K inputs to R ranks) and ``b``
+[slots, N, R] (expand: R ranks to N outputs), its scaling folded into ``b``. Each step says
+which slot each token uses (-1: none, the base model) in one of two ways:
+
+- segments (SGMV, prefill and mixed steps): ``seg_starts`` [n + 1] (a request's tokens are
+  contiguous in the flat batch) and ``seg_slots`` [n], with the longest segment's length;
+- rows (BGMV, decode steps and CUDA graphs): ``token_slots`` [tokens], one slot per token.
+
+``shrink`` gives ``y = x @ a[slot].T`` in float32 (rows without a slot hold garbage that no
+expand reads); ``expand`` adds ``y[:, off:off + R] @ b[slot].T`` into ``out`` in place, which may
+be a column slice of a wider output (q, k and v of one projection). The kernels read no device
+memory on the host, so a BGMV step replays in a CUDA graph with the slots as inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.ops import _use_triton
+
+
+@dataclass
+class LoRABatch:
+    """Which adapter slot each token of a step uses (the module docstring's two forms).
+
+    ``segments`` holds the host's copy of the segments, (start, end, slot) with slot >= 0, which
+    the torch reference reads; ``use_rows``: run BGMV over ``token_slots`` (CUDA graphs)."""
+
+    token_slots: torch.Tensor
+    seg_starts: torch.Tensor
+    seg_slots: torch.Tensor
+    max_seg_len: int
+    segments: list[tuple[int, int, int]]
+    use_rows: bool = False
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """[tokens, R] float32: each token's ``x @ a[slot].T``."""
+    if _use_triton(x):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
+        from pagoda.ops import triton_lora
+
+        if batch.use_rows:
+            return triton_lora.bgmv_shrink(x, a, batch.token_slots[: x.shape[0]])
+        return triton_lora.sgmv_shrink(x, a, batch.seg_starts, batch.seg_slots, batch.max_seg_len)
+    if batch.use_rows:
+        return bgmv_shrink_reference(x, a, batch.token_slots[: x.shape[0]])
+    return sgmv_shrink_reference(x, a, batch.segments)
+
+
+def expand(
+    y: torch.Tensor, b: torch.Tensor, batch: LoRABatch, out: torch.Tensor, offset: int = 0
+) -> None:
+    """``out += y[:, offset:offset + R] @ b[slot].T`` for the tokens with a slot, in place."""
+    if _use_triton(y):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
+        from pagoda.ops import triton_lora
+
+        if batch.use_rows:
+            triton_lora.bgmv_expand(y, b, batch.token_slots[: y.shape[0]], out, offset)
+        else:
+            triton_lora.sgmv_expand(
+                y, b, batch.seg_starts, batch.seg_slots, batch.max_seg_len, out, offset
+            )
+        return
+    if batch.use_rows:
+        bgmv_expand_reference(y, b, batch.token_slots[: y.shape[0]], out, offset)
+    else:
+        sgmv_expand_reference(y, b, batch.segments, out, offset)
+
+
+# ---- torch references ---------------------------------------------------------------------------
+
+
+def sgmv_shrink_reference(
+    x: torch.Tensor, a: torch.Tensor, segments: list[tuple[int, int, int]]
+) -> torch.Tensor:
+    y = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for start, end, slot in segments:
+        y[start:end] = x[start:end].float() @ a[slot].float().T
+    return y
+
+
+def sgmv_expand_reference(
+    y: torch.Tensor,
+    b: torch.Tensor,
+    segments: list[tuple[int, int, int]],
+    out: torch.Tensor,
+    offset: int = 0,
+) -> None:
+    r = b.shape[2]
+    for start, end, slot in segments:
+        delta = y[start:end, offset : offset + r] @ b[slot].float().T
+        out[start:end] += delta.to(out.dtype)
+
+
+def bgmv_shrink_reference(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    rows = a[slots.clamp(min=0).long()].float()  # [tokens, R, K]
+    y = torch.einsum("trk,tk->tr", rows, x.float())
+    return y.masked_fill((slots < 0).unsqueeze(1), 0.0)
+
+
+def bgmv_expand_reference(
+    y: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, offset: int = 0
+) -> None:
+    r = b.shape[2]
+    rows = b[slots.clamp(min=0).long()].float()  # [tokens, N, R]
+    delta = torch.einsum("tnr,tr->tn", rows, y[:, offset : offset + r])
+    delta = delta.masked_fill((slots < 0).unsqueeze(1), 0.0)
+    out += delta.to(out.dtype)
