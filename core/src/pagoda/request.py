@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.lora_request import LoRARequest
+from pagoda.multimodal_inputs import MultiModalInputs
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -76,6 +77,8 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The adapter it runs with (None: the base model); its name is part of the prefix-cache key.
     lora_request: LoRARequest | None = None
+    # The prompt's images: placeholder ranges, hashes, encoder inputs (None: text only).
+    mm_inputs: MultiModalInputs | None = None
 
     @property
     def lora_name(self) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagoda.lora_request import LoRARequest
+from pagoda.multimodal_inputs import MultiModalInputs
 from pagoda.pooling_params import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # The adapter it runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # Its images: the runner encodes them when ``SchedulerOutput.scheduled_encoder_inputs`` says.
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass(slots=True)
@@ -92,6 +95,11 @@ class SchedulerOutput:
     # Alternating async speculation this step (``pagoda.scheduler.draft_policy``): the runner
     # proposes once the step's output is read, for the step after the one its requests sit out.
     alternate_drafts: bool = False
+    # Multimodal: req_id -> indices of its images (``mm_inputs.features``) whose encoder output
+    # the runner computes this step, before the forward; and the image hashes whose outputs it
+    # drops first (the scheduler's encoder cache evicted them).
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    free_encoder_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

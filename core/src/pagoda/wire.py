@@ -41,7 +41,10 @@ class AddRequest(msgspec.Struct, tag="add"):
 
     def to_request(self) -> Request:
         hints = _types(Request)
-        kwargs = {k: msgspec.convert(v, hints[k], strict=False) for k, v in self.request.items()}
+        kwargs = {
+            k: msgspec.convert(v, hints[k], strict=False, dec_hook=_dec_hook)
+            for k, v in self.request.items()
+        }
         return Request(sampling_params=params_from_wire(self.sampling_params), **kwargs)
 
     @property

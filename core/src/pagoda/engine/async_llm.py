@@ -142,6 +142,7 @@ class AsyncLLM:
             priority,
             final_only=stream.kind is OutputKind.FINAL_ONLY,  # no output is built before the last
             lora_request=lora_request,
+            mm_inputs=processed.mm_inputs,
         )
         self._streams[request_id] = stream
         seq_ids = self.engine.output_processor.seq_ids(request_id)

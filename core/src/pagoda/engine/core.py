@@ -12,10 +12,12 @@ from pagoda.kv_offload import build_offload_manager
 from pagoda.lora.support import check_lora
 from pagoda.model_info import ModelInfo
 from pagoda.models.pipeline import check_pipeline_parallel
+from pagoda.multimodal.model import is_multimodal
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.draft_policy import draft_policy
+from pagoda.scheduler.encoder_cache import EncoderCacheManager
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.scheduler.spec_governor import build_governor
 from pagoda.spec_decode.proposer import check_speculative
@@ -67,6 +69,7 @@ class EngineCore:
             spec_governor=build_governor(config.speculative),
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             batch_queue=config.parallel.pipeline_parallel_size > 1,
+            encoder_cache=_encoder_cache(sched_config, info),
         )
         # Plugin seam: None unless a plugin implements on_step_end.
         self._step_end = seam("on_step_end")
@@ -169,3 +172,12 @@ class EngineCore:
         self.executor.shutdown()
         self.structured_output.shutdown()
         register_manager(self.config, None)
+
+
+def _encoder_cache(config: SchedulerConfig, info: ModelInfo) -> EncoderCacheManager | None:
+    """A multimodal model's encoder cache, sized ``encoder_cache_size`` tokens (default: the
+    step's encoder budget, itself the step's token budget by default); None for a text model."""
+    if not is_multimodal(info):
+        return None
+    budget = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+    return EncoderCacheManager(config.encoder_cache_size or budget)

@@ -7,6 +7,8 @@ from typing import Any
 
 from pagoda.model_info import ModelInfo
 from pagoda.models.bert import encode_token_types
+from pagoda.multimodal import MediaLimits, MultiModalProcessor, load_image
+from pagoda.multimodal_inputs import MultiModalInputs
 
 PromptType = str | dict[str, Any]
 
@@ -15,14 +17,34 @@ PromptType = str | dict[str, Any]
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    # The prompt's images (``multi_modal_data``), processed; None: a text prompt.
+    mm_inputs: MultiModalInputs | None = None
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        info: ModelInfo,
+        mm_processor: MultiModalProcessor | None = None,
+        mm_limits: dict[str, int] | None = None,
+        media_limits: MediaLimits | None = None,
+    ) -> None:
+        """``mm_processor``: the model's multimodal processor (None: a text-only model, which
+        refuses ``multi_modal_data``); ``mm_limits``: items per prompt by modality
+        (``limit_mm_per_prompt``)."""
         self.tokenizer = tokenizer
         self.info = info
+        self.mm_processor = mm_processor
+        self.mm_limits = mm_limits if mm_limits is not None else {"image": 8}
+        self.media_limits = media_limits or MediaLimits()
 
-    def process(self, prompt: PromptType) -> ProcessedPrompt:
+    def process(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+        """Tokenize and check a prompt; one with ``multi_modal_data`` has its images processed
+        (call it off the event loop: the processor is CPU work)."""
+        if isinstance(prompt, ProcessedPrompt):  # processed already (off the event loop)
+            return prompt
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -35,8 +57,43 @@ class InputProcessor:
                 "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}; got "
                 f"{type(prompt).__name__}"
             )
+        mm_inputs = None
+        if mm_data:
+            ids, mm_inputs = self.process_multimodal(ids, mm_data)
         self.validate(ids)
-        return ProcessedPrompt(text, ids)
+        return ProcessedPrompt(text, ids, mm_inputs)
+
+    def process_multimodal(
+        self, ids: list[int], mm_data: Any
+    ) -> tuple[list[int], MultiModalInputs | None]:
+        """The images of ``multi_modal_data`` checked against the limits and expanded into the
+        prompt by the model's processor."""
+        if not isinstance(mm_data, dict):
+            raise TypeError("multi_modal_data is a dict: {'image': an image or a list of them}")
+        proc = self.mm_processor
+        if proc is None:
+            raise ValueError(
+                f"model {self.info.name!r} ({self.info.shape.architecture}) takes text only;"
+                " it cannot read multi_modal_data (images)"
+            )
+        images: list[Any] = []
+        for modality, items in mm_data.items():
+            if modality not in proc.modalities:
+                raise ValueError(
+                    f"multi_modal_data: modality {modality!r} is not supported by this model"
+                    f" (it takes {', '.join(proc.modalities)})"
+                )
+            items = items if isinstance(items, list) else [items]
+            limit = self.mm_limits.get(modality, 0)
+            if len(items) > limit:
+                raise ValueError(
+                    f"the prompt has {len(items)} {modality}s, more than limit_mm_per_prompt"
+                    f"[{modality!r}]={limit}"
+                )
+            images += [load_image(item, self.media_limits) for item in items]
+        if not images:
+            return ids, None
+        return proc.process(ids, images)
 
     def process_pooling(
         self, prompt: PromptType | tuple[str, str], truncate: int | None = None

@@ -14,6 +14,9 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.lora.peft import check_adapter
 from pagoda.lora_request import LoRARequest
 from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
+from pagoda.multimodal import MediaLimits
+from pagoda.multimodal.model import build_mm_processor
+from pagoda.multimodal_inputs import MultiModalInputs
 from pagoda.outputs import PoolingRequestOutput, RequestOutput
 from pagoda.pooling_params import PoolingParams
 from pagoda.request import Request
@@ -37,7 +40,15 @@ class LLMEngine:
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         # Other ids that end a turn (generation_config.json, config.json) stop like EOS.
         self.extra_eos_ids = model_eos_ids(self.info) - {self.eos_token_id}
-        self.input_processor = InputProcessor(self.tokenizer, self.info)
+        # A vision-language model's processor runs here, in the front end (None: text only).
+        mc = config.model
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.info,
+            build_mm_processor(self.info, self.tokenizer),
+            dict(mc.limit_mm_per_prompt),
+            MediaLimits(mc.max_image_pixels, mc.max_image_bytes),
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         if engine_core is None:
             check_device_ranks(config, self.info)
@@ -83,7 +94,9 @@ class LLMEngine:
         priority: int = 0,
         final_only: bool = False,
         lora_request: LoRARequest | None = None,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> None:
+        """Submit a processed prompt (``mm_inputs``: its images, processed)."""
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already running")
         if "generate" not in self.info.tasks:
@@ -129,6 +142,7 @@ class LLMEngine:
                         # Samples after the first wait for its prompt's blocks (prefilled once).
                         prefill_leader=seqs[0][0] if i else None,
                         lora_request=lora_request,
+                        mm_inputs=mm_inputs,
                     )
                 )
         except BaseException:

@@ -116,8 +116,9 @@ class LLM:
                 lr = loras[i]
                 # ``_run`` reads only finished outputs: none is built before.
                 self.engine.add_processed(
-                    rid, p.prompt, p.prompt_token_ids, sp, prio, final_only=True, lora_request=lr
-                )
+                    rid, p.prompt, p.prompt_token_ids, sp, prio, final_only=True, lora_request=lr,
+                    mm_inputs=p.mm_inputs,
+                )  # fmt: skip
                 ids.append(rid)
         except BaseException:
             # A request the engine refused (an admission rule, say) takes the batch with it.

@@ -51,6 +51,8 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     for i in range(len(hashes), num_full):
         tokens = request.token_slice(i * block_size, (i + 1) * block_size)
         extra = _first_block_keys(request) if i == 0 else ()
+        if request.mm_inputs is not None:  # the images whose placeholders the block holds
+            extra = (*extra, *request.mm_inputs.hash_keys(i * block_size, (i + 1) * block_size))
         parent = hash_block_tokens(parent, tokens, extra)
         hashes.append(parent)
     return hashes

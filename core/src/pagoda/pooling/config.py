@@ -104,7 +104,8 @@ class PoolerConfig:
 
 def head_of(architecture: str) -> str:
     """``lm``, ``classifier`` or ``base``: what the architecture's name says its head is."""
-    if architecture.endswith("ForCausalLM") or architecture.endswith("LMHeadModel"):
+    # (``*ForConditionalGeneration``: a vision-language model's name; it generates text.)
+    if architecture.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
         return "lm"
     if architecture.endswith("ForSequenceClassification"):
         return "classifier"

@@ -38,6 +38,7 @@ from pagoda.kv_cache.manager import KVCacheManager, cdiv
 from pagoda.plugins.seams import check_admission, seam
 from pagoda.request import Request, RequestStatus
 from pagoda.scheduler.draft_policy import DraftBackoff, DraftPolicy
+from pagoda.scheduler.encoder_cache import EncoderCacheManager
 from pagoda.scheduler.spec_governor import SpeculationGovernor, is_decode_step
 from pagoda.spec_decode.metrics import SpecDecodingStats
 from pagoda.step import (
@@ -124,6 +125,8 @@ class _Step:
     new_blocks: dict[str, list[KVCacheBlock]] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
     spec: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts scheduled
+    encoder_budget: int = 0  # image tokens the encoder may still compute this step
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)  # req_id -> images
 
     def add(self, req: Request, n: int, blocks: list[KVCacheBlock], is_new: bool) -> None:
         (self.new_reqs if is_new else self.cached_reqs).append(req)
@@ -138,6 +141,7 @@ class _Step:
         self.budget += n
         del self.new_blocks[req.request_id]
         self.spec.pop(req.request_id, None)
+        self.encoder_inputs.pop(req.request_id, None)
         (self.new_reqs if req in self.new_reqs else self.cached_reqs).remove(req)
 
 
@@ -154,6 +158,7 @@ class Scheduler:
         spec_governor: SpeculationGovernor | None = None,
         max_loras: int | None = None,
         batch_queue: bool = False,
+        encoder_cache: EncoderCacheManager | None = None,
     ) -> None:
         """``structured_output`` compiles grammars (None: requests with one are refused);
         ``drafts`` is how drafts are scheduled (``pagoda.scheduler.draft_policy``; None:
@@ -161,7 +166,9 @@ class Scheduler:
         not pay (None: drafts every step). ``batch_queue``: the engine keeps several steps in
         flight (pipeline parallelism): a request whose sampled token is still in flight sits
         out until it is back, and each scheduled request carries its new output tokens
-        (``CachedRequestData.new_token_ids``) for the stages that do not sample."""
+        (``CachedRequestData.new_token_ids``) for the stages that do not sample.
+        ``encoder_cache``: a multimodal model's encoder outputs held between steps (None: the
+        model takes text only, and a request with images is refused)."""
         self.num_preemptions_total = 0
         chunked = scheduler_config.enable_chunked_prefill
         budget = scheduler_config.max_num_batched_tokens
@@ -228,6 +235,9 @@ class Scheduler:
         # use more distinct adapters, so no step does; waiting ones that would wait their turn.
         self.max_loras = max_loras
         self._lora_held: list[Request] = []
+        # Multimodal: image tokens the encoder may compute in one step, and its outputs' cache.
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = scheduler_config.max_num_encoder_input_tokens or budget
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -246,6 +256,8 @@ class Scheduler:
                 f"request {rid!r}: the prompt has {n} tokens, max_model_len={self.max_model_len}"
                 " leaves no room for output; the prompt must be shorter than max_model_len"
             )
+        if request.mm_inputs is not None:
+            self._check_images(request)
         if self._admit_hook is not None:  # plugin seam: may raise RequestRejectedError
             check_admission(self._admit_hook, request, self)
         if request.sampling_params.structured_outputs is not None:
@@ -266,6 +278,35 @@ class Scheduler:
         else:
             self.waiting.add(request)
 
+    def _check_images(self, request: Request) -> None:
+        cache = self.encoder_cache
+        if cache is None:
+            raise ValueError(f"request {request.request_id!r}: this model takes no images")
+        for f in request.mm_inputs.features:
+            limit = min(self.encoder_budget, cache.capacity)
+            if f.length > limit:
+                raise ValueError(
+                    f"request {request.request_id!r}: an image of {f.length} tokens is more than"
+                    f" the encoder takes in one step ({limit}: max_num_encoder_input_tokens and"
+                    " encoder_cache_size); send a smaller image or raise them"
+                )
+
+    def _plan_images(self, req: Request, start: int, num_new: int, step: _Step) -> int:
+        """``num_new`` cut before the first image the encoder cannot compute this step."""
+        if req.mm_inputs is None:
+            return num_new
+        num_new, todo = self.encoder_cache.plan(req, start, num_new, step.encoder_budget)
+        step.encoder_inputs[req.request_id] = todo
+        return num_new
+
+    def _commit_images(self, req: Request, start: int, num_new: int, step: _Step) -> None:
+        todo = step.encoder_inputs.pop(req.request_id, [])
+        if req.mm_inputs is None:
+            return
+        step.encoder_budget -= self.encoder_cache.commit(req, start, num_new, todo)
+        if todo:
+            step.encoder_inputs[req.request_id] = todo
+
     def _unpark(self, leader: Request) -> None:
         """The leader's prompt is computed (or it ended): its samples join the queue's front."""
         samples = self.parked.pop(leader.request_id, None)
@@ -277,7 +318,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        step = _Step(budget=self.max_num_batched_tokens)
+        step = _Step(budget=self.max_num_batched_tokens, encoder_budget=self.encoder_budget)
         self.draft_backoff.tick()
         gov = self.spec_governor
         self._drafting = gov is None or gov.drafting(len(self.running))
@@ -302,6 +343,10 @@ class Scheduler:
             ):
                 i += 1
                 continue
+            num_new = self._plan_images(req, req.num_computed_tokens, num_new, step)
+            if num_new <= 0:
+                i += 1
+                continue
             drafts = self._drafts_to_schedule(req, known, step.budget)
             blocks = kv.allocate_slots(req, num_new + len(drafts))
             if blocks is None and drafts:  # short of blocks: verify no drafts before preempting
@@ -319,6 +364,7 @@ class Scheduler:
             if blocks is None:
                 break
             step.add(req, num_new + len(drafts), blocks, is_new=False)
+            self._commit_images(req, req.num_computed_tokens, num_new, step)
             if drafts:
                 step.spec[req.request_id] = drafts
             i += 1
@@ -336,6 +382,7 @@ class Scheduler:
                 num_computed_tokens=r.num_computed_tokens,
                 pooling_params=r.pooling_params,
                 lora_request=r.lora_request,
+                mm_inputs=r.mm_inputs,
             )
             for r in step.new_reqs
         ]
@@ -358,6 +405,8 @@ class Scheduler:
             r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
             r.num_computed_tokens += step.num_scheduled[r.request_id]
+            if r.mm_inputs is not None:
+                self.encoder_cache.release_computed(r)
             if r.is_pooling:
                 continue  # it samples nothing: its prompt's last chunk gives its pooler output
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
@@ -375,6 +424,10 @@ class Scheduler:
             # NOTE: by the requests running after this step's admissions, whose next steps the
             # runner's proposals after this one feed (the first step of a batch is its prompts').
             alternate_drafts=self._alternates(),
+            scheduled_encoder_inputs={
+                rid: todo for rid, todo in step.encoder_inputs.items() if rid in step.num_scheduled
+            },
+            free_encoder_ids=[] if self.encoder_cache is None else self.encoder_cache.take_freed(),
         )
 
     @staticmethod
@@ -505,6 +558,9 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = min(num_new, step.budget)
+            num_new = self._plan_images(req, req.num_computed_tokens + num_hit, num_new, step)
+            if num_new <= 0:
+                break  # its next image waits for the encoder's budget or cache
             blocks = kv.allocate_slots(req, num_new, hit_blocks, num_hit)
             while blocks is None and self._preempt_worse_than(req, step):
                 blocks = kv.allocate_slots(req, num_new, hit_blocks, num_hit)
@@ -517,6 +573,7 @@ class Scheduler:
             req.num_computed_tokens += num_hit
             self.running.append(req)
             step.add(req, num_new, blocks, is_new=True)
+            self._commit_images(req, req.num_computed_tokens, num_new, step)
 
     def _start_overlap(self, req: Request, num_hit: int, step: _Step) -> None:
         """Run a request whose CPU-pool hit is met from both ends (KV offload's overlap mode):
@@ -582,6 +639,8 @@ class Scheduler:
         if self.offload is not None:
             self.offload.drop(req)  # met from both ends: its loads in flight
         self.kv_cache_manager.free(req)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # what is in flight for it is dropped
@@ -753,6 +812,8 @@ class Scheduler:
         if self.offload is not None:
             self.offload.drop(req)  # met from both ends: its loads in flight
         self.kv_cache_manager.free(req)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release_all(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 

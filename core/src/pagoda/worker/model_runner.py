@@ -47,6 +47,7 @@ from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.runner import grammar_rows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
+from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.draft_slots import fill_draft_slots, must_read_last, propose_for_slots
 from pagoda.worker.drafts_ahead import check_ahead, launch_ahead, plan_ahead, take_drafts
 from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
@@ -177,6 +178,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         # LoRA (lora.enable_lora): the adapter slots and each step's slot inputs (None: off).
         self.lora: LoRAInputs | None = None
+        # A multimodal model's images and encoder outputs (None: the model takes text only).
+        self.encoder: EncoderRunner | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_offload: OffloadMedium | None = None  # KV offload's pool and copies
         # Seconds spent in each start-up phase: load_weights_s, profile_s, kv_cache_s,
@@ -217,6 +220,8 @@ class ModelRunner:
             )
         if self.pooler is not None:
             self.pooling = PoolingRunner(self.model, self.pooler)
+        if hasattr(self.model, "embed_multimodal"):
+            self.encoder = EncoderRunner(self.model, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_times["load_weights_s"] = time.perf_counter() - start
@@ -427,6 +432,8 @@ class ModelRunner:
             self.spec.forget(so.finished_req_ids)
         if self.pooling is not None:
             self.pooling.forget(so.finished_req_ids)
+        if self.encoder is not None:
+            self.encoder.forget(so.finished_req_ids)
         req_ids: list[str] = []
         computed: list[int] = []
         for new in so.scheduled_new_reqs:
@@ -434,6 +441,8 @@ class ModelRunner:
             self.in_flight.forget_row(ib.add(new))
             if self.lora is not None:
                 self.lora.add(new.req_id, new.lora_request)
+            if self.encoder is not None:
+                self.encoder.add(new.req_id, new.mm_inputs)
             self.grammar.add(new.req_id, new.sampling_params.structured_outputs)
             if new.pooling_params is not None:
                 if self.pooling is None:
@@ -529,7 +538,12 @@ class ModelRunner:
             slots = block_table[tok_req, positions // bs].astype(np.int64) * bs + positions % bs
             unknown = np.flatnonzero(input_ids < 0)
         graphs = self.decode_graphs
-        bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs else None
+        mm = None
+        if self.encoder is not None:  # images: encoded first, their rows and positions
+            self.encoder.run(so)
+            mm = self.encoder.step_inputs(req_ids, starts, counts, qsl, positions)
+        eager = mm is not None and mm.eager
+        bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs and not eager else None
         if verified is not None:
             if check:
                 check_ahead(spec, input_ids, positions, slots, seq_lens)
@@ -576,7 +590,11 @@ class ModelRunner:
                 return out
         else:
             with set_forward_context(self.attn_backend.build_metadata(common)):
-                hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
+                if eager:
+                    pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
+                    hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)
+                else:
+                    hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
 
         out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
         # Requests whose known tokens are all computed after this step sample one more.

@@ -1,0 +1,1 @@
+"""Suffix-tree speculative proposer for Pagoda (``speculative.method: suffix``)."""

@@ -1,0 +1,117 @@
+"""Suffix decoding: drafts from a suffix tree over the request's own tokens and from a global
+tree over the recent outputs of other requests (after SuffixDecoding, Oliaro et al., 2024).
+
+Each request keeps a tree of its prompt and output (:class:`~pagoda_spec_suffix.tree.SuffixTree`,
+grown by the tokens each call brings) and its cursors in both trees: the nodes of its context's
+suffixes. A request's output goes into the global tree when the request leaves (``remove``);
+the global tree holds at most ``global_max_tokens`` output tokens, the oldest request's dropped
+first. Each call drafts from whichever tree expects more accepted tokens, following the most
+frequent continuation of the longest suffix matched while its estimated probability holds
+(``min_token_prob``) and for at most ``max_spec_factor`` times the match's length: the draft
+length adapts to how often, and how consistently, the context was seen before. With
+``num_speculative_tokens`` unset drafts are at most 8 tokens long.
+
+The work per call is a few dictionary steps per new token and per tree level (``max_tree_depth``)
+in Python, for each request of the batch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda_spec_suffix.settings import SuffixSettings
+from pagoda_spec_suffix.tree import Node, SuffixTree
+
+
+@dataclass
+class _Request:
+    tree: SuffixTree
+    num_prompt: int
+    tokens: list[int] = field(default_factory=list)  # known so far, a copy
+    cursor: list[Node] = field(default_factory=list)  # in its own tree
+    global_cursor: list[Node | None] = field(default_factory=list)  # in the global tree
+
+
+class SuffixProposer(SpeculativeProposer):
+    def __init__(self, ctx: ProposerContext) -> None:
+        super().__init__(ctx)
+        s = ctx.plugin_settings("suffix")
+        self.settings: SuffixSettings = s  # type: ignore[assignment]
+        self.k = ctx.num_speculative_tokens
+        self.depth = s.max_tree_depth
+        self.requests: dict[str, _Request] = {}
+        self.global_tree = SuffixTree(self.depth)
+        # req_id -> output tokens in the global tree, oldest first; and their total.
+        self.cached: OrderedDict[str, list[int]] = OrderedDict()
+        self.cached_tokens = 0
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        n, k = len(batch), self.k
+        out = np.full((n, k), -1, dtype=np.int64)
+        s = self.settings
+        # NOTE: a match must leave room in the tree's depth for the draft after it.
+        longest = max(1, self.depth - k)
+        use_global = bool(self.cached)
+        for i, req_id in enumerate(batch.req_ids):
+            req = self._catch_up(req_id, batch, i, longest)
+            cap = int(min(k, batch.max_num_drafts[i]))
+            best, score, _ = SuffixTree.draft(
+                req.cursor[:longest], cap, s.min_token_prob, s.max_spec_factor
+            )
+            if use_global:
+                got, g_score, _ = SuffixTree.draft(
+                    req.global_cursor, cap, s.min_token_prob, s.max_spec_factor
+                )
+                if g_score > score:
+                    best = got
+            out[i, : len(best)] = best
+        return Drafts(out)
+
+    def _catch_up(self, req_id: str, batch: ProposalBatch, i: int, longest: int) -> _Request:
+        """The request's state, with the tokens it gained since the last call added."""
+        req = self.requests.get(req_id)
+        if req is None:
+            req = self.requests[req_id] = _Request(
+                SuffixTree(self.depth), int(batch.num_prompt_tokens[i])
+            )
+        have, now = len(req.tokens), int(batch.num_tokens[i])
+        if now > have:
+            new = batch.token_ids[batch.rows[i], have:now].tolist()
+            req.tokens += new
+            req.cursor = req.tree.add(new, req.cursor)
+            if self.global_tree.root.children:
+                g = req.global_cursor
+                for t in new:
+                    g = self.global_tree.follow(g, t, longest)
+                req.global_cursor = g
+        return req
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        """Forget the requests; their outputs join the global tree (a request that comes back
+        after preemption replaces its earlier entry when it leaves again)."""
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            self._cache(req_id, req.tokens[req.num_prompt :])
+
+    def _cache(self, req_id: str, output: list[int]) -> None:
+        bound = self.settings.global_max_tokens
+        old = self.cached.pop(req_id, None)
+        if old is not None:
+            self.global_tree.remove(old)
+            self.cached_tokens -= len(old)
+        if not output or len(output) > bound:
+            return
+        while self.cached and self.cached_tokens + len(output) > bound:
+            _, evicted = self.cached.popitem(last=False)
+            self.global_tree.remove(evicted)
+            self.cached_tokens -= len(evicted)
+        self.global_tree.add(output)
+        self.cached[req_id] = output
+        self.cached_tokens += len(output)
