@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, SchedulerConfig
 from pagoda.executor.base import PendingOutput, executor_name
 from pagoda.kv_cache.manager import KVCacheManager
 from pagoda.kv_offload import build_offload_manager

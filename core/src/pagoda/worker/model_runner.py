@@ -555,7 +555,7 @@ class ModelRunner:
             buffers.to_device(buffers.input_ids[:total], input_ids)
             if len(unknown):
                 in_flight.fill_from_device(buffers, unknown, token_rows[unknown])
-            buffers.to_device(buffers.positions[:total], positions)
+            buffers.to_device(buffers.positions[:total], positions if mm is None else mm.positions)
             buffers.to_device(buffers.slot_mapping[:total], slots)
             buffers.to_device(buffers.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
             buffers.to_device(buffers.seq_lens[:num_reqs], seq_lens.astype(np.int32))

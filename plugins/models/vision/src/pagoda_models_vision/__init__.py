@@ -1,0 +1,1 @@
+"""Pagoda's native vision-language models (a plugin distribution: ``pagoda-models-vision``)."""
