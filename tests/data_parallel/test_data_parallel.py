@@ -83,6 +83,15 @@ def test_a_repeated_prefix_goes_back_to_the_core_that_cached_it(dp: AsyncLLM) ->
     assert third.num_cached_tokens == 0
 
 
+def test_the_samples_of_one_request_stay_on_one_core(dp: AsyncLLM) -> None:
+    """Samples after the first wait for its prompt's blocks: they must share its core."""
+    before = dp.client.coordinator.routed
+    params = SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=1)
+    out = _final(dp, ["Name three colours:"], params)[0]
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 3 for c in out.outputs)
+    assert sum(b - a for a, b in zip(before, dp.client.coordinator.routed)) == 1
+
+
 def test_metrics_give_each_core_and_their_sum(dp: AsyncLLM) -> None:
     text = dp.metrics.render().decode()
     for engine in ("0", "1"):
