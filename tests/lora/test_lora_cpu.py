@@ -1,0 +1,276 @@
+"""LoRA on the CPU: a mixed batch of base-model requests and two adapters gives transformers'
+tokens and logprobs on the adapters' merged weights; the model's logits on a mixed flat batch
+(SGMV segments, then BGMV decode rows) are within 1e-4 of transformers'; the prefix cache never
+shares blocks across adapters; the slots' LRU and the scheduler's limit; bad adapters are
+refused in one line and nothing else fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.kv_cache import hashing
+from pagoda.lora_request import LoRARequest
+
+PROMPTS = [
+    [1, 17, 301, 45, 12, 99, 230, 7, 88, 5, 61],
+    [1, 400, 3, 3, 250, 19, 77],
+    [1, 9, 9, 120, 33, 410, 270, 18, 42],
+    [1, 60, 200, 311, 4],
+]
+MAX_TOKENS = 6
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and the logprobs of every step [n, vocab]."""
+    ids = list(prompt)
+    rows = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            rows.append(logits.log_softmax(-1))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :], torch.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def adapters(lora_model) -> dict[str, LoRARequest]:
+    paths = lora_model["paths"]
+    return {
+        "lora-a": LoRARequest("lora-a", 1, str(paths["lora-a"])),
+        "lora-b": LoRARequest("lora-b", 2, str(paths["lora-b"])),
+    }
+
+
+@pytest.fixture(scope="module")
+def llm(lora_model) -> LLM:
+    return LLM(
+        model=str(lora_model["base"]), enable_lora=True, max_loras=2, max_lora_rank=16,
+        max_model_len=256, dtype="float32", kv_cache_memory_bytes=8 << 20,
+    )  # fmt: skip
+
+
+def _check(outs, lora_model, which) -> None:
+    for out, prompt, name in zip(outs, PROMPTS, which):
+        want, lps = _hf_greedy(lora_model["hf"][name], prompt, MAX_TOKENS)
+        got = out.outputs[0]
+        assert got.token_ids == want, name
+        for step, pos in enumerate(got.logprobs):
+            for tok, lp in pos.items():
+                assert abs(lp.logprob - float(lps[step, tok])) < 1e-4, (name, step, tok)
+
+
+def test_mixed_batch_of_base_and_two_adapters_gives_transformers_merged_tokens(
+    llm, lora_model, adapters
+) -> None:
+    which = [None, "lora-a", "lora-b", "lora-a"]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=5, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], sp,
+        lora_request=[None if w is None else adapters[w] for w in which], use_tqdm=False,
+    )  # fmt: skip
+    _check(outs, lora_model, which)
+    # The adapters change the output (else the comparison above proves little).
+    base = _hf_greedy(lora_model["hf"][None], PROMPTS[1], MAX_TOKENS)[0]
+    assert outs[1].outputs[0].token_ids != base
+
+
+def test_model_logits_of_a_mixed_flat_batch_match_transformers(lora_model, adapters) -> None:
+    """The model alone: one flat batch of three prompts (base, lora-a, lora-b) through the
+    SGMV reference, then one decode token each through the BGMV reference: every logit within
+    1e-4 of transformers' on the merged weights."""
+    from pagoda.attention.backend import CommonAttentionMetadata
+    from pagoda.attention.layer import Attention, set_forward_context
+    from pagoda.attention.torch_native import TorchNativeBackend
+    from pagoda.loader import ModelArchConfig, iter_safetensors
+    from pagoda.lora.layers import LoRAContext, wrap_model
+    from pagoda.lora.slots import AdapterSlots
+    from pagoda.models.llama import LlamaForCausalLM
+    from pagoda.ops.lora import LoRABatch
+
+    cfg = json.loads((lora_model["base"] / "config.json").read_text())
+    arch = ModelArchConfig.from_hf_config(cfg)
+    model = LlamaForCausalLM(arch, TorchNativeBackend)
+    model.load_weights(iter_safetensors(str(lora_model["base"])))
+    model.eval()
+    ctx = LoRAContext()
+    slots = AdapterSlots(wrap_model(model, ctx, 3, 16), arch, 3, 16, 3)
+    slot_of = slots.activate({1: adapters["lora-a"], 2: adapters["lora-b"]})
+    block, nb = 4, 64
+    shape = TorchNativeBackend.get_kv_cache_shape(nb, block, 2, 16)
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.kv_cache = torch.zeros(shape)
+    prompts, names = PROMPTS[:3], [None, "lora-a", "lora-b"]
+    req_slots = [-1, slot_of[1], slot_of[2]]
+    tables = np.arange(1, 1 + 3 * 16).reshape(3, 16).astype(np.int32)
+
+    def run(tokens: list[list[int]], starts: list[int], rows: bool) -> torch.Tensor:
+        counts = np.array([len(t) for t in tokens])
+        qsl = np.concatenate([[0], np.cumsum(counts)])
+        pos = np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts)])
+        req = np.repeat(np.arange(3), counts)
+        slot_map = tables[req, pos // block].astype(np.int64) * block + pos % block
+        seq_lens = np.array(starts) + counts
+        common = CommonAttentionMetadata(
+            num_reqs=3, num_actual_tokens=int(qsl[-1]), max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=torch.tensor(tables),
+            slot_mapping=torch.from_numpy(slot_map), query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens, block_size=block,
+        )  # fmt: skip
+        tok_slots = torch.tensor(np.repeat(req_slots, counts), dtype=torch.int32)
+        segments = [(int(qsl[i]), int(qsl[i + 1]), s) for i, s in enumerate(req_slots) if s >= 0]
+        ctx.batch = LoRABatch(
+            tok_slots, torch.tensor(qsl, dtype=torch.int32), torch.tensor(req_slots),
+            int(counts.max()), segments, use_rows=rows,
+        )  # fmt: skip
+        ids = torch.tensor([t for seq in tokens for t in seq])
+        with torch.inference_mode(), set_forward_context(TorchNativeBackend.build_metadata(common)):
+            logits = model.compute_logits(model(ids, torch.from_numpy(pos)))
+        return logits[torch.from_numpy(qsl[1:] - 1)]
+
+    got = run(prompts, [0, 0, 0], rows=False)
+    nxt = [[int(g.argmax())] for g in got]
+    got2 = run(nxt, [len(p) for p in prompts], rows=True)
+    with torch.inference_mode():
+        for i, name in enumerate(names):
+            hf = lora_model["hf"][name]
+            want = hf(torch.tensor([prompts[i] + nxt[i]])).logits[0, -2:]
+            torch.testing.assert_close(got[i], want[0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(got2[i], want[1], atol=1e-4, rtol=0)
+    # The negative control: without the adapters' slots the adapter rows are off.
+    assert (got[1] - lora_model["hf"][None](torch.tensor([prompts[1]])).logits[0, -1]).abs().max() > 1e-2
+
+
+def _prefix_prompt() -> list[int]:
+    return [1] + [(7 * i + 3) % 500 + 3 for i in range(40)]  # more than two 16-token blocks
+
+
+def test_prefix_cache_never_shares_blocks_across_adapters(llm, adapters, lora_model) -> None:
+    prompt = {"prompt_token_ids": _prefix_prompt()}
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt, sp, use_tqdm=False)  # the base model's blocks are cached
+    a = llm.generate(prompt, sp, lora_request=adapters["lora-a"], use_tqdm=False)[0]
+    assert a.num_cached_tokens == 0
+    assert a.outputs[0].token_ids == _hf_greedy(lora_model["hf"]["lora-a"], _prefix_prompt(), 3)[0]
+    again = llm.generate(prompt, sp, lora_request=adapters["lora-a"], use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32  # its own blocks are shared with itself
+    b = llm.generate(prompt, sp, lora_request=adapters["lora-b"], use_tqdm=False)[0]
+    assert b.num_cached_tokens == 0
+
+
+def test_without_the_adapter_in_the_key_blocks_leak_across_adapters(
+    llm, adapters, lora_model, monkeypatch
+) -> None:
+    """The negative control of the test above: with the adapter left out of the first block's
+    key, a request on lora-b takes the base model's blocks and gives other tokens."""
+    llm.engine.engine_core.kv_cache_manager.reset_prefix_cache()
+    monkeypatch.setattr(hashing, "_first_block_keys", lambda request: ())
+    prompt = {"prompt_token_ids": _prefix_prompt()}
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate(prompt, sp, use_tqdm=False)
+    b = llm.generate(prompt, sp, lora_request=adapters["lora-b"], use_tqdm=False)[0]
+    assert b.num_cached_tokens == 32
+    assert b.outputs[0].token_ids != _hf_greedy(lora_model["hf"]["lora-b"], _prefix_prompt(), 3)[0]
+    monkeypatch.undo()
+    llm.engine.engine_core.kv_cache_manager.reset_prefix_cache()
+
+
+def test_one_slot_runs_three_adapters_in_turn_with_the_same_tokens(
+    lora_model, adapters, tmp_path
+) -> None:
+    """max_loras=1: the scheduler runs one adapter's requests at a time (with base-model ones
+    beside them), the slot's LRU reloads adapters as they come back, and every request gives
+    its merged model's tokens."""
+    c_path = tmp_path / "lora-c"
+    shutil.copytree(lora_model["paths"]["lora-a"], c_path)
+    c = LoRARequest("lora-c", 3, str(c_path))  # lora-a's weights under another name and id
+    llm = LLM(
+        model=str(lora_model["base"]), enable_lora=True, max_loras=1, max_cpu_loras=1,
+        max_lora_rank=16, max_model_len=256, dtype="float32", kv_cache_memory_bytes=8 << 20,
+    )  # fmt: skip
+    which = ["lora-a", "lora-b", None, "lora-c", "lora-a", "lora-b"]
+    loras = [None if w is None else {**adapters, "lora-c": c}[w] for w in which]
+    prompts = [PROMPTS[i % 4] for i in range(len(which))]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, lora_request=loras, use_tqdm=False
+    )
+    for out, prompt, w in zip(outs, prompts, which):
+        hf = lora_model["hf"]["lora-a" if w == "lora-c" else w]
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 4)[0], w
+    slots = llm.engine.engine_core.executor.worker.model_runner.lora.slots
+    assert slots.loads >= 3 and len(slots.slot_of) == 1 and len(slots.host) == 1
+
+
+# ---- bad input -------------------------------------------------------------------------------
+
+
+def _bad(tmp_path, name: str, lora_model, **change) -> LoRARequest:
+    path = tmp_path / name
+    shutil.copytree(lora_model["paths"]["lora-a"], path)
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(change)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return LoRARequest(name, 50 + len(name), str(path))
+
+
+def test_bad_adapters_are_refused_in_one_line_naming_them(llm, lora_model, tmp_path) -> None:
+    missing = LoRARequest("gone", 40, str(tmp_path / "nowhere"))
+    garbled = _bad(tmp_path, "garbled", lora_model)
+    (tmp_path / "garbled" / "adapter_config.json").write_text("{not json")
+    no_weights = _bad(tmp_path, "noweights", lora_model)
+    (tmp_path / "noweights" / "adapter_model.safetensors").unlink()
+    torn = _bad(tmp_path, "torn", lora_model)
+    (tmp_path / "torn" / "adapter_model.safetensors").write_bytes(b"\x00" * 12)
+    big = _bad(tmp_path, "big", lora_model, r=32)
+    lacking = _bad(tmp_path, "lacking", lora_model, target_modules=["q_proj", "foo_proj"])
+    cases = {
+        missing: "no such folder",
+        garbled: "not valid JSON",
+        no_weights: "no adapter_model.safetensors",
+        torn: "cannot be read",
+        big: "rank 32 is above lora.max_lora_rank=16",
+        lacking: "['foo_proj']",
+    }
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    for lora, words in cases.items():
+        with pytest.raises(ValueError) as err:
+            llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, lora_request=lora, use_tqdm=False)
+        msg = str(err.value)
+        assert "\n" not in msg and repr(lora.lora_name) in msg and words in msg, msg
+    # A good batch right after: nothing else failed.
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_an_adapter_tensor_for_a_module_the_model_lacks_is_refused(llm, lora_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    lacking = _bad(tmp_path, "embed", lora_model)
+    tensors = load_file(str(tmp_path / "embed" / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.0.mlp.fc9.lora_A.weight"] = torch.zeros(8, 64)
+    save_file(tensors, str(tmp_path / "embed" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="'embed'.*targets 'fc9', which the model lacks"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, lora_request=lacking, use_tqdm=False)
+
+
+def test_one_id_for_two_adapters_and_lora_off_are_refused(lora_model, llm, adapters) -> None:
+    other = LoRARequest("other", 1, adapters["lora-b"].lora_path)  # lora-a's id
+    with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'lora-a'"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, lora_request=other, use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, "x")
+
+
+def test_transformers_model_impl_refuses_lora_by_name(lora_model) -> None:
+    pytest.importorskip("pagoda_models_transformers")
+    with pytest.raises(ValueError, match="model.impl 'transformers'.*does not support adapters"):
+        LLM(model=str(lora_model["base"]), enable_lora=True, model_impl="transformers",
+            max_model_len=64, dtype="float32")  # fmt: skip
