@@ -101,6 +101,10 @@ class SchedulerStats(msgspec.Struct):
     offload_loaded_blocks: int = 0
     cpu_prefix_cache_hits: int = 0
     cpu_cache_usage: float = 0.0
+    # LoRA (0: off): the adapter slots, and the adapters of the running and waiting requests.
+    max_lora: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class RequestError(msgspec.Struct):

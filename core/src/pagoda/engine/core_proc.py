@@ -259,7 +259,19 @@ class _StatsTracker:
             grammar_cache_hits=grammar_hits,
             **_spec_fields(self.core.scheduler.make_spec_stats()),
             **_offload_fields(self.core.scheduler.offload),
+            **_lora_fields(self.core.scheduler),
         )
+
+
+def _lora_fields(scheduler: Any) -> dict[str, Any]:
+    if scheduler.max_loras is None:
+        return {}
+    running, waiting = scheduler.lora_adapters()
+    return {
+        "max_lora": scheduler.max_loras,
+        "running_lora_adapters": running,
+        "waiting_lora_adapters": waiting,
+    }
 
 
 def _spec_fields(spec: Any) -> dict[str, Any]:

@@ -208,6 +208,15 @@ class EngineMetrics:
             registry=self.registry,
         )
         self._model_name = model_name
+        # LoRA (vLLM's series): the adapters running and waiting, as labels of one series whose
+        # value is when they were last seen.
+        self.lora_info = Gauge(
+            "pagoda:lora_requests_info",
+            "Running stats on LoRA requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
         self._engines = _EngineSeries(self.registry, model_name, num_engines)
         self._seqs: dict[str, _SeqTimes] = {}
         self._log = _PeriodicLog(log_interval)
@@ -273,6 +282,8 @@ class EngineMetrics:
             self.prefix_hits.inc(stats.prefix_cache_hits)
             self.preemptions.inc(stats.num_preemptions)
             self.evicted_blocks.inc(stats.evicted_blocks)
+            if stats.max_lora:
+                self._record_lora(stats)
             self.cpu_prefix_hits.inc(stats.cpu_prefix_cache_hits)
             self.offload_stored.inc(stats.offload_stored_blocks)
             self.offload_loaded.inc(stats.offload_loaded_blocks)
@@ -290,6 +301,17 @@ class EngineMetrics:
             self._log.cpu_prefix_hits += stats.cpu_prefix_cache_hits
             if stats.spec_num_drafts:
                 self._record_spec(stats)
+
+    def _record_lora(self, stats: SchedulerStats) -> None:
+        labels = (
+            str(stats.max_lora),
+            ",".join(stats.waiting_lora_adapters),
+            ",".join(stats.running_lora_adapters),
+        )
+        if self._lora_labels is not None and self._lora_labels != labels:
+            self.lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def _record_spec(self, stats: SchedulerStats) -> None:
         self.spec_drafts.inc(stats.spec_num_drafts)
