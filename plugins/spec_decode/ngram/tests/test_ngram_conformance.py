@@ -16,3 +16,10 @@ class TestNgramConformance(SpeculativeProposerConformance):
 class TestNgramDefaultLookupConformance(SpeculativeProposerConformance):
     proposer = "ngram"
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+
+
+class TestNgramAdaptiveConformance(SpeculativeProposerConformance):
+    """Only the method: the proposer picks the window and each request's draft length."""
+
+    proposer = "ngram"
+    config = SpeculativeConfig(method="ngram")

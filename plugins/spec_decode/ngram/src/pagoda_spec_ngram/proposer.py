@@ -7,15 +7,26 @@ occurred before is found, and the up to ``num_speculative_tokens`` tokens after 
 once: one vectorised comparison of the padded [requests, tokens] array with each request's last
 token finds the candidate matches, and the longer suffixes are compared at those candidates
 only; no Python loop over requests or tokens.
+
+At the defaults (none of ``num_speculative_tokens``, ``prompt_lookup_min`` and
+``prompt_lookup_max`` given) suffixes of 1 to 8 tokens are matched and each request's draft
+length, up to 8, is chosen from the acceptance measured per position and per match length and
+from the measured cost of a draft token at the batch size (``pagoda_spec_ngram.adapt``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
 from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda_spec_ngram.adapt import DraftLengths
 
 _DEFAULT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor prompt_lookup_max is set
+# With neither set the proposer matches suffixes of 1 to this many tokens, and measures from
+# which match length drafting pays (``adapt``).
+_AUTO_MAX_LOOKUP = 8
 
 
 def lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
@@ -31,21 +42,20 @@ def lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
     return int(lo), int(hi)  # type: ignore[arg-type]
 
 
-def ngram_drafts(
+def ngram_match(
     token_ids: np.ndarray,
     rows: np.ndarray,
     num_tokens: np.ndarray,
     min_n: int,
     max_n: int,
     k: int,
-    max_num_drafts: np.ndarray | None = None,
-) -> np.ndarray:
-    """[n, k] int64 drafts (-1 where none) for rows ``rows`` of ``token_ids`` whose first
-    ``num_tokens`` tokens are known."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """For rows ``rows`` of ``token_ids`` whose first ``num_tokens`` tokens are known: where
+    the chosen earlier occurrence of each history's suffix ends ([n] int64, -1: none of at
+    least ``min_n`` tokens), and how long the match is ([n] int64, up to ``max_n``)."""
     n = len(rows)
-    out = np.full((n, k), -1, dtype=np.int64)
-    if n == 0 or k == 0:
-        return out
+    if n == 0:
+        return np.full(0, -1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     width = int(num_tokens.max())
     ar = np.arange(n)
     hist = token_ids[rows, :width]
@@ -73,32 +83,90 @@ def ngram_drafts(
     best = np.full(n, -1, dtype=np.int64)
     np.maximum.at(best, r, (2 * run + (e + k < num_tokens[r])) * width + e)
     found = best >= 0
+    end = np.where(found, best % width, -1)
+    length = np.where(found, (best // width) // 2, 0)
+    return end, length
+
+
+def drafts_after(
+    token_ids: np.ndarray,
+    rows: np.ndarray,
+    num_tokens: np.ndarray,
+    end: np.ndarray,
+    lengths: np.ndarray,
+    k: int,
+) -> np.ndarray:
+    """[n, k] int64: up to ``lengths`` known tokens after position ``end`` of each row (-1
+    where none, and for ``end`` -1)."""
+    n = len(rows)
+    out = np.full((n, k), -1, dtype=np.int64)
+    if n == 0 or k == 0:
+        return out
     cols = np.arange(k)
-    at = (best % width)[:, None] + 1 + cols[None, :]
-    ok = found[:, None] & (at < num_tokens[:, None])
-    if max_num_drafts is not None:
-        ok &= cols[None, :] < max_num_drafts[:, None]
-    out[ok] = hist[ar[:, None], np.minimum(at, width - 1)][ok]
+    at = end[:, None] + 1 + cols[None, :]
+    ok = (end >= 0)[:, None] & (at < num_tokens[:, None]) & (cols[None, :] < lengths[:, None])
+    width = token_ids.shape[1]
+    out[ok] = token_ids[rows[:, None], np.clip(at, 0, width - 1)][ok]
     return out
 
 
+def ngram_drafts(
+    token_ids: np.ndarray,
+    rows: np.ndarray,
+    num_tokens: np.ndarray,
+    min_n: int,
+    max_n: int,
+    k: int,
+    max_num_drafts: np.ndarray | None = None,
+) -> np.ndarray:
+    """[n, k] int64 drafts (-1 where none) for rows ``rows`` of ``token_ids`` whose first
+    ``num_tokens`` tokens are known."""
+    if len(rows) == 0 or k == 0:
+        return np.full((len(rows), k), -1, dtype=np.int64)
+    end, _ = ngram_match(token_ids, rows, num_tokens, min_n, max_n, k)
+    caps = np.full(len(rows), k) if max_num_drafts is None else np.minimum(max_num_drafts, k)
+    return drafts_after(token_ids, rows, num_tokens, end, caps, k)
+
+
 class NgramProposer(SpeculativeProposer):
-    """No state between calls, no hidden states, no KV cache: history is all it reads."""
+    """No hidden states, no KV cache: history is all it reads. With ``num_speculative_tokens``
+    and the lookup keys unset it measures (``pagoda_spec_ngram.adapt``) and chooses each
+    request's draft length and the shortest match it drafts from; each key given fixes its part
+    (``prompt_lookup_min``/``max``: the window; ``num_speculative_tokens``: the length)."""
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        self.min_n, self.max_n = lookup_range(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.k = ctx.num_speculative_tokens
+        window_given = cfg.prompt_lookup_min is not None or cfg.prompt_lookup_max is not None
+        if window_given:
+            self.min_n, self.max_n = lookup_range(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        else:
+            self.min_n, self.max_n = 1, _AUTO_MAX_LOOKUP
+        self.window_given = window_given
+        self.adapt: DraftLengths | None = None
+        if not (ctx.draft_length_given and window_given):
+            self.adapt = DraftLengths(self.k, self.max_n)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
-        ids = ngram_drafts(
-            batch.token_ids,
-            batch.rows,
-            batch.num_tokens,
-            self.min_n,
-            self.max_n,
-            self.k,
-            batch.max_num_drafts,
+        rows, num_tokens, caps = batch.rows, batch.num_tokens, batch.max_num_drafts
+        end, match = ngram_match(
+            batch.token_ids, rows, num_tokens, self.min_n, self.max_n, self.k
         )
+        adapt = self.adapt
+        if adapt is None:
+            return Drafts(drafts_after(batch.token_ids, rows, num_tokens, end, caps, self.k))
+        adapt.observe(batch.req_ids, batch.history, num_tokens)
+        lengths = adapt.lengths(batch.req_ids, match, np.minimum(caps, self.k), len(batch))
+        if self.ctx.draft_length_given:  # the window adapts; every match drafts k
+            lengths = np.where(lengths > 0, np.minimum(caps, self.k), 0)
+        ids = drafts_after(batch.token_ids, rows, num_tokens, end, lengths, self.k)
+        # What was given: the known tokens of each row (the history may end before a length).
+        given = np.count_nonzero(ids >= 0, axis=1)
+        adapt.gave(batch.req_ids, ids, given, match, num_tokens)
         return Drafts(ids)
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        if self.adapt is not None:
+            for req_id in req_ids:
+                self.adapt.remove(req_id)
