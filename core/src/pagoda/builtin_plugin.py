@@ -55,6 +55,11 @@ def register_model_impls(register: Register) -> None:
 
 
 @hookimpl
+def register_lora_resolvers(register: Register) -> None:
+    register("local", "pagoda.lora.resolver:LocalFolderResolver")
+
+
+@hookimpl
 def register_offload_policies(register: Register) -> None:
     register("lru", "pagoda.kv_offload.policy:LRUPolicy")
     register("arc", "pagoda.kv_offload.arc:ARCPolicy")

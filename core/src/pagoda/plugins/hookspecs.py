@@ -234,6 +234,24 @@ def register_reasoning_parsers(register: Register) -> None:
     """
 
 
+@hookspec
+def register_lora_resolvers(register: Register) -> None:
+    """Register LoRA adapter resolvers by name (``local``, an object store, a hub, ...).
+
+    :param register: call ``register(name, "pkg.mod:ResolverClass")`` for each resolver; the
+        class implements :class:`pagoda.lora.resolver.LoRAResolver`: it is built once per
+        server as ``ResolverClass(lora_config)`` (the ``lora`` section) and its
+        ``resolve(base_model_name, lora_name)`` returns the local folder of the adapter in
+        PEFT's layout, or None when it has no such adapter.
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users list the resolvers to ask,
+    in order, in ``lora.resolvers``; the server asks them (off its event loop) when a request's
+    ``model`` names no model or adapter it serves, and serves the first adapter found under
+    that name from then on. The core's ``local`` resolver looks in ``lora.resolver_dir``.
+    """
+
+
 # ---- seams: once per request or once per step ---------------------------------------------------
 
 
@@ -326,6 +344,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "offload_mediums": "register_offload_mediums",
     "tool_parsers": "register_tool_parsers",
     "reasoning_parsers": "register_reasoning_parsers",
+    "lora_resolvers": "register_lora_resolvers",
 }
 """Registry kind -> the hook that fills it."""
 

@@ -27,12 +27,15 @@ from pagoda.engine.core_client import EngineDeadError, EngineStartError
 from pagoda.entrypoints.openai.chat_parsers import ServerParsers
 from pagoda.entrypoints.openai.errors import APIError, from_validation_error
 from pagoda.entrypoints.openai.limits import BodyGuard, check_count
+from pagoda.entrypoints.openai.lora_modules import LoRAModules
 from pagoda.entrypoints.openai.openapi import install as install_openapi
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagoda.entrypoints.openai.serving import ShuttingDownError, off_loop
 from pagoda.entrypoints.openai.serving_chat import ServingChat
@@ -64,6 +67,9 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     completions = ServingCompletion(engine, names)
     chat = ServingChat(engine, names)
     pooling = ServingPooling(engine, names)
+    # LoRA adapters as models (raises ValueError naming a bad --lora-modules adapter).
+    loras = LoRAModules(engine, names) if engine.config.lora.enable_lora else None
+    completions.loras = chat.loras = loras
     server = engine.config.server
     created = int(time.time())
 
@@ -132,18 +138,35 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        adapters = {} if loras is None else loras.by_name
         data = [
             {
                 "id": name,
                 "object": "model",
                 "created": created,
                 "owned_by": "pagoda",
-                "root": engine.info.hf_dir,
+                "root": adapters[name].lora_path if name in adapters else engine.info.hf_dir,
+                "parent": names[0] if name in adapters else None,
                 "max_model_len": engine.info.max_model_len,
             }
             for name in names
         ]
         return {"object": "list", "data": data}
+
+    if loras is not None and engine.config.server.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            try:
+                await off_loop(loras.add, body.lora_name, body.lora_path)
+            except ValueError as e:
+                raise APIError(str(e), param="lora_path") from e
+            return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            loras.remove(body.lora_name)
+            return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -247,7 +270,11 @@ def run_server(config: EngineConfig) -> int:
         return 1
     try:
         names = model_names(engine)
-        app = build_app(engine, names, config.server.api_key)
+        try:
+            app = build_app(engine, names, config.server.api_key)
+        except ValueError as e:  # a LoRA adapter of --lora-modules it cannot serve
+            print(f"pagoda: error: {e}", file=sys.stderr)
+            return 1
         host, port = config.server.host, config.server.port
         pids = ", ".join(str(p) for p in engine.client.pids)
         logger.info("serving %s on http://%s:%d (engine pid %s)", names[0], host, port, pids)

@@ -325,3 +325,13 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[NonNegInt]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # (vLLM's; the name is enough)

@@ -17,6 +17,8 @@ from pagoda.engine.async_llm import AsyncLLM, RequestRefusedError
 from pagoda.engine.core_client import EngineDeadError
 from pagoda.engine.request_stream import OutputKind
 from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.lora_modules import LoRAModules
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.plugins import RequestRejectedError
 from pagoda.sampling_params import SamplingParams
@@ -40,15 +42,30 @@ class Serving:
         self.model_names = model_names
         self.max_model_len = engine.info.max_model_len
         self.limits = engine.config.server
+        # The LoRA adapters this endpoint serves (None: the base model alone; an adapter's name
+        # is then refused).
+        self.loras: LoRAModules | None = None
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    async def adapter_of(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter that model ``name`` selects (None: the base model), found by the
+        resolvers if the server does not serve it yet."""
+        return None if self.loras is None else await self.loras.find(name)
+
     def check_model(self, name: str | None) -> str:
         """The model name to answer with; 404 for a model this server does not serve."""
-        if name is None or name in self.model_names:
+        if name is None or name == self.model_names[0]:
             return self.model_names[0]
+        if name in self.model_names:
+            if self.loras is not None and name in self.loras.by_name:
+                return name
+            raise APIError(
+                f"The model `{name}` is a LoRA adapter, which serves completions and chat only",
+                param="model",
+            )
         raise APIError(
             f"The model `{name}` does not exist. This server serves: {', '.join(self.model_names)}",
             404,
@@ -80,6 +97,7 @@ class Serving:
         kind: OutputKind,
         priority: int,
         constraint_field: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Add requests (request id, prompt, parameters) to the engine and wait until it has
         admitted all of them, so that the answer's status is known before any body is sent.
@@ -93,7 +111,12 @@ class Serving:
             for request_id, prompt, params in requests:
                 try:
                     stream = self.engine.add_request(
-                        request_id, prompt, params, output_kind=kind, priority=priority
+                        request_id,
+                        prompt,
+                        params,
+                        output_kind=kind,
+                        priority=priority,
+                        lora_request=lora_request,
                     )
                 except EngineDeadError as e:
                     raise APIError(f"the engine is not running: {e}", 503) from e

@@ -91,6 +91,7 @@ class ServingChat(Serving):
         return {"prompt": text, "prompt_token_ids": ids}
 
     async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        lora = await self.adapter_of(req.model)
         model = self.check_model(req.model)
         check_count("messages", len(req.messages), self.limits.max_messages, "max_messages")
         check_sampling_limits(req, self.limits)
@@ -133,7 +134,7 @@ class ServingChat(Serving):
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         submitted = [(rid, prompt, params)]
         field = "tools" if grammar is not None else req.constraint_field()
-        (outputs,) = await self.submit(submitted, kind, req.priority, field)
+        (outputs,) = await self.submit(submitted, kind, req.priority, field, lora_request=lora)
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, num_prompt, outputs),

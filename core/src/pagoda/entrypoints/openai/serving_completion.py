@@ -36,6 +36,7 @@ class _Prompt:
 
 class ServingCompletion(Serving):
     async def create(self, req: CompletionRequest) -> JSONResponse | StreamingResponse:
+        lora = await self.adapter_of(req.model)
         model = self.check_model(req.model)
         limit = self.limits.max_prompts_per_request
         check_count("prompt", len(req.prompts()), limit, "max_prompts_per_request")
@@ -59,7 +60,11 @@ class ServingCompletion(Serving):
             (f"{rid}-{i}", {"prompt": p.text, "prompt_token_ids": p.token_ids}, sp)
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
-        merged = merge(await self.submit(requests, kind, req.priority, req.constraint_field()))
+        merged = merge(
+            await self.submit(
+                requests, kind, req.priority, req.constraint_field(), lora_request=lora
+            )
+        )
         if req.stream:
             return StreamingResponse(
                 self._stream(req, rid, model, prompts, merged), media_type="text/event-stream"
