@@ -51,6 +51,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         }
         if field.annotation is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        elif field.annotation == list[str]:  # --lora-modules a=PATH b=PATH
+            group.add_argument(flag, nargs="+", metavar="VALUE", **common)
         else:
             group.add_argument(flag, metavar=_metavar(field.annotation), **common)
     group.add_argument(
