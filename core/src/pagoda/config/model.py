@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -79,7 +80,7 @@ class ModelConfig(_Section):
         " sampling; slower); also on with VLLM_BATCH_INVARIANT=1",
     )
     limit_mm_per_prompt: dict[str, int] = Field(
-        default_factory=lambda: {"image": 8},
+        {"image": 8},
         description="most items of each modality one prompt may bring (vLLM's name); a"
         " modality not named is refused",
     )
@@ -89,6 +90,18 @@ class ModelConfig(_Section):
     max_image_bytes: int = Field(
         20_000_000, ge=1, description="largest image a prompt may bring, in encoded bytes"
     )
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _mm_limits(cls, value: Any) -> Any:
+        """A flag or a variable gives the limits as JSON (``{"image": 2}``) or ``image=2``."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("{"):
+            return json.loads(text)
+        pairs = [part.partition("=") for part in text.split(",") if part.strip()]
+        return {k.strip(): v.strip() for k, _, v in pairs}
 
 
 class CacheConfig(_Section):

@@ -223,21 +223,35 @@ class ChatMessage(_Body):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, value: str | list[dict[str, Any]] | None) -> Any:
+    def _text_and_image_parts(cls, value: str | list[dict[str, Any]] | None) -> Any:
         if isinstance(value, list):
             for part in value:
-                if part.get("type") != "text":
+                kind = part.get("type")
+                if kind == "image_url":
+                    _image_url(part)
+                    continue
+                if kind != "text":
                     raise ValueError(
-                        f"content parts of type {part.get('type')!r} are not supported; "
-                        "this server takes text parts only"
+                        f"content parts of type {kind!r} are not supported; this server takes"
+                        " text and image_url parts"
                     )
                 TextPart.model_validate(part)
         return value
 
-    def template_dict(self) -> dict[str, Any]:
+    def image_urls(self) -> list[str]:
+        """The URLs of its ``image_url`` parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [_image_url(p) for p in self.content if p.get("type") == "image_url"]
+
+    def template_dict(self, image_text: str = "") -> dict[str, Any]:
+        """The message as chat templates read it; each image part becomes ``image_text`` (the
+        model's placeholder) in the text."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
+            content = "".join(
+                image_text if part.get("type") == "image_url" else part["text"] for part in content
+            )
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
         for key in ("name", "tool_calls", "tool_call_id"):
@@ -246,6 +260,15 @@ class ChatMessage(_Body):
         if self.tool_calls is not None:
             out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return out
+
+
+def _image_url(part: dict[str, Any]) -> str:
+    """An ``image_url`` part's URL (``{"image_url": {"url": ...}}`` or ``{"image_url": ...}``)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError("an image_url part needs image_url.url, a non-empty string")
+    return url
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:

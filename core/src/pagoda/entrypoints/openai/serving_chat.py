@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 
 from pagoda.engine.async_llm import AsyncLLM
+from pagoda.engine.input_processor import ProcessedPrompt
 from pagoda.engine.request_stream import OutputKind
 from pagoda.entrypoints.openai.chat_parsers import ServerParsers
 from pagoda.entrypoints.openai.chat_template import TemplateSandbox, request_template
@@ -28,6 +29,8 @@ from pagoda.entrypoints.openai.serving import (
     usage,
 )
 from pagoda.entrypoints.openai.structured import chat_message, stream_tool_delta
+from pagoda.multimodal import MediaSource
+from pagoda.multimodal.media import fetch_image
 from pagoda.outputs import CompletionOutput, RequestOutput
 
 
@@ -58,7 +61,9 @@ class ServingChat(Serving):
         kwargs["add_generation_prompt"] = add_generation_prompt
         if continue_final_message:
             kwargs["continue_final_message"] = True
-        conversation = [m.template_dict() for m in messages]
+        proc = self.engine.engine.input_processor.mm_processor
+        image_text = "" if proc is None else proc.placeholder_text
+        conversation = [m.template_dict(image_text) for m in messages]
         if template is not None:
             return await self._render_request_template(template, conversation, kwargs)
         try:
@@ -90,6 +95,35 @@ class ServingChat(Serving):
         ids = await off_loop(self.tokenizer.encode, text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
+    async def _with_images(self, prompt: dict[str, Any], urls: list[str]) -> ProcessedPrompt:
+        """The rendered prompt with its messages' images (data URIs, allowed local files,
+        http(s) when the server fetches), processed by the model's processor; 400 naming what
+        is wrong (a bad image, scheme or limit, or a model that takes no images)."""
+        processor = self.engine.engine.input_processor
+        server = self.engine.config.server
+        source = MediaSource(
+            server.allowed_local_media_path, server.allow_remote_media, server.media_fetch_timeout_s
+        )
+
+        def process() -> ProcessedPrompt:
+            if processor.mm_processor is None:
+                raise ValueError(
+                    f"model {processor.info.name!r} takes text only; it cannot read image_url parts"
+                )
+            limit = processor.mm_limits.get("image", 0)
+            if len(urls) > limit:
+                raise ValueError(
+                    f"the messages have {len(urls)} images, more than"
+                    f" limit_mm_per_prompt['image']={limit}"
+                )
+            images = [fetch_image(url, source, processor.media_limits) for url in urls]
+            return processor.process({**prompt, "multi_modal_data": {"image": images}})
+
+        try:
+            return await off_loop(process)
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), param="messages") from e
+
     async def create(self, req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         lora = await self.adapter_of(req.model)
         model = self.check_model(req.model)
@@ -111,7 +145,12 @@ class ServingChat(Serving):
             template_kwargs,
             req.chat_template,
         )
-        num_prompt = len(prompt["prompt_token_ids"])
+        urls = [url for m in req.messages for url in m.image_urls()]
+        if urls:  # images: fetched and processed off the event loop
+            prompt = await self._with_images(prompt, urls)
+            num_prompt = len(prompt.prompt_token_ids)
+        else:
+            num_prompt = len(prompt["prompt_token_ids"])
         try:
             params = req.sampling_params(
                 self.max_tokens(req.requested_max_tokens, num_prompt, "messages"),
