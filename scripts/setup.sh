@@ -17,7 +17,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "pagoda setup: installing torch, the Pagoda core and its plugins into $VENV (a few minutes; once, later runs skip it)" >&2
   # torch first: a pinned CPU build where one is at hand, else the registry's build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0" || "${pip[@]}" torch
-  "${pip[@]}" -e "core[test]"
+  # (test brings Pillow too: the vision plugin's tests decode images.)
+  "${pip[@]}" -e "core[test,vision]"
   # Schemathesis, pinned (core[test] names the same pin): the API fuzz over the server's OpenAPI
   # document (tests/server/test_schema_fuzz.py); its pytest plugin is off (pyproject.toml).
   "${pip[@]}" "schemathesis==4.32.5"

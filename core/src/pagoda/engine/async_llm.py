@@ -170,6 +170,9 @@ class AsyncLLM:
         Raises :class:`EngineDeadError` if the engine process dies meanwhile.
         """
         request_id = request_id or uuid.uuid4().hex
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # Images go through the model's processor in a thread, off the event loop.
+            prompt = await asyncio.to_thread(self.engine.input_processor.process, prompt)
         stream = self.add_request(
             request_id,
             prompt,

@@ -86,7 +86,9 @@ class MultiModalProcessor(ABC):
         it, for an M-RoPE model; None (the default): position i is i."""
         return None
 
-    def process(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], MultiModalInputs]:
+    def process(
+        self, token_ids: list[int], images: list[Any]
+    ) -> tuple[list[int], MultiModalInputs]:
         """Expand each placeholder of ``token_ids`` to its image's tokens (images in order)."""
         slots = [i for i, t in enumerate(token_ids) if t == self.placeholder_token_id]
         if len(slots) != len(images):

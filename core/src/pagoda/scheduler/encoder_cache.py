@@ -35,7 +35,9 @@ class EncoderCacheManager:
         idle = sum(self.sizes[i] for i in self.idle)
         return self.used - idle + pending + num_tokens <= self.capacity
 
-    def plan(self, request: Request, start: int, num_new: int, budget: int) -> tuple[int, list[int]]:
+    def plan(
+        self, request: Request, start: int, num_new: int, budget: int
+    ) -> tuple[int, list[int]]:
         """How many of ``num_new`` prompt tokens from ``start`` the request may compute this
         step, and which of its images the encoder computes for them, within the step's encoder
         ``budget`` (tokens) and the cache's room. A chunk stops before an image that cannot be

@@ -47,9 +47,9 @@ from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.structured_output.runner import grammar_rows
 from pagoda.utils import cdiv
 from pagoda.worker.cuda_graph import DecodeGraphs
-from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.draft_slots import fill_draft_slots, must_read_last, propose_for_slots
 from pagoda.worker.drafts_ahead import check_ahead, launch_ahead, plan_ahead, take_drafts
+from pagoda.worker.encoder_runner import EncoderRunner
 from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed

@@ -69,10 +69,10 @@ def test_repeated_image_hits_the_prefix_cache_and_the_encoder_cache(llm, model):
 
 def _same_text_two_images(llm: LLM) -> tuple[list[int], list[int]]:
     a, b = image(112, 84, 11), image(112, 84, 12)  # same size: the same token ids
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = [
-        llm.generate([{"prompt_token_ids": prompt_ids(1, text=9), "multi_modal_data": {"image": im}}],
-                     SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
-                     use_tqdm=False)[0]
+        llm.generate([{"prompt_token_ids": prompt_ids(1, text=9),
+                       "multi_modal_data": {"image": im}}], params, use_tqdm=False)[0]
         for im in (a, b)
     ]  # fmt: skip
     return outs[0].outputs[0].token_ids, outs[1].outputs[0].token_ids

@@ -332,7 +332,9 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                 if name.startswith(("model.visual.", "visual.")):
                     key = name.split("visual.", 1)[1]
                     if key not in visual:
-                        raise ValueError(f"checkpoint weight {name!r} has no parameter in the model")
+                        raise ValueError(
+                            f"checkpoint weight {name!r} has no parameter in the model"
+                        )
                     t = tensor[:] if isinstance(tensor, WeightSlice) else tensor
                     p = visual[key]
                     with torch.no_grad():
