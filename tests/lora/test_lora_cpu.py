@@ -145,7 +145,9 @@ def test_model_logits_of_a_mixed_flat_batch_match_transformers(lora_model, adapt
             torch.testing.assert_close(got[i], want[0], atol=1e-4, rtol=0)
             torch.testing.assert_close(got2[i], want[1], atol=1e-4, rtol=0)
     # The negative control: without the adapters' slots the adapter rows are off.
-    assert (got[1] - lora_model["hf"][None](torch.tensor([prompts[1]])).logits[0, -1]).abs().max() > 1e-2
+    with torch.inference_mode():
+        base = lora_model["hf"][None](torch.tensor([prompts[1]])).logits[0, -1]
+    assert (got[1] - base).abs().max() > 1e-2
 
 
 def _prefix_prompt() -> list[int]:
@@ -267,6 +269,33 @@ def test_one_id_for_two_adapters_and_lora_off_are_refused(lora_model, llm, adapt
         llm.generate({"prompt_token_ids": PROMPTS[0]}, lora_request=other, use_tqdm=False)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("zero", 0, "x")
+
+
+def test_a_bad_lora_module_is_refused_in_one_line_naming_it(llm, adapters, tmp_path) -> None:
+    """What ``pagoda serve --lora-modules`` does with each module before serving: a bad one
+    stops it with this error (``pagoda: error: ...``)."""
+    from types import SimpleNamespace
+
+    from pagoda.entrypoints.openai.lora_modules import LoRAModules
+
+    def modules(*items: str) -> LoRAModules:
+        config = llm.engine.config.model_copy(deep=True)
+        config.server.lora_modules = list(items)
+        return LoRAModules(SimpleNamespace(config=config, engine=llm.engine), ["base"])
+
+    served = (f"lora-a={adapters['lora-a'].lora_path}",
+              json.dumps({"name": "lora-b", "path": adapters["lora-b"].lora_path}))  # fmt: skip
+    good = modules(*served)
+    assert good.names == ["base", "lora-a", "lora-b"]
+    assert good.by_name["lora-b"] == adapters["lora-b"]
+    for item, words in [
+        (f"bad={tmp_path / 'nowhere'}", "'bad' ("),
+        (f"base={adapters['lora-a'].lora_path}", "the base model's name"),
+        ('{"name": "x"}', "has a name and a path"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            modules(*served, item)  # (the third gets an id of its own)
+        assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 def test_transformers_model_impl_refuses_lora_by_name(lora_model) -> None:

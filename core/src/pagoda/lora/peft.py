@@ -144,7 +144,9 @@ def check_adapter(
             for key in f.keys():
                 m = _KEY.search(key)
                 if m is None:
-                    raise _fail(lora, f"tensor {key!r} is not a LoRA A or B of a layer's projection")
+                    raise _fail(
+                        lora, f"tensor {key!r} is not a LoRA A or B of a layer's projection"
+                    )
                 layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
                 if module not in shapes:
                     raise _fail(
@@ -156,7 +158,9 @@ def check_adapter(
                 want = (rank, fan_in) if ab == "A" else (fan_out, rank)
                 got = tuple(f.get_slice(key).get_shape())
                 if got != want:
-                    raise _fail(lora, f"tensor {key!r} has shape {list(got)}, expected {list(want)}")
+                    raise _fail(
+                        lora, f"tensor {key!r} has shape {list(got)}, expected {list(want)}"
+                    )
                 seen.setdefault((layer, module), set()).add(ab)
     except ValueError:
         raise

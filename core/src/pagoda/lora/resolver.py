@@ -9,7 +9,6 @@ from typing import Protocol
 
 from pagoda.config.model import LoRAConfig
 from pagoda.lora.peft import CONFIG_FILE
-from pagoda.lora_request import LoRARequest
 
 
 class LoRAResolver(Protocol):

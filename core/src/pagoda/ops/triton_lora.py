@@ -18,7 +18,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-# ---- SGMV: segments -------------------------------------------------------------------------------
+# ---- SGMV: segments ------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -77,7 +77,11 @@ def _sgmv_expand_kernel(
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
     row_ok = rows[:, None] < end
-    y = tl.load(y_ptr + rows[:, None] * sy0 + y_off + rs[None, :], mask=row_ok & (rs[None, :] < R), other=0.0)
+    y = tl.load(
+        y_ptr + rows[:, None] * sy0 + y_off + rs[None, :],
+        mask=row_ok & (rs[None, :] < R),
+        other=0.0,
+    )
     b = tl.load(
         b_ptr + slot * sb0 + cols[None, :] * sb1 + rs[:, None] * sb2,
         mask=(cols[None, :] < N) & (rs[:, None] < R),
@@ -141,7 +145,7 @@ def sgmv_expand(
     )  # fmt: skip
 
 
-# ---- BGMV: one slot a row -------------------------------------------------------------------------
+# ---- BGMV: one slot a row ------------------------------------------------------------------------
 
 
 @triton.jit

@@ -86,7 +86,9 @@ class LoRAInputs:
             return
         self.buffers.to_device(self.seg_starts[: n + 1], qsl.astype(np.int32))
         self.buffers.to_device(self.seg_slots[:n], req_slots)
-        segments = [(int(qsl[i]), int(qsl[i + 1]), int(s)) for i, s in enumerate(req_slots) if s >= 0]
+        segments = [
+            (int(qsl[i]), int(qsl[i + 1]), int(s)) for i, s in enumerate(req_slots) if s >= 0
+        ]
         self.context.batch = LoRABatch(
             self.token_slots, self.seg_starts[: n + 1], self.seg_slots[:n], max_len, segments
         )
