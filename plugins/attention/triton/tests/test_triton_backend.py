@@ -41,6 +41,12 @@ def test_a_window_or_chunk_keeps_the_splits_that_leave_each_slice_enough_keys() 
     assert _layer_splits(1, 8192, replace(PLAIN, chunk_size=64)) == 1
 
 
+def test_verification_steps_split_but_not_a_bidirectional_layer_of_several_queries() -> None:
+    assert _layer_splits(8, 8192, PLAIN, max_query_len=5) == 8
+    assert _layer_splits(8, 8192, replace(PLAIN, causal=False), max_query_len=1) == 8
+    assert _layer_splits(8, 8192, replace(PLAIN, causal=False), max_query_len=5) == 1
+
+
 # Graph-captured layers: a gpt-oss-like window with sinks, a Gemma-like soft-capped window, a
 # Llama 4-like chunked layer, a bidirectional windowed layer (a decode step of it runs the
 # causal kernels: its queries are their requests' last tokens).

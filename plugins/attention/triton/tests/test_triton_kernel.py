@@ -69,6 +69,8 @@ DECODE_6 = ([1] * 6, [40, 7, 300, 0, 129, 65])  # one request with no context be
         (6, 2, 64, 16, [17, 1, 5], [0, 30, 64], 1, torch.float32, False),  # mixed, GQA 3
         (8, 2, 128, 32, [33], [20], 1, torch.float32, False),  # chunked prefill over a context
         (4, 1, 64, 16, [1, 1], [300, 33], 4, torch.float32, False),  # split-KV decode
+        # A verification step (5 queries a request, GQA 3: 16-row programs), split as decode.
+        (9, 3, 64, 16, [5, 5], [600, 37], 4, torch.float32, False),
         # A long prefill chunk (the launch of 128 rows and 32-key tiles) beside a decode.
         (4, 2, 64, 16, [150, 1], [10, 40], 1, torch.float32, False),
         (4, 2, 64, 16, [9, 1], [5, 70], 1, torch.float16, False),

@@ -25,6 +25,8 @@ from pagoda.attention.spec import AttentionSpec
 # Below this many keys per split, splitting the context costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
 _MAX_SPLITS = 16
+# Steps of up to this many queries a request (decode, verification of up to 15 drafts) split.
+_SPLIT_MAX_QUERY = 16
 
 
 def _interpreting() -> bool:
@@ -144,7 +146,11 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     heads, contexts 200 - 1800, benchmarks/triton_decode_tuning.py --graphs), splitting in 4 was
     2.4 times as fast at batch 4 and 1.8 at 16, 1.3 in 2 at 32, 1.1 in 4 at 64, 1.03 in 2 at 128,
     and 0.99 in 2 at 256."""
-    if common.max_query_len != 1 or common.block_table.device.type != "cuda":
+    # NOTE: verification steps (a few queries a request, speculative decoding) split too: at
+    # batch 1, unsplit, a model of few KV heads ran one program per KV head over the whole
+    # context (SmolLM2: 3 programs on 132 multiprocessors), in float32 with IEEE dots, while
+    # its decode steps split; verification then cost several decode steps (issue 44).
+    if common.max_query_len > _SPLIT_MAX_QUERY or common.block_table.device.type != "cuda":
         return 1
     programs = common.num_reqs * 8  # KV heads are not known here; 8 is typical and only a guide
     sms = _num_sms(common.block_table.device.index or 0)
@@ -163,13 +169,18 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     return splits
 
 
-def _layer_splits(num_splits: int, max_seq_len: int, spec: AttentionSpec) -> int:
+def _layer_splits(
+    num_splits: int, max_seq_len: int, spec: AttentionSpec, max_query_len: int = 1
+) -> int:
     """The step's splits for a layer: a window (or chunk) shorter than the contexts leaves fewer
     keys to a query, and the kernel splits those, not the context; halve the splits until each
     slice holds ``_MIN_KEYS_PER_SPLIT`` again (the rule ``_choose_splits`` doubled them by).
     Fixed per layer for a given step (and graph: it reads the captured worst-case length).
-    Splits are for decode steps only, where a bidirectional layer's query (its request's last
-    token) sees what a causal one's does: a window's ``w`` keys, not ``2w - 1``."""
+    Splits are for decode and verification steps; a bidirectional layer splits decode steps
+    only, where its query (its request's last token) sees what a causal one's does: a window's
+    ``w`` keys, not ``2w - 1``."""
+    if not spec.causal and max_query_len > 1:  # (its window's keys would be 2w - 1)
+        return 1
     keys = max_seq_len
     for local in (spec.sliding_window, spec.chunk_size):
         if local is not None:
@@ -217,7 +228,7 @@ class TritonAttentionImpl(AttentionImpl):
             c.max_query_len,
             c.max_seq_len,
             self.scale,
-            _layer_splits(attn_metadata.num_splits, c.max_seq_len, spec),
+            _layer_splits(attn_metadata.num_splits, c.max_seq_len, spec, c.max_query_len),
             order=attn_metadata.order,
             sliding_window=spec.sliding_window,
             logit_softcap=spec.logit_softcap,

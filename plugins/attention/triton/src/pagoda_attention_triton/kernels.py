@@ -667,7 +667,13 @@ def paged_attention(
     # steps (a few queries a request) keep 64 rows: most of 128 would be empty.
     long_prefill = max_query_len >= 128 and head_dim <= 128
     if block_m is None:
+        # A verification step's few queries a request (times the heads of a KV head) fill 16 or
+        # 32 rows: 64 would leave most of each program's dots on padding (issue 44: in float32,
+        # IEEE dots without tensor cores, that padding was most of a verification's time).
+        short = max_query_len * g <= 32
         block_m = 16 if max_query_len == 1 else 128 if long_prefill else 64
+        if short and max_query_len > 1:
+            block_m = max(16, triton.next_power_of_2(max_query_len * g))
     block_m = max(block_m, triton.next_power_of_2(g))
     block_q = block_m // g
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
