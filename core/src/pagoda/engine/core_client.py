@@ -58,30 +58,43 @@ class AsyncMPClient:
         dp_rank: int | None = None,
         env: dict[str, str] | None = None,
         wait: bool = True,
+        host: str | None = None,
+        make_process: Callable[[tuple[Any, ...]], Any] | None = None,
     ) -> None:
         self.on_outputs = on_outputs
         self.on_dead = on_dead
         self.dead: EngineDeadError | None = None
         self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-engine-")
-        in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(in_addr)
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
-        self._out.bind(out_addr)
+        if host is None:
+            in_addr, out_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+            self._in.bind(in_addr)
+            self._out.bind(out_addr)
+        else:  # the engine runs on another machine, maybe: it connects to ``host`` over TCP
+            in_addr = f"tcp://{host}:{self._in.bind_to_random_port('tcp://0.0.0.0')}"
+            out_addr = f"tcp://{host}:{self._out.bind_to_random_port('tcp://0.0.0.0')}"
         self._encoder = wire.Encoder()
         self._decoder = wire.engine_decoder()
         self._utility_ids = itertools.count()
         self._utility_calls: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.proc: BaseProcess = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process,
-            args=(config, in_addr, out_addr, dp_rank, env or {}),
-            name="PagodaEngineCore" if dp_rank is None else f"PagodaEngineCore_DP{dp_rank}",
+        args = (config, in_addr, out_addr, dp_rank, env or {})
+        # ``make_process``: a process-like stand-in (a Ray actor's, say) with the methods of
+        # ``multiprocessing.Process`` used here and a ``sentinel`` readable once it has ended.
+        self.proc: BaseProcess = (
+            make_process(args)
+            if make_process is not None
+            else multiprocessing.get_context("spawn").Process(
+                target=run_engine_process,
+                args=args,
+                name="PagodaEngineCore" if dp_rank is None else f"PagodaEngineCore_DP{dp_rank}",
+            )
         )
         self.proc.start()
         # Also runs at interpreter exit, before multiprocessing waits for its children.

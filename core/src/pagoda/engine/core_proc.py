@@ -52,12 +52,29 @@ def run_engine_process(
     run_then_end_quietly(_run_engine, config, input_addr, output_addr, dp_rank)
 
 
-def _run_engine(
+def run_engine_in_actor(
     config: EngineConfig, input_addr: str, output_addr: str, dp_rank: int | None = None
+) -> int:
+    """Run an engine in a process someone else started and watches (a Ray actor's): no
+    parent watch, no signal handlers; returns the exit status."""
+    try:
+        _run_engine(config, input_addr, output_addr, dp_rank, own_process=False)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def _run_engine(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    dp_rank: int | None = None,
+    own_process: bool = True,
 ) -> None:
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts us down
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if own_process:
+        die_with_parent()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which stops us
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     name = "engine" if dp_rank is None else f"engine dp{dp_rank}"
     logging.basicConfig(
         level=logging.INFO, format=f"%(levelname)s %(asctime)s {name} %(name)s: %(message)s"

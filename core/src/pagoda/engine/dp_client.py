@@ -7,9 +7,9 @@ on, tagged with the core. A core that dies fails only the requests it held; the 
 with the others and is dead only when none is left. ``SyncDPClient`` is the same client for
 ``LLMEngine`` (``LLM``): ``step`` polls the cores' sockets instead of an event loop.
 
-With the Ray executor the cores' ranks are Ray actors, one placement group per core (the
-executor's), on the cluster ``parallel.ray_address`` names; without one, a local cluster is
-started here and shared by the cores.
+With the Ray executor each core is a Ray actor in a placement group of its own, its ranks next
+to it (``ray_cores``), on the cluster ``parallel.ray_address`` names, else a local one started
+here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pagoda import wire
 from pagoda.config import EngineConfig
 from pagoda.engine.coordinator import DPCoordinator
 from pagoda.engine.core_client import AsyncMPClient, EngineDeadError
+from pagoda.engine.ray_cores import RayCluster, RayCoreProcess
 from pagoda.executor.base import executor_name
+from pagoda.executor.workers import world_size
 from pagoda.model_info import ModelInfo
 from pagoda.plugins import RequestRejectedError
 from pagoda.request import Request
@@ -80,47 +82,6 @@ def core_envs(config: EngineConfig, info: ModelInfo) -> list[dict[str, str]]:
     ]
 
 
-class _RayCluster:
-    """The Ray cluster the cores' executors join: the one configured, or a local one started
-    here (and stopped at shutdown), so that every core places its group on the same cluster."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        try:
-            # NOTE: imported here: Ray is the ray executor plugin's dependency, not the core's.
-            import ray
-        except ImportError as e:
-            raise ValueError(
-                "parallel.executor='ray' with parallel.data_parallel_size="
-                f"{config.parallel.data_parallel_size} needs Ray ({e}); install pagoda-executor-ray"
-            ) from None
-
-        p = config.parallel
-        self.started = False
-        self.address = p.ray_address or os.environ.get("RAY_ADDRESS")
-        if self.address:
-            return
-        if not ray.is_initialized():
-            ranks = p.data_parallel_size * p.tensor_parallel_size * p.pipeline_parallel_size
-            ray.init(
-                num_cpus=max(ranks, os.cpu_count() or 1),
-                num_gpus=len(_visible_gpus()) if torch.cuda.is_available() else 0,
-                include_dashboard=False,
-            )
-            self.started = True
-        self.address = ray.get_runtime_context().gcs_address
-
-    def core_config(self, config: EngineConfig) -> EngineConfig:
-        parallel = config.parallel.model_copy(update={"ray_address": self.address})
-        return config.model_copy(update={"parallel": parallel})
-
-    def stop(self) -> None:
-        if self.started:
-            import ray
-
-            ray.shutdown()
-            self.started = False
-
-
 class DPClient:
     """``parallel.data_parallel_size`` engine cores behind one client, with ``AsyncMPClient``'s
     methods; ``on_outputs(msg, core)`` gets every core's outputs, ``on_dead(error, lost, core)``
@@ -141,19 +102,27 @@ class DPClient:
         prefix = config.cache.enable_prefix_caching and not info.bidirectional
         self.coordinator = DPCoordinator(n, config.cache.block_size if prefix else None)
         self._core_of: dict[str, int] = {}  # sequence id -> the core that holds it
-        self._ray = _RayCluster(config) if executor_name(config.parallel) == "ray" else None
-        core_config = self._ray.core_config(config) if self._ray is not None else config
         self.cores: list[AsyncMPClient] = []
+        self._ray: RayCluster | None = None
         try:
+            host, make_process = None, None
+            if executor_name(config.parallel) == "ray":
+                gpu = info.device.type == "cuda"
+                self._ray = RayCluster(config, len(_visible_gpus()) if gpu else 0)
+                host = self._ray.host
+                ranks = world_size(config.parallel)
+                make_process = functools.partial(RayCoreProcess, ranks=ranks, gpu=gpu)
             for rank, env in enumerate(core_envs(config, info)):
                 self.cores.append(
                     AsyncMPClient(
-                        core_config,
+                        config,
                         functools.partial(self._core_outputs, rank),
                         functools.partial(self._core_dead, rank),
                         dp_rank=rank,
                         env=env,
                         wait=False,  # the cores load at the same time
+                        host=host,
+                        make_process=make_process,
                     )
                 )
             for core in self.cores:

@@ -4,6 +4,10 @@ per rank (a GPU each, or a CPU), on the cluster ``parallel.ray_address`` names (
 
 Ray places and starts the workers; each step then travels over ZMQ (TCP) with msgpack, the same
 channel as the multiprocess executor's, so a step costs no Ray task.
+
+An engine core that data parallelism placed on the cluster (``pagoda.engine.ray_cores``) runs
+in bundle 0 of its own placement group; the executor puts the ranks in that group's other
+bundles, next to the core, instead of making a group of its own.
 """
 
 from __future__ import annotations
@@ -71,9 +75,14 @@ class RayExecutor(WorkerGroupExecutor):
             self._started_ray = True
         gpu = self.info.device.type == "cuda"
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        first = 0  # the bundle of rank 0
         try:
-            self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
-            ready, _ = ray.wait([self.pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+            core_group = ray.util.get_current_placement_group()
+            if core_group is not None and len(core_group.bundle_specs) == tp + 1:
+                pg, first = core_group, 1  # NOTE: not ours: the data-parallel client removes it
+            else:
+                pg = self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="PACK")
+            ready, _ = ray.wait([pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
             if not ready:
                 raise RuntimeError(
                     f"the Ray cluster did not grant {tp} bundles of {bundle} within "
@@ -85,7 +94,7 @@ class RayExecutor(WorkerGroupExecutor):
             env = {"env_vars": worker_env()}
             for rank in range(tp):
                 strategy = PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=rank
+                    pg, placement_group_bundle_index=first + rank
                 )
                 self.actors.append(
                     actor_cls.options(
