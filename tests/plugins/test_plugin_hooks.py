@@ -150,6 +150,35 @@ def test_hook_register_reasoning_parsers_makes_a_parser_selectable_by_name(regis
     assert parser.parse("<think>hm</think>ok") == ("hm", "ok")
 
 
+class _LoRAResolvers:
+    PAGODA_PLUGIN_API = 1
+
+    class Numbered:
+        """Adapters ft-N live in resolver_dir/N."""
+
+        def __init__(self, config):
+            self.root = config.resolver_dir
+
+        def resolve(self, base_model_name, lora_name):
+            n = lora_name.removeprefix("ft-")
+            return f"{self.root}/{n}" if lora_name.startswith("ft-") and n.isdigit() else None
+
+    @hookimpl
+    def register_lora_resolvers(self, register):
+        register("hooked_resolver", self.Numbered)
+
+
+def test_hook_register_lora_resolvers_makes_a_resolver_selectable_by_name() -> None:
+    from pagoda.config.model import LoRAConfig
+
+    with plugin_registered(_LoRAResolvers(), "lora_resolvers"):
+        cls = get_registry("lora_resolvers").get("hooked_resolver")
+        resolver = cls(LoRAConfig(resolvers=["hooked_resolver"], resolver_dir="/adapters"))
+        assert resolver.resolve("base", "ft-7") == "/adapters/7"
+        assert resolver.resolve("base", "other") is None
+    assert "local" in get_registry("lora_resolvers").names()
+
+
 class _Settings:
     PAGODA_PLUGIN_API = 1
 

@@ -83,7 +83,11 @@ class LoRAModules:
         if name in self.by_name:
             return self.by_name[name]
         for resolver in self.resolvers:
-            path = await asyncio.to_thread(resolver.resolve, self.names[0], name)
+            try:
+                path = await asyncio.to_thread(resolver.resolve, self.names[0], name)
+            except Exception:  # noqa: BLE001 - one resolver's failure: the next is asked
+                logger.exception("LoRA resolver %s failed on %r", type(resolver).__name__, name)
+                continue
             if path is not None:
                 if name in self.by_name:  # found meanwhile by another request
                     return self.by_name[name]
