@@ -35,6 +35,11 @@ class EngineCore:
         # KV offload's CPU pool (None: off); a bad policy name fails here, before any loading.
         offload = build_offload_manager(config, info)
         check_speculative(config, info)  # before any worker starts
+        if config.speculative.method is not None and is_multimodal(info):
+            raise ValueError(
+                f"speculative.method={config.speculative.method!r}: speculative decoding does not"
+                f" serve a model that reads images ({info.shape.architecture}) yet"
+            )
         check_lora(config, info)
         executor_cls = get_registry("executors").get(executor_name(config.parallel))
         self.executor = executor_cls(config, info)

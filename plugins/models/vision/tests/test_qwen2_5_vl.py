@@ -5,8 +5,9 @@ image; and the image's hash in the prefix cache's keys (two images, same text, d
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
 
+import numpy as np
 import pytest
 import torch
 from vl_tiny import hf_generate, hf_model, image, prompt_ids, save
@@ -108,3 +109,21 @@ def test_text_only_prompt_on_the_vision_model_matches_transformers(llm, model):
     lp = got.logprobs[0][ref[0]].logprob
     assert abs(lp - ref_lps[0, ref[0]].item()) < 1e-4
     assert torch.isfinite(ref_lps).all()
+
+
+@pytest.mark.parametrize(
+    ("images", "named"),
+    [
+        (b"\x89PNG\r\n\x1a\n broken", "cannot be decoded"),
+        ([image(56, 56, 1)] * 9, "limit_mm_per_prompt['image']=8"),
+        ([image(56, 56, 1)] * 2, "2 images in multi_modal_data"),
+        (np.zeros((56, 56, 3), np.float32), "must be uint8"),
+        ("not an image", "an image is a PIL image"),
+    ],
+)  # fmt: skip
+def test_bad_images_are_refused_naming_the_problem_and_the_engine_goes_on(llm, images, named):
+    prompt = {"prompt_token_ids": prompt_ids(1), "multi_modal_data": {"image": images}}
+    with pytest.raises((ValueError, TypeError), match=re.escape(named)):
+        llm.generate([prompt], PARAMS, use_tqdm=False)
+    ok = {"prompt_token_ids": prompt_ids(1), "multi_modal_data": {"image": IMAGES[0]}}
+    assert llm.generate([ok], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
