@@ -14,8 +14,9 @@ import triton
 import triton.language as tl
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    """float32 products in IEEE precision (not TF32); 16-bit inputs: the default."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 # ---- SGMV: segments ------------------------------------------------------------------------------
@@ -111,7 +112,8 @@ def sgmv_shrink(
 ) -> torch.Tensor:
     tokens, k = x.shape
     r = a.shape[1]
-    y = torch.zeros(tokens, r, dtype=torch.float32, device=x.device)
+    # NOTE: rows without an adapter are left unwritten: no expand reads them.
+    y = torch.empty(tokens, r, dtype=torch.float32, device=x.device)
     n_seg = seg_slots.shape[0]
     if tokens == 0 or n_seg == 0:
         return y
@@ -200,7 +202,7 @@ def _bgmv_expand_kernel(
 def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     tokens, k = x.shape
     r = a.shape[1]
-    y = torch.zeros(tokens, r, dtype=torch.float32, device=x.device)
+    y = torch.empty(tokens, r, dtype=torch.float32, device=x.device)  # (as sgmv_shrink)
     if tokens == 0:
         return y
     br = min(64, triton.next_power_of_2(r))
