@@ -48,10 +48,27 @@ def test_sgmv_and_bgmv_match_the_torch_reference(rank: int) -> None:
     ref.sgmv_expand_reference(want_y, b, used, want[:, 5 : 5 + N], rank)
     for run in (
         lambda out: triton_lora.sgmv_expand(got_y, b, starts, slots, 17, out[:, 5 : 5 + N], rank),
-        lambda out: triton_lora.bgmv_expand(got_y, b, rows, out[:, 5 : 5 + N], rank),
         lambda out: ref.bgmv_expand_reference(want_y, b, rows, out[:, 5 : 5 + N], rank),
     ):
         got = base.clone()
         run(got)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(want[17:19], base[17:19]) and torch.equal(want[:, :5], base[:, :5])
+
+
+def test_bgmv_expands_three_slices_in_one_launch_like_the_reference() -> None:
+    """q | k | v: one BGMV launch over the merged output, each slice its own ranks of y."""
+    g = torch.Generator().manual_seed(3)
+    r, sizes = 8, (20, 7, 7)
+    b = torch.randn(SLOTS, sum(sizes), r, generator=g)
+    y = torch.randn(6, 3 * r, generator=g)
+    rows = torch.tensor([0, -1, 2, 1, 1, -1], dtype=torch.int32)
+    bounds = (20, 27)
+    want = torch.zeros(6, sum(sizes))
+    batch = ref.LoRABatch(rows, torch.zeros(1), torch.zeros(1), 1, [], use_rows=True)
+    ref.expand(y, b, batch, want, bounds)  # (the reference: slice by slice)
+    got = torch.zeros(6, sum(sizes))
+    triton_lora.bgmv_expand(y, b, rows, got, bounds)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    lo = y[3, 8:16] @ b[1, 20:27].T  # k of row 3 (slot 1) reads the second 8 ranks
+    torch.testing.assert_close(got[3, 20:27], lo, atol=1e-4, rtol=1e-4)

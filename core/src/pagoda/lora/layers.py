@@ -71,6 +71,8 @@ class LoRALinear(nn.Module):
                 for name in projections
             ]  # fmt: skip
         n = len(self.slices)
+        # Where each slice after the first starts in the output (``pagoda.ops.lora.expand``).
+        self.bounds = tuple(off for _, off, _, _, _ in self.slices[1:])
         kw = {"dtype": w.dtype, "device": w.device}
         # NOTE: buffers, not parameters: the checkpoint loader never sees them.
         self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, w.shape[1], **kw))
@@ -86,10 +88,7 @@ class LoRALinear(nn.Module):
             return y if base.bias is None else y + base.bias
         y = linear(x, base.weight, base.bias)
         if batch is not None:
-            s = shrink(x, self.lora_a, batch)
-            r = self.max_rank
-            for i, (_, off, local, _, _) in enumerate(self.slices):
-                expand(s, self.lora_b[:, off : off + local], batch, y[:, off : off + local], i * r)
+            expand(shrink(x, self.lora_a, batch), self.lora_b, batch, y, self.bounds)
         return y
 
     @torch.no_grad()

@@ -54,21 +54,37 @@ def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
 
 
 def expand(
-    y: torch.Tensor, b: torch.Tensor, batch: LoRABatch, out: torch.Tensor, offset: int = 0
+    y: torch.Tensor,
+    b: torch.Tensor,
+    batch: LoRABatch,
+    out: torch.Tensor,
+    bounds: tuple[int, ...] = (),
 ) -> None:
-    """``out += y[:, offset:offset + R] @ b[slot].T`` for the tokens with a slot, in place."""
-    if _use_triton(y):
+    """``out += y @ b[slot].T`` for the tokens with a slot, in place, by slices: ``b`` [slots,
+    N, R] and ``out`` [tokens, N] split at the column ``bounds`` (q | k | v of one projection),
+    slice i reading ``y[:, i * R : (i + 1) * R]``. BGMV does every slice in one launch."""
+    if _use_triton(y) and batch.use_rows:
         # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops import triton_lora
 
-        if batch.use_rows:
-            triton_lora.bgmv_expand(y, b, batch.token_slots[: y.shape[0]], out, offset)
-        else:
-            triton_lora.sgmv_expand(
-                y, b, batch.seg_starts, batch.seg_slots, batch.max_seg_len, out, offset
-            )
+        triton_lora.bgmv_expand(y, b, batch.token_slots[: y.shape[0]], out, bounds)
         return
-    if batch.use_rows:
+    r = b.shape[2]
+    edges = (0, *bounds, b.shape[1])
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        _expand_slice(y, b[:, lo:hi], batch, out[:, lo:hi], i * r)
+
+
+def _expand_slice(
+    y: torch.Tensor, b: torch.Tensor, batch: LoRABatch, out: torch.Tensor, offset: int
+) -> None:
+    if _use_triton(y):
+        from pagoda.ops import triton_lora
+
+        triton_lora.sgmv_expand(
+            y, b, batch.seg_starts, batch.seg_slots, batch.max_seg_len, out, offset
+        )
+    elif batch.use_rows:
         bgmv_expand_reference(y, b, batch.token_slots[: y.shape[0]], out, offset)
     else:
         sgmv_expand_reference(y, b, batch.segments, out, offset)

@@ -177,7 +177,7 @@ def _bgmv_shrink_kernel(
 
 @triton.jit
 def _bgmv_expand_kernel(
-    y_ptr, b_ptr, out_ptr, token_slots, N, R, y_off,
+    y_ptr, b_ptr, out_ptr, token_slots, N, R, B1, B2,
     sy0, sb0, sb1, sb2, so0, so1,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
@@ -186,14 +186,15 @@ def _bgmv_expand_kernel(
     if slot < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The slice each column is in (q | k | v): it reads that slice's R columns of y.
+    part = (cols >= B1).to(tl.int32) + (cols >= B2).to(tl.int32)
     rs = tl.arange(0, BLOCK_R)
-    y = tl.load(y_ptr + t * sy0 + y_off + rs, mask=rs < R, other=0.0)
+    mask = (cols[:, None] < N) & (rs[None, :] < R)
+    y = tl.load(y_ptr + t * sy0 + part[:, None] * R + rs[None, :], mask=mask, other=0.0)
     b = tl.load(
-        b_ptr + slot * sb0 + cols[:, None] * sb1 + rs[None, :] * sb2,
-        mask=(cols[:, None] < N) & (rs[None, :] < R),
-        other=0.0,
+        b_ptr + slot * sb0 + cols[:, None] * sb1 + rs[None, :] * sb2, mask=mask, other=0.0
     ).to(tl.float32)
-    delta = tl.sum(b * y[None, :], axis=1)
+    delta = tl.sum(b * y, axis=1)
     ptrs = out_ptr + t * so0 + cols * so1
     old = tl.load(ptrs, mask=cols < N).to(tl.float32)
     tl.store(ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=cols < N)
@@ -215,14 +216,22 @@ def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> 
 
 
 def bgmv_expand(
-    y: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor, offset: int = 0
+    y: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    bounds: tuple[int, ...] = (),
 ) -> None:
+    """Every slice of :func:`pagoda.ops.lora.expand` in one launch (at most three)."""
     n, r = b.shape[1], b.shape[2]
     if y.shape[0] == 0:
         return
+    if len(bounds) > 2:
+        raise ValueError(f"bgmv_expand takes at most three slices, got bounds {bounds}")
+    b1, b2 = (*bounds, n, n)[:2]
     bn = 128
     _bgmv_expand_kernel[(y.shape[0], triton.cdiv(n, bn))](
-        y, b, out, token_slots, n, r, offset,
+        y, b, out, token_slots, n, r, b1, b2,
         y.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         BLOCK_N=bn, BLOCK_R=triton.next_power_of_2(r), num_warps=4,
     )  # fmt: skip
