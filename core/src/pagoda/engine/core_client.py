@@ -96,11 +96,15 @@ class AsyncMPClient:
                 name="PagodaEngineCore" if dp_rank is None else f"PagodaEngineCore_DP{dp_rank}",
             )
         )
-        self.proc.start()
         # Also runs at interpreter exit, before multiprocessing waits for its children.
         self._finalizer = weakref.finalize(
             self, _stop, self.proc, self._ctx, self._in, self._ipc_dir
         )
+        try:
+            self.proc.start()
+        except BaseException:
+            self._finalizer()  # the sockets (a process that did not start is not alive)
+            raise
         self.num_blocks = self.max_model_len = 0
         if wait:
             self.wait_ready()

@@ -174,6 +174,11 @@ class DPClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._core_of)
 
+    def core_of(self, seq_id: str) -> int | None:
+        """The core that holds a sequence (a request id, or ``i_id`` for sample i of n), None
+        once it has finished."""
+        return self._core_of.get(seq_id)
+
     # ---- what the cores send -------------------------------------------------------------------
 
     def _core_outputs(self, core: int, msg: wire.EngineOutputs) -> None:

@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from pagoda.config import EngineConfig
+from pagoda.engine.core_client import EngineStartError
 from pagoda.engine.core_proc import run_engine_in_actor
 from pagoda.executor.workers import world_size
 
@@ -98,7 +99,7 @@ class RayCoreProcess:
         ready, _ = ray.wait([self._pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
         if not ready:
             self._end(1)
-            raise RuntimeError(
+            raise EngineStartError(
                 f"the Ray cluster did not grant engine core {self._args[3]} a placement group of "
                 f"1 CPU and {self._ranks} x {rank} within {_PLACEMENT_TIMEOUT_S:.0f} s (it has "
                 f"{ray.cluster_resources()}); lower parallel.data_parallel_size or the ranks a "
