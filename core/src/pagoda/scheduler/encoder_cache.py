@@ -60,19 +60,17 @@ class EncoderCacheManager:
     def commit(self, request: Request, start: int, num_new: int, todo: list[int]) -> int:
         """Reference the images that ``[start, start + num_new)`` meets and room for those the
         encoder computes (``todo``); returns the encoder tokens spent."""
-        features = request.mm_inputs.features
-        spent = 0
-        for i, f in enumerate(features):
-            if f.offset >= start + num_new:
-                break
-            if f.end <= start:
-                continue
+        met = [(i, f) for i, f in enumerate(request.mm_inputs.features)
+               if f.offset < start + num_new and f.end > start]  # fmt: skip
+        # NOTE: held outputs are referenced first, so that making room for the new ones never
+        # evicts one this chunk reads.
+        for i, f in met:
+            if i not in todo:
+                self.reference(request, f.identifier, hit=True)
+        for i, f in met:
             if i in todo:
                 self.allocate(request, f.identifier, f.length)
-                spent += f.length
-            else:
-                self.reference(request, f.identifier, hit=True)
-        return spent
+        return sum(f.length for i, f in met if i in todo)
 
     def release_computed(self, request: Request) -> None:
         """Let go of the images whose placeholders are all computed."""
