@@ -12,6 +12,8 @@ from pagoda.config import EngineConfig
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.lora_request import LoRARequest
+from pagoda.multimodal import MediaSource
+from pagoda.multimodal.chat import load_chat_images, split_images
 from pagoda.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -141,6 +143,22 @@ class LLM:
         return self.generate(
             prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
         )
+
+    def _chat_prompt(
+        self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A conversation's prompt; its image parts (``image_url``, ``image``) become the model's
+        placeholders in the text and the prompt's ``multi_modal_data``."""
+        proc = self.engine.input_processor.mm_processor
+        image_text = "" if proc is None else proc.placeholder_text
+        conversation, images = split_images(conversation, image_text)
+        prompt = self.engine.apply_chat_template(conversation, **template_kwargs)
+        if images:
+            server, limits = self.config.server, self.engine.input_processor.media_limits
+            source = MediaSource(server.allowed_local_media_path, server.allow_remote_media,
+                                 server.media_fetch_timeout_s)  # fmt: skip
+            prompt["multi_modal_data"] = {"image": load_chat_images(images, source, limits)}
+        return prompt
 
     # ---- pooling ---------------------------------------------------------------------------------
 

@@ -127,3 +127,16 @@ def test_bad_images_are_refused_naming_the_problem_and_the_engine_goes_on(llm, i
         llm.generate([prompt], PARAMS, use_tqdm=False)
     ok = {"prompt_token_ids": prompt_ids(1), "multi_modal_data": {"image": IMAGES[0]}}
     assert llm.generate([ok], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_llm_chat_takes_image_parts_as_generate_takes_multi_modal_data(llm, model, tmp_path):
+    img = IMAGES[1]
+    chat = [{"role": "user", "content": [{"type": "text", "text": "t50 t51 "},
+                                         {"type": "image", "image": img}]}]  # fmt: skip
+    got = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    # The template's text: t3, the words, the placeholder, t4, then t5 (vl_tiny.TEMPLATE).
+    ids = [3, 50, 51, 188, 190, 189, 4, 5]
+    want = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}],
+                        SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]  # fmt: skip
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
