@@ -139,7 +139,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.apply_chat_template(c, **template_kwargs) for c in conversations]
+        prompts = [self._chat_prompt(c, template_kwargs) for c in conversations]
         return self.generate(
             prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
         )
