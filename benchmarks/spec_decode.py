@@ -1,19 +1,21 @@
 """Speculative decoding: tokens/s with and without it, acceptance rate and mean acceptance length.
 
-The input-grounded workload asks the model to repeat, edit or summarise text that ships with
-Python: source code of standard-library functions and the documentation strings of its modules
-(chat-templated for an instruct model). Output repeats the input, which is where prompt lookup
-(n-gram) drafts pay. ``--random-weights CONFIG_DIR`` runs random weights on random prompts
-instead (almost nothing is accepted: the overhead case).
+Prompt sets (``--prompts``): ``copy`` (the default), 18 prompts that ask the model to repeat,
+edit or summarise text they give (standard-library source and documentation, chat-templated
+for an instruct model): output repeats the input, which is where n-gram and suffix drafts pay;
+``open``, 16 open questions with nothing to copy (the overhead case for a history proposer);
+``random``, random token ids generated to ``--max-tokens`` (for batch 64: the governor's case);
+``stdlib``, the older input-grounded set. ``--random-weights CONFIG_DIR`` runs random weights on
+random prompts. Only ``--method`` is set unless the other speculative options are given.
 
 Both engines live in one process and each request (or batch) runs on one, then on the other, in
 alternating order, so a machine shared with other work slows both alike; the figure is the ratio.
 
-    python benchmarks/spec_decode.py [--batch-size 1] [--num-prompts 9] [--max-tokens 128]
-    python benchmarks/spec_decode.py --random-weights benchmarks/configs/qwen3-0.6b \\
-        --batch-size 64 --max-tokens 128 --device cuda --dtype bfloat16
-    python benchmarks/spec_decode.py --model SmolLM2-135M-Instruct.gguf --device cuda \\
-        --dtype bfloat16 --batch-size 1 --num-prompts 6
+    python benchmarks/spec_decode.py [--method ngram] [--prompts copy] [--batch-size 1]
+    python benchmarks/spec_decode.py --method suffix --prompts open
+    python benchmarks/spec_decode.py --prompts random --batch-size 64 --num-prompts 128 \
+        --device cuda --dtype bfloat16
+    python benchmarks/spec_decode.py --suite gpu --device cuda   # issue 44's table, one command
 
 On a GPU both engines replay CUDA graphs (decode steps, and verification steps of k + 1 tokens a
 request); the report counts the engine steps each took.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,6 +84,79 @@ def grounded_prompts(n: int) -> list[tuple[str, str]]:
     return out
 
 
+# The copy set's own texts: functions to repeat or edit, modules whose documentation to summarise.
+_COPY_SOURCES = [
+    ("textwrap", "dedent"),
+    ("shlex", "split"),
+    ("heapq", "merge"),
+    ("fnmatch", "translate"),
+    ("statistics", "median"),
+    ("colorsys", "rgb_to_hls"),
+    ("textwrap", "TextWrapper._wrap_chunks"),
+    ("json.encoder", "py_encode_basestring_ascii"),
+    ("random", "Random.shuffle"),
+    ("textwrap", "indent"),
+    ("calendar", "Calendar.itermonthdays"),
+    ("string", "capwords"),
+]
+_COPY_DOCS = ["json", "csv", "heapq", "argparse", "statistics", "difflib"]
+_EDITS = [
+    "Add type hints to this function and return the whole function, unchanged otherwise",
+    "Rename the function to `{name}_v2` and return the whole function, unchanged otherwise",
+    "Add a comment line above each `return` and return the whole function, unchanged otherwise",
+]
+
+#: Open questions: nothing in the prompt to copy (the non-copy set).
+OPEN_QUESTIONS = [
+    "Why is the sky blue? Explain it to a curious ten-year-old.",
+    "What are three good habits for staying healthy while working from home?",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What is the difference between weather and climate?",
+    "Give me some ideas for a birthday party for a seven-year-old.",
+    "How do bees make honey?",
+    "What should I pack for a week-long hiking trip in the mountains?",
+    "Explain how a bicycle stays upright when it moves.",
+    "Write a poem about autumn leaves.",
+    "What are the pros and cons of living in a big city?",
+    "How can I become better at public speaking?",
+    "Describe a typical day in the life of a medieval blacksmith.",
+    "What is photosynthesis and why does it matter?",
+    "Suggest a simple recipe for dinner using rice, eggs and vegetables.",
+    "Why do people enjoy music?",
+    "What would happen if the moon disappeared?",
+]
+
+
+def copy_prompts() -> list[tuple[str, str]]:
+    """The copy-task set: (kind, user message) for 18 prompts, 6 each that repeat, edit or
+    summarise text given in the prompt (standard-library source and documentation)."""
+    out = []
+    for i, (module, attr) in enumerate(_COPY_SOURCES):
+        src = _source(module, attr)[:1500]
+        if i % 2 == 0:
+            out.append(("repeat", f"Repeat this code exactly:\n```python\n{src}```"))
+        else:
+            ask = _EDITS[i // 2 % len(_EDITS)].format(name=attr.split(".")[-1])
+            out.append(("edit", f"{ask}:\n```python\n{src}```"))
+    for name in _COPY_DOCS:
+        doc = inspect.getdoc(__import__(name, fromlist=["_"])) or ""
+        text = f"Summarise this documentation, quoting its key sentences:\n\n{doc[:2000]}"
+        out.append(("summarise", text))
+    return out
+
+
+def prompt_set(name: str, n: int | None) -> list[tuple[str, str]]:
+    """The ``--prompts`` set's (kind, user message) pairs, the first ``n`` (None: all; the
+    ``stdlib`` set, the older input-grounded one, cycles to any ``n``, 9 by default)."""
+    if name == "copy":
+        got = copy_prompts()
+    elif name == "open":
+        got = [("open", q) for q in OPEN_QUESTIONS]
+    else:
+        return grounded_prompts(9 if n is None else n)
+    return got if n is None else [got[i % len(got)] for i in range(n)]
+
+
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """``LLM`` arguments from the workload options (``add_workload_arguments``)."""
     kw: dict[str, Any] = {"max_model_len": args.max_model_len, "device": args.device}
@@ -98,14 +174,18 @@ def _build(args: argparse.Namespace, spec: dict | None) -> LLM:
 
 
 def workload_prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], list[str]]:
-    if args.random_weights:
+    if args.random_weights or args.prompts == "random":
         rng = np.random.default_rng(0)
         vocab = llm.engine.engine_core.executor.worker.model_runner.shape.vocab_size
-        ids = rng.integers(10, min(10_000, vocab), (args.num_prompts, args.input_len))
-        return [{"prompt_token_ids": row.tolist()} for row in ids], ["random"] * args.num_prompts
+        n = args.num_prompts or 9
+        ids = rng.integers(10, min(10_000, vocab), (n, args.input_len))
+        return [{"prompt_token_ids": row.tolist()} for row in ids], ["random"] * n
     tok = llm.get_tokenizer()
     prompts, kinds = [], []
-    for kind, text in grounded_prompts(args.num_prompts):
+    chosen = prompt_set(args.prompts, args.num_prompts)
+    if getattr(args, "kinds", None):
+        chosen = [(kind, text) for kind, text in chosen if kind in args.kinds.split(",")]
+    for kind, text in chosen:
         messages = [{"role": "user", "content": text}]
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tok.encode(text, add_special_tokens=False)
@@ -120,7 +200,16 @@ def add_workload_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--random-weights", default=None, metavar="CONFIG_DIR")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default=None)
-    p.add_argument("--num-prompts", type=int, default=9)
+    p.add_argument(
+        "--prompts",
+        choices=("copy", "open", "stdlib", "random"),
+        default="copy",
+        help="copy: 18 prompts that repeat, edit or summarise text they give; open: 16 open "
+        "questions; stdlib: the older input-grounded set; random: random token ids "
+        "(--input-len), generated to --max-tokens",
+    )
+    p.add_argument("--num-prompts", type=int, default=None, help="default: the whole set")
+    p.add_argument("--kinds", default=None, help="only these kinds of the set (repeat,edit,...)")
     p.add_argument("--input-len", type=int, default=256, help="random prompts only")
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -136,13 +225,21 @@ def use_random_weights(args: argparse.Namespace) -> None:
         args.model = str(folder)
 
 
+_WORKLOADS = {
+    "copy": "copy set (repeat, edit, summarise stdlib source and docs given in the prompt)",
+    "open": "open questions (nothing in the prompt to copy)",
+    "stdlib": "input-grounded (stdlib source, docs)",
+    "random": "random token ids",
+}
+
+
 def report_head(benchmark: str, args: argparse.Namespace, runner: Any) -> dict[str, Any]:
     """What every report of the workload starts with: the command, workload, model, hardware,
     commit and dtype."""
     return {
         "benchmark": benchmark,
         "command": "python " + " ".join(sys.argv),
-        "workload": "random" if args.random_weights else "input-grounded (stdlib source, docs)",
+        "workload": _WORKLOADS["random" if args.random_weights else args.prompts],
         "model": args.random_weights or args.model or "SmolLM2-135M-Instruct (default)",
         "hardware": hardware(runner.device),
         "commit": commit(),
@@ -206,14 +303,67 @@ def _profile(engines: dict[str, LLM], batch: list[dict], params: SamplingParams,
         print(f"--- profile: {name}\n{text.getvalue()}", file=sys.stderr)
 
 
+# Issue 44's figures: (dtype, prompts, batch size, method, max tokens, prompts' count).
+_GPU_SUITE = [
+    (dtype, prompts, 1, method, 128, None)
+    for dtype in ("bfloat16", "float32")
+    for prompts in ("copy", "open")
+    for method in ("ngram", "suffix")
+] + [(dtype, "random", 64, "ngram", 128, 128) for dtype in ("bfloat16", "float32")]
+
+
+def run_suite(args: argparse.Namespace) -> None:
+    """Each configuration of the suite in a process of its own (this script, with only
+    ``--method`` among the speculative options), then one table of the figures."""
+    here = Path(__file__).resolve()
+    rows = []
+    for dtype, prompts, batch, method, max_tokens, n in _GPU_SUITE:
+        cmd = [sys.executable, str(here), "--method", method, "--prompts", prompts]
+        cmd += ["--batch-size", str(batch), "--dtype", dtype, "--max-tokens", str(max_tokens)]
+        cmd += ["--device", args.device]
+        if n is not None:
+            cmd += ["--num-prompts", str(n)]
+        if args.model:
+            cmd += ["--model", args.model]
+        print("$ " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in done.stdout.splitlines() if x.startswith("results: ")]
+        if done.returncode or not line:
+            print(done.stderr[-3000:], file=sys.stderr)
+            rows.append((dtype, prompts, batch, method, None, None, None, None))
+            continue
+        rep = json.loads(Path(line[-1].removeprefix("results: ")).read_text())
+        rows.append(
+            (
+                dtype, prompts, batch, method, rep["speedup"], rep["speedup_median_of_batches"],
+                rep["mean_acceptance_length"], rep["greedy_outputs_identical"],
+            )
+        )  # fmt: skip
+    print("| dtype | prompts | batch | method | speedup | median of batches | MAL | same |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join("-" if v is None else str(v) for v in row) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(p, max_tokens=128)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--method", default="ngram", help="speculative.method (ngram, suffix, ...)")
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="default: unset (the proposer's)"
+    )
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="default: unset")
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="default: unset")
+    p.add_argument(
+        "--suite",
+        choices=("gpu",),
+        default=None,
+        help="gpu: run issue 44's matrix (bfloat16 and float32; copy and open sets at batch 1 "
+        "for ngram and suffix; batch 64 random prompts for ngram), each in a process of its "
+        "own with only the method set, and print one table",
+    )
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     p.add_argument("--output-json", default=None)
     p.add_argument(
@@ -234,37 +384,37 @@ def main() -> None:
         "--disable-by-batch-size", type=int, default=None, help="speculative.disable_by_batch_size"
     )
     args = p.parse_args()
+    if args.suite:
+        run_suite(args)
+        return
     if args.device != "cpu" and torch.cuda.is_available() and not args.kv_cache_memory_bytes:
         # NOTE: both engines live in one process, and the second one's memory profile would
         # count the first one's KV cache as used (gpu_memory_utilization is of the whole GPU):
         # each gets an explicit quarter of the memory free now.
         args.kv_cache_memory_bytes = int(torch.cuda.mem_get_info()[0] * 0.25)
     use_random_weights(args)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_min": args.prompt_lookup_min,
-        "prompt_lookup_max": args.prompt_lookup_max,
-    }
+    spec: dict[str, Any] = {"method": args.method}
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        if getattr(args, key) is not None:
+            spec[key] = getattr(args, key)
     if args.no_adaptive:
         spec["adaptive"] = False
     if args.disable_by_batch_size:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
-    engines = {"off": _build(args, None), "ngram": _build(args, spec)}
+    engines = {"off": _build(args, None), "spec": _build(args, spec)}
     prompts, kinds = workload_prompts(args, engines["off"])
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=0.0, ignore_eos=bool(args.random_weights)
-    )
+    random = bool(args.random_weights) or args.prompts == "random"
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=random)
     # Warm-up: first-call costs (allocations, kernel launch caches, host buffers) at the batch
     # size measured out of the way. What the speculation governor learned in it is forgotten:
     # the measured passes pay its exploration from the start.
     warm = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for llm in engines.values():
         llm.generate(prompts[: args.batch_size], warm, use_tqdm=False)
-    core = engines["ngram"].engine.engine_core
+    core = engines["spec"].engine.engine_core
     if core.scheduler.spec_governor is not None:
         core.scheduler.spec_governor = build_governor(core.config.speculative)
-    stats = engines["ngram"].engine.engine_core.scheduler.spec_stats_total
+    stats = engines["spec"].engine.engine_core.scheduler.spec_stats_total
     drafts0, draft_tokens0, accepted0 = (
         stats.num_drafts,
         stats.num_draft_tokens,
@@ -272,8 +422,8 @@ def main() -> None:
     )
     steps = {name: _count_steps(llm) for name, llm in engines.items()}
     replays0 = {name: _graph_replays(llm) for name, llm in engines.items()}
-    seconds = {"off": 0.0, "ngram": 0.0}
-    tokens = {"off": 0, "ngram": 0}
+    seconds = {"off": 0.0, "spec": 0.0}
+    tokens = {"off": 0, "spec": 0}
     same = True
     batch_ratios: list[float] = []  # each batch's speculation ratio, in the order run
     batches = [
@@ -281,7 +431,7 @@ def main() -> None:
     ] * args.repeats
     with tuned_gc():  # as the engine-core process runs (pagoda.process)
         for b, batch in enumerate(batches):
-            order = ("off", "ngram") if b % 2 == 0 else ("ngram", "off")
+            order = ("off", "spec") if b % 2 == 0 else ("spec", "off")
             outs = {}
             rate = {}  # this batch's tokens/s on each engine
             for name in order:
@@ -290,8 +440,8 @@ def main() -> None:
                 seconds[name] += dt
                 tokens[name] += n
                 rate[name] = n / dt
-            batch_ratios.append(round(rate["ngram"] / rate["off"], 3))
-            same &= outs["off"] == outs["ngram"]
+            batch_ratios.append(round(rate["spec"] / rate["off"], 3))
+            same &= outs["off"] == outs["spec"]
             so_far = {k: tokens[k] / seconds[k] for k in seconds}
             print(f"batch {b}: tok/s so far {so_far}", file=sys.stderr)
     if args.profile:
@@ -311,7 +461,7 @@ def main() -> None:
         "output_tokens": tokens,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},
-        "speedup": round(tps["ngram"] / tps["off"], 3),
+        "speedup": round(tps["spec"] / tps["off"], 3),
         "speedup_by_batch": batch_ratios,
         # The median pass pair: one pass run slow by the host, on either engine, moves it less.
         "speedup_median_of_batches": round(float(np.median(batch_ratios)), 3),
@@ -328,7 +478,7 @@ def main() -> None:
             for name, llm in engines.items()
         },
     }
-    gov = engines["ngram"].engine.engine_core.scheduler.spec_governor
+    gov = engines["spec"].engine.engine_core.scheduler.spec_governor
     if gov is not None and not gov.fixed:  # what the speculation governor measured and chose
         report["governor"] = {
             "epochs": {"drafting": gov.epochs[True], "plain": gov.epochs[False]},
@@ -356,7 +506,9 @@ def main() -> None:
             ],
         }
     model, where = report_slugs(report, runner)
-    name = f"spec-decode-{model}-b{args.batch_size}-{where}-{report['commit']}"
+    which = "random" if random else args.prompts
+    name = f"spec-decode-{args.method}-{model}-{which}-b{args.batch_size}-{where}"
+    name += f"-{report['dtype'].removeprefix('torch.')}-{report['commit']}"
     path = save_report(report, name, args.output_json)
     keys = ("tokens_per_s", "speedup", "acceptance_rate", "mean_acceptance_length")
     print(json.dumps({k: report[k] for k in (*keys, "greedy_outputs_identical")}))
