@@ -335,7 +335,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
                         raise ValueError(
                             f"checkpoint weight {name!r} has no parameter in the model"
                         )
-                    t = tensor[:] if isinstance(tensor, WeightSlice) else tensor
+                    t = tensor.full() if isinstance(tensor, WeightSlice) else tensor
                     p = visual[key]
                     with torch.no_grad():
                         p.copy_(t.reshape(p.shape).to(p.dtype))
