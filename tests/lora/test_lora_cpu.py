@@ -303,3 +303,23 @@ def test_transformers_model_impl_refuses_lora_by_name(lora_model) -> None:
     with pytest.raises(ValueError, match="model.impl 'transformers'.*does not support adapters"):
         LLM(model=str(lora_model["base"]), enable_lora=True, model_impl="transformers",
             max_model_len=64, dtype="float32")  # fmt: skip
+
+
+def test_lora_settings_that_cannot_work_are_refused_by_key(lora_model) -> None:
+    from pagoda.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="max_cpu_loras=1 is below lora.max_loras=2"):
+        EngineConfig.load(overrides={"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1})
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        EngineConfig.load(overrides={"max_lora_rank": 128})
+    with pytest.raises(ConfigError, match="a LoRA module is `name=path`"):
+        EngineConfig.load(overrides={"lora_modules": ["no-path"]})
+    base = dict(model=str(lora_model["base"]), max_model_len=64, dtype="float32")
+    with pytest.raises(ValueError, match="lora_modules.*needs lora.enable_lora"):
+        LLM(lora_modules=["a=/x"], **base)
+    with pytest.raises(ValueError, match="lora.enable_lora with speculative decoding"):
+        LLM(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            **base)  # fmt: skip
+    plain = LLM(kv_cache_memory_bytes=4 << 20, **base)
+    with pytest.raises(ValueError, match="'x': LoRA is off"):
+        plain.generate({"prompt_token_ids": [1, 2]}, lora_request=LoRARequest("x", 1, "/x"))
