@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda.cpu_threads import set_wait_policy
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.hookspecs import hookimpl
 from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
@@ -21,6 +22,7 @@ __all__ = [
     "AsyncLLM",
     "EngineConfig",
     "SamplingParams",
+    "LoRARequest",
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
