@@ -242,6 +242,10 @@ def main() -> int:
             print(f"moe benchmark: {case}", flush=True)
             subprocess.run(cmd, check=True)
             report[case] = json.loads(out.read_text())
+            # NOTE: each part as it ends, and the JSON so far: a run stopped midway keeps them.
+            print(json.dumps({case: report[case]}), flush=True)
+            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            args.output_json.write_text(json.dumps(report, indent=2) + "\n")
     tps = {c: report[c]["nano"]["output_tokens_per_s"] for c in CASES if c in report}
     if "native" in tps and "transformers-grouped_mm" in tps:
         report["native_over_transformers_grouped_mm"] = round(
