@@ -101,6 +101,10 @@ class SchedulerStats(msgspec.Struct):
     offload_loaded_blocks: int = 0
     cpu_prefix_cache_hits: int = 0
     cpu_cache_usage: float = 0.0
+    # Multimodal since then: images a scheduled request looked up in the encoder cache, and
+    # those whose encoder output was held (computed for another request, or earlier).
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
     # LoRA (0: off): the adapter slots, and the adapters of the running and waiting requests.
     max_lora: int = 0
     running_lora_adapters: list[str] = []

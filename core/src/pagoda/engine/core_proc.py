@@ -222,6 +222,7 @@ class _StatsTracker:
         self.core: Any = None  # set by the engine loop
         self.unscheduled: dict[str, Any] = {}  # request id -> request, until first scheduled
         self.preemptions_seen = 0
+        self.encoder_seen = (0, 0)  # the encoder cache's (queries, hits) at the last stats
         self.last: tuple[int, int, float] | None = None
         self.iteration_tokens: list[int] = []
         self.evicted_blocks = 0
@@ -277,7 +278,16 @@ class _StatsTracker:
             **_spec_fields(self.core.scheduler.make_spec_stats()),
             **_offload_fields(self.core.scheduler.offload),
             **_lora_fields(self.core.scheduler),
+            **self._encoder_fields(),
         )
+
+    def _encoder_fields(self) -> dict[str, Any]:
+        cache = self.core.scheduler.encoder_cache
+        if cache is None:
+            return {}
+        (queries, hits), self.encoder_seen = self.encoder_seen, (cache.queries, cache.hits)
+        return {"encoder_cache_queries": cache.queries - queries,
+                "encoder_cache_hits": cache.hits - hits}  # fmt: skip
 
 
 def _lora_fields(scheduler: Any) -> dict[str, Any]:

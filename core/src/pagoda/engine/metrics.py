@@ -166,6 +166,14 @@ class EngineMetrics:
             "pagoda:structured_output_cache_hits",
             "Constrained requests whose grammar was cached (or already compiling).",
         )
+        self.encoder_queries = counter(
+            "pagoda:encoder_cache_queries",
+            "Images that scheduled requests looked up in the encoder cache (multimodal models).",
+        )
+        self.encoder_hits = counter(
+            "pagoda:encoder_cache_hits",
+            "Images whose encoder output was held already (computed for another request).",
+        )
         self.prompt_tokens = counter("pagoda:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pagoda:generation_tokens", "Generated tokens.")
         self.ttft = histogram(
@@ -296,6 +304,8 @@ class EngineMetrics:
                 self.grammar_compile.observe(s)
             self.grammar_queries.inc(stats.grammar_cache_queries)
             self.grammar_hits.inc(stats.grammar_cache_hits)
+            self.encoder_queries.inc(stats.encoder_cache_queries)
+            self.encoder_hits.inc(stats.encoder_cache_hits)
             self._log.prefix_queries += stats.prefix_cache_queries
             self._log.prefix_hits += stats.prefix_cache_hits
             self._log.cpu_prefix_hits += stats.cpu_prefix_cache_hits

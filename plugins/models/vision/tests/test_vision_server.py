@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -116,3 +117,21 @@ def test_too_many_images_is_a_400_naming_the_limit(client):
         client.chat.completions.create(model=_model(client), messages=_messages(uri, uri, uri),
                                        max_tokens=3)  # fmt: skip
     assert "limit_mm_per_prompt" in str(e.value)
+
+
+def test_metrics_count_encoder_cache_lookups_and_hits(client, server):
+    uri = _data_uri(image(56, 84, 5))
+    queries, hits = "pagoda:encoder_cache_queries_total", "pagoda:encoder_cache_hits_total"
+    before = server.metrics()
+    for words in ("t50 t51 ", "t60 t61 "):  # different text before it: no prefix-cache hit
+        parts = [{"type": "text", "text": words}, {"type": "image_url", "image_url": {"url": uri}}]
+        messages = [{"role": "user", "content": parts}]
+        client.chat.completions.create(model=_model(client), messages=messages, max_tokens=1)
+    deadline = time.monotonic() + 10
+    while True:  # the stats reach /metrics with the engine's next report
+        after = server.metrics()
+        if after[queries] - before[queries] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert after[queries] - before[queries] == 2
+    assert after[hits] - before[hits] == 1
