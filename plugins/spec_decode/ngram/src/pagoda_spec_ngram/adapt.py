@@ -26,7 +26,7 @@ lengths within it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,15 +34,6 @@ _DECAY = 0.98  # per observation, for the engine-wide counts (a window of some 5
 _PRIOR = 2.0  # weight of the engine-wide rate in a request's own estimate, in trials
 _MIN_THRESHOLD, _MAX_THRESHOLD = 0.05, 0.9
 _DEFAULT_THRESHOLD = 0.2  # before the cost is measured
-
-
-@dataclass
-class _Request:
-    drafts: list[int] = field(default_factory=list)  # the last ones given
-    at: int = 0  # the request's tokens when they were given
-    match: int = 0  # the length of the match they came from
-    hits: np.ndarray | None = None  # [k] float
-    trials: np.ndarray | None = None
 
 
 @dataclass
@@ -76,59 +67,85 @@ class _Cost:
 
 
 class DraftLengths:
-    """Per request draft lengths from measured acceptance and cost (see the module's note)."""
+    """Per request draft lengths from measured acceptance and cost (see the module's note).
 
-    def __init__(self, k: int, max_match: int, clock=time.perf_counter) -> None:
+    Per-request state lives in arrays indexed by the request's row of the runner's token array
+    (``ProposalBatch.rows``), so that every call is a few numpy operations over the batch."""
+
+    def __init__(self, k: int, max_match: int, max_num_reqs: int, clock=time.perf_counter):
         self.k = k
         self.max_match = max_match
         self.clock = clock
-        self.requests: dict[str, _Request] = {}
+        self.owner: list[str | None] = [None] * max_num_reqs  # the request each row's state is of
+        self.row_of: dict[str, int] = {}
+        self.given = np.full((max_num_reqs, k), -1, dtype=np.int64)  # the last drafts given
+        self.at = np.zeros(max_num_reqs, dtype=np.int64)  # the row's tokens when given
+        self.match = np.zeros(max_num_reqs, dtype=np.int64)  # the match they came from
+        self.hits = np.zeros((max_num_reqs, k))
+        self.trials = np.zeros((max_num_reqs, k))
         # Engine-wide: conditional hits and trials per position, and of the first position
-        # per match length (index = length). Start at a prior of 1 hit in 2 trials.
-        self.hits = np.ones(k)
-        self.trials = np.full(k, 2.0)
+        # per match length (index = length), from a prior of 1 hit in 2 trials.
+        self.g_hits = np.ones(k)
+        self.g_trials = np.full(k, 2.0)
         self.first_hits = np.ones(max_match + 1)
         self.first_trials = np.full(max_match + 1, 2.0)
         self.costs: dict[int, _Cost] = {}
         self._last: tuple[float, int, int] | None = None  # (time, batch bucket, drafts given)
-        self.emitted_per_step = 1.0  # tokens a request emits per step (decayed mean)
+        self.emitted_per_step = 1.0  # tokens a request emits per call (decayed mean)
 
-    def observe(self, req_ids: list[str], history_of, num_tokens: np.ndarray) -> None:
-        """Score the drafts last given to ``req_ids`` against what followed them;
-        ``history_of(i)`` is request ``i``'s tokens."""
-        decay_n = 0
-        for i, req_id in enumerate(req_ids):
-            req = self.requests.get(req_id)
-            if req is None or not req.drafts:
-                continue
-            came = int(num_tokens[i]) - req.at
-            if came <= 0:
-                continue
-            seen = history_of(i)[req.at : req.at + min(came, len(req.drafts))].tolist()
-            if req.hits is None:
-                req.hits, req.trials = np.zeros(self.k), np.zeros(self.k)
-            for j, tok in enumerate(seen):
-                hit = tok == req.drafts[j]
-                req.trials[j] += 1
-                self.trials[j] += 1
-                req.hits[j] += hit
-                self.hits[j] += hit
-                if j == 0:
-                    self.first_trials[req.match] += 1
-                    self.first_hits[req.match] += hit
-                if not hit:
-                    break
-            self.emitted_per_step += 0.05 * (min(came, len(req.drafts) + 1) - self.emitted_per_step)
-            req.drafts = []
-            decay_n += 1
-        if decay_n:
-            d = _DECAY**decay_n
-            for a in (self.hits, self.trials, self.first_hits, self.first_trials):
-                a *= d
-            self.hits += (1 - d) * 1.0
-            self.trials += (1 - d) * 2.0
-            self.first_hits += (1 - d) * 1.0
-            self.first_trials += (1 - d) * 2.0
+    def own(self, req_ids: list[str], rows: np.ndarray) -> np.ndarray:
+        """[n] bool: rows whose state is of the request now there (others are reset)."""
+        owner = self.owner
+        mine = np.fromiter(
+            (owner[r] == q for r, q in zip(rows.tolist(), req_ids)), bool, len(req_ids)
+        )
+        if not mine.all():
+            fresh = rows[~mine]
+            self.given[fresh] = -1
+            self.hits[fresh] = 0.0
+            self.trials[fresh] = 0.0
+            for r, q in zip(fresh.tolist(), (q for q, m in zip(req_ids, mine) if not m)):
+                old = owner[r]
+                if old is not None and self.row_of.get(old) == r:
+                    del self.row_of[old]
+                owner[r] = q
+                self.row_of[q] = r
+        return mine
+
+    def observe(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Score the drafts last given to the rows against the tokens that followed them."""
+        given = self.given[rows]
+        at = self.at[rows]
+        cols = np.arange(self.k)
+        came = num_tokens - at
+        known = (given >= 0) & (cols[None, :] < came[:, None])
+        if not known.any():
+            return
+        pos = np.minimum(at[:, None] + cols[None, :], token_ids.shape[1] - 1)
+        agree = (token_ids[rows[:, None], pos] == given) & known
+        prefix = np.cumprod(agree, axis=1).astype(bool)  # every draft up to j was a hit
+        tried = known.copy()
+        tried[:, 1:] &= prefix[:, :-1]
+        hit = prefix & tried
+        self.trials[rows] += tried
+        self.hits[rows] += hit
+        scored = tried[:, 0]
+        decay = _DECAY ** int(scored.sum())
+        for a, prior in ((self.g_hits, 1.0), (self.g_trials, 2.0)):
+            a *= decay
+            a += (1 - decay) * prior
+        for a, prior in ((self.first_hits, 1.0), (self.first_trials, 2.0)):
+            a *= decay
+            a += (1 - decay) * prior
+        self.g_trials += tried.sum(axis=0)
+        self.g_hits += hit.sum(axis=0)
+        m = self.match[rows]
+        np.add.at(self.first_trials, m[scored], 1.0)
+        np.add.at(self.first_hits, m[scored], hit[scored, 0])
+        out = np.minimum(came[scored], hit[scored].sum(axis=1) + 1)
+        if len(out):
+            self.emitted_per_step += 0.05 * (float(out.mean()) - self.emitted_per_step)
+        self.given[rows] = -1
 
     def threshold(self, n: int) -> float:
         """The least acceptance probability a draft token must have at batch size ``n``."""
@@ -139,47 +156,34 @@ class DraftLengths:
         per_token = base / max(n * self.emitted_per_step, 1e-9)
         return float(np.clip(per_draft / per_token, _MIN_THRESHOLD, _MAX_THRESHOLD))
 
-    def lengths(
-        self, req_ids: list[str], match: np.ndarray, caps: np.ndarray, n_batch: int
-    ) -> np.ndarray:
-        """[n] draft lengths for matches of ``match`` tokens (0: none found), at most
-        ``caps``."""
-        tau = self.threshold(n_batch)
-        global_rate = self.hits / self.trials
-        first_rate = self.first_hits / self.first_trials
-        out = np.zeros(len(req_ids), dtype=np.int64)
-        for i, req_id in enumerate(req_ids):
-            m = int(match[i])
-            if m <= 0:
-                continue
-            req = self.requests.get(req_id)
-            rate = global_rate.copy()
-            rate[0] = first_rate[min(m, self.max_match)]
-            if req is not None and req.hits is not None:
-                rate = (req.hits + _PRIOR * rate) / (req.trials + _PRIOR)
-            p = np.cumprod(rate[: int(caps[i])])
-            out[i] = int(np.count_nonzero(p >= tau))  # p decreases: a prefix
-        return out
+    def lengths(self, rows: np.ndarray, match: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """[n] draft lengths for the rows' matches of ``match`` tokens (0: none found), at
+        most ``caps``."""
+        tau = self.threshold(len(rows))
+        rate = np.repeat((self.g_hits / self.g_trials)[None, :], len(rows), axis=0)
+        rate[:, 0] = (self.first_hits / self.first_trials)[np.minimum(match, self.max_match)]
+        rate = (self.hits[rows] + _PRIOR * rate) / (self.trials[rows] + _PRIOR)
+        p = np.cumprod(rate, axis=1)
+        ok = (p >= tau) & (np.arange(self.k)[None, :] < caps[:, None])
+        out = np.cumprod(ok, axis=1).sum(axis=1)
+        out[match <= 0] = 0
+        return out.astype(np.int64)
 
     def gave(
-        self, req_ids: list[str], drafts: np.ndarray, lengths: np.ndarray, match: np.ndarray,
-        num_tokens: np.ndarray,
+        self, rows: np.ndarray, drafts: np.ndarray, match: np.ndarray, num_tokens: np.ndarray
     ) -> None:
         """Record the drafts given (to score at the next call) and time the step before."""
         now = self.clock()
-        for i, req_id in enumerate(req_ids):
-            req = self.requests.get(req_id)
-            if req is None:
-                req = self.requests[req_id] = _Request()
-            d = int(lengths[i])
-            req.drafts = drafts[i, :d].tolist()
-            req.at, req.match = int(num_tokens[i]), min(int(match[i]), self.max_match)
-        bucket = max(len(req_ids), 1).bit_length()
+        self.given[rows] = drafts
+        self.at[rows] = num_tokens
+        self.match[rows] = np.minimum(match, self.max_match)
+        n = len(rows)
+        bucket = max(n, 1).bit_length()
         if self._last is not None:
-            t, b, given = self._last
+            t, b, count = self._last
             if b == bucket and now - t < 5.0:  # (an idle engine is not a step)
-                self._cost(len(req_ids)).add(float(given), now - t)
-        self._last = (now, bucket, int(lengths.sum()))
+                self._cost(n).add(float(count), now - t)
+        self._last = (now, bucket, int((drafts >= 0).sum()))
 
     def _cost(self, n: int) -> _Cost:
         b = max(n, 1).bit_length()
@@ -189,4 +193,7 @@ class DraftLengths:
         return got
 
     def remove(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.owner[row] = None
+            self.given[row] = -1

@@ -146,7 +146,7 @@ class NgramProposer(SpeculativeProposer):
         self.window_given = window_given
         self.adapt: DraftLengths | None = None
         if not (ctx.draft_length_given and window_given):
-            self.adapt = DraftLengths(self.k, self.max_n)
+            self.adapt = DraftLengths(self.k, self.max_n, ctx.max_num_reqs)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         rows, num_tokens, caps = batch.rows, batch.num_tokens, batch.max_num_drafts
@@ -156,14 +156,13 @@ class NgramProposer(SpeculativeProposer):
         adapt = self.adapt
         if adapt is None:
             return Drafts(drafts_after(batch.token_ids, rows, num_tokens, end, caps, self.k))
-        adapt.observe(batch.req_ids, batch.history, num_tokens)
-        lengths = adapt.lengths(batch.req_ids, match, np.minimum(caps, self.k), len(batch))
+        adapt.own(batch.req_ids, rows)
+        adapt.observe(rows, batch.token_ids, num_tokens)
+        lengths = adapt.lengths(rows, match, np.minimum(caps, self.k))
         if self.ctx.draft_length_given:  # the window adapts; every match drafts k
             lengths = np.where(lengths > 0, np.minimum(caps, self.k), 0)
         ids = drafts_after(batch.token_ids, rows, num_tokens, end, lengths, self.k)
-        # What was given: the known tokens of each row (the history may end before a length).
-        given = np.count_nonzero(ids >= 0, axis=1)
-        adapt.gave(batch.req_ids, ids, given, match, num_tokens)
+        adapt.gave(rows, ids, match, num_tokens)
         return Drafts(ids)
 
     def remove(self, req_ids: Iterable[str]) -> None:
