@@ -135,3 +135,11 @@ def test_metrics_count_encoder_cache_lookups_and_hits(client, server):
         time.sleep(0.1)
     assert after[queries] - before[queries] == 2
     assert after[hits] - before[hits] == 1
+
+
+def test_openapi_document_takes_image_url_parts_for_a_vision_model(server):
+    doc = httpx.get(f"{server.url}/openapi.json", headers=server.headers, timeout=10).json()
+    content = doc["components"]["schemas"]["ChatMessage"]["properties"]["content"]
+    items = [b["items"] for b in content.get("anyOf", [content]) if b.get("type") == "array"]
+    kinds = [part["properties"]["type"]["const"] for part in items[0]["anyOf"]]
+    assert kinds == ["text", "image_url"]

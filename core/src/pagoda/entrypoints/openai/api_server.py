@@ -226,7 +226,14 @@ def build_app(engine: AsyncLLM, names: list[str], api_key: str | None = None) ->
     app.add_middleware(
         BodyGuard, max_bytes=server.max_request_body_bytes, max_depth=server.max_json_depth
     )
-    install_openapi(app, names, engine.info.shape.vocab_size, server, guarded=api_key is not None)
+    install_openapi(
+        app,
+        names,
+        engine.info.shape.vocab_size,
+        server,
+        guarded=api_key is not None,
+        image_parts=engine.engine.input_processor.mm_processor is not None,
+    )
     return app
 
 

@@ -9,7 +9,8 @@ the answers' bodies undescribed. Here the document is made to say what a client 
 - each 200 body's shape, and its media type (JSON, server-sent events, Prometheus text);
 - the request fields' real bounds: token ids below the vocabulary size, the served model
   names, the ``server.*`` limits on stop strings, ``logit_bias``, prompts and messages, text
-  parts only in message content, and the fields OpenAI defines that this server refuses;
+  parts (and, for a model that reads images, image_url parts) in message content, and the fields
+  OpenAI defines that this server refuses;
 - the bearer token every route but ``/health`` requires (and ``/metrics`` when public).
 
 What no schema can hold (a prompt that does not fit the context, a grammar that does not
@@ -130,6 +131,20 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "additionalProperties": False,
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+_IMAGE_PART = {
+    "type": "object",
+    "required": ["type", "image_url"],
+    "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {
+            "type": "object",
+            "required": ["url"],
+            "properties": {"url": {"type": "string", "minLength": 1}},
+        },
+    },
+    "description": "a vision-language model's image: a data URI, a file under"
+    " allowed_local_media_path, or http(s) when allow_remote_media is on",
 }
 
 
@@ -263,7 +278,11 @@ def _bound_strings(schema: dict[str, Any], limits: ServerConfig) -> None:
 
 
 def _request_schemas(
-    schemas: dict[str, Any], names: list[str], vocab_size: int, limits: ServerConfig
+    schemas: dict[str, Any],
+    names: list[str],
+    vocab_size: int,
+    limits: ServerConfig,
+    image_parts: bool = False,
 ) -> None:
     for name, schema in schemas.items():
         props = schema.get("properties", {})
@@ -300,6 +319,8 @@ def _request_schemas(
         if name == "ChatMessage":
             for branch in _with_type(props["content"], "array"):
                 branch["items"] = copy.deepcopy(_TEXT_PART)
+                if image_parts:  # the model reads images: image_url parts too
+                    branch["items"] = {"anyOf": [branch["items"], copy.deepcopy(_IMAGE_PART)]}
         supported = ("tools", "tool_choice", "parallel_tool_calls") if "messages" in props else ()
         for field, why in _UNSUPPORTED.items():
             if field in props and field not in supported:
@@ -308,9 +329,15 @@ def _request_schemas(
 
 
 def openapi_document(
-    app: FastAPI, names: list[str], vocab_size: int, limits: ServerConfig, guarded: bool
+    app: FastAPI,
+    names: list[str],
+    vocab_size: int,
+    limits: ServerConfig,
+    guarded: bool,
+    image_parts: bool = False,
 ) -> dict[str, Any]:
-    """The document of ``app``'s routes; ``guarded``: an API key is required."""
+    """The document of ``app``'s routes; ``guarded``: an API key is required; ``image_parts``:
+    the model reads images (chat messages take ``image_url`` parts)."""
     doc = get_openapi(
         title=app.title,
         version=app.version,
@@ -322,7 +349,7 @@ def openapi_document(
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
     schemas["ErrorResponse"] = copy.deepcopy(_ERROR)
-    _request_schemas(schemas, names, vocab_size, limits)
+    _request_schemas(schemas, names, vocab_size, limits, image_parts)
     if guarded:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in doc.get("paths", {}).items():
@@ -343,13 +370,20 @@ def openapi_document(
 
 
 def install(
-    app: FastAPI, names: list[str], vocab_size: int, limits: ServerConfig, guarded: bool
+    app: FastAPI,
+    names: list[str],
+    vocab_size: int,
+    limits: ServerConfig,
+    guarded: bool,
+    image_parts: bool = False,
 ) -> None:
     """Serve ``openapi_document`` as ``app``'s ``/openapi.json`` (built once, on first use)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app, names, vocab_size, limits, guarded)
+            app.openapi_schema = openapi_document(
+                app, names, vocab_size, limits, guarded, image_parts
+            )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
