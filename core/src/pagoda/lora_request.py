@@ -12,8 +12,9 @@ class LoRARequest:
     """An adapter by name, with an id unique among the adapters of one engine (>= 1) and the
     folder of its PEFT files (``adapter_config.json``, ``adapter_model.safetensors``).
 
-    NOTE: the name keys the prefix cache (blocks computed with one adapter are never another's)
-    and the id keys the adapter's device slot; two requests naming one adapter give both alike.
+    NOTE: the id and the name key the prefix cache (blocks computed with one adapter are never
+    another's) and the id keys the adapter's device slot: two requests on one adapter give both
+    alike, and an adapter loaded again from other files needs a new id.
     """
 
     lora_name: str

@@ -1,7 +1,7 @@
 """Chained hashes of full KV cache blocks, the keys of the prefix cache.
 
 A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt and the
-LoRA adapter's name, on the first block only: the chain carries them on; and the hash of every
+LoRA adapter's id and name, on the first block only: the chain carries them on; and the hash of every
 image whose placeholder tokens the block holds, with its offset), so equal hashes mean equal KV
 for the whole prefix, not just the block.
 """
@@ -66,5 +66,6 @@ def _first_block_keys(request: Request) -> tuple[ExtraKey, ...]:
     if request.cache_salt:
         keys += (request.cache_salt,)
     if request.lora_request is not None:
-        keys += (b"lora:" + request.lora_request.lora_name.encode(),)
+        lora = request.lora_request  # (an adapter unloaded and loaded again gets a new id)
+        keys += (f"lora:{lora.lora_int_id}:{lora.lora_name}".encode(),)
     return keys
