@@ -140,3 +140,21 @@ def test_llm_chat_takes_image_parts_as_generate_takes_multi_modal_data(llm, mode
                         SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]  # fmt: skip
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_preempted_image_requests_resume_with_transformers_tokens(model):
+    """A KV cache too small for the batch: requests are preempted mid-image and recomputed; each
+    still gives transformers' tokens (the encoder's outputs are held or computed again)."""
+    llm = LLM(model=str(model[1]), dtype="float32", device="cpu", max_model_len=128,
+              max_num_batched_tokens=24, max_num_encoder_input_tokens=64, block_size=4,
+              num_gpu_blocks_override=40, enable_prefix_caching=False)  # fmt: skip
+    prompts = [{"prompt_token_ids": prompt_ids(n, text=6 + i),
+                "multi_modal_data": {"image": (IMAGES * 2)[i % 3 : i % 3 + n]}}
+               for i, n in enumerate((1, 2, 1, 2, 1, 2))]  # fmt: skip
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.engine_core.scheduler.num_preemptions_total > 0
+    for prompt, out in zip(prompts, outs):
+        processed = llm.engine.input_processor.process(prompt)
+        ref, _ = hf_generate(model[0], processed.prompt_token_ids, processed.mm_inputs, 10)
+        assert out.outputs[0].token_ids == ref
