@@ -320,6 +320,8 @@ def test_lora_settings_that_cannot_work_are_refused_by_key(lora_model) -> None:
     with pytest.raises(ValueError, match="lora.enable_lora with speculative decoding"):
         LLM(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2},
             **base)  # fmt: skip
+    with pytest.raises(ValueError, match="lora.enable_lora with model.batch_invariant"):
+        LLM(enable_lora=True, batch_invariant=True, **base)
     plain = LLM(kv_cache_memory_bytes=4 << 20, **base)
     with pytest.raises(ValueError, match="'x': LoRA is off"):
         plain.generate({"prompt_token_ids": [1, 2]}, lora_request=LoRARequest("x", 1, "/x"))

@@ -22,6 +22,11 @@ def check_lora(config: EngineConfig, info: ModelInfo) -> None:
             f"model.impl {info.model_impl!r} ({info.shape.architecture}, "
             f"{model_cls.__name__}) does not support adapters"
         )
+    if config.model.batch_invariant:
+        raise ValueError(
+            "lora.enable_lora with model.batch_invariant is not supported (the LoRA kernels'"
+            " results depend on whether a row is decoded or prefilled); unset one of them"
+        )
     if config.speculative.method is not None:
         raise ValueError(
             "lora.enable_lora with speculative decoding (speculative.method="
