@@ -41,6 +41,11 @@ class MultiModalInputs:
     #: Added to the position of every token past the prompt (M-RoPE).
     position_delta: int = 0
 
+    @property
+    def end(self) -> int:
+        """Past the last placeholder: from there on the prompt is text."""
+        return max(f.end for f in self.features)
+
     def hash_keys(self, start: int, end: int) -> list[str]:
         """The hashes (with offsets) of the images whose placeholders meet ``[start, end)``."""
         return [f"{f.identifier}@{f.offset}" for f in self.features

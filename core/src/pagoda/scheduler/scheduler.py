@@ -292,17 +292,17 @@ class Scheduler:
                 )
 
     def _plan_images(self, req: Request, start: int, num_new: int, step: _Step) -> int:
-        """``num_new`` cut before the first image the encoder cannot compute this step."""
-        if req.mm_inputs is None:
-            return num_new
+        """``num_new`` cut before the first image the encoder cannot compute this step (a
+        request whose placeholders are all computed is not asked: see the callers)."""
         num_new, todo = self.encoder_cache.plan(req, start, num_new, step.encoder_budget)
         step.encoder_inputs[req.request_id] = todo
         return num_new
 
     def _commit_images(self, req: Request, start: int, num_new: int, step: _Step) -> None:
-        todo = step.encoder_inputs.pop(req.request_id, [])
-        if req.mm_inputs is None:
-            return
+        """The images planned for ``req`` are this step's: referenced, or encoded."""
+        todo = step.encoder_inputs.pop(req.request_id, None)
+        if todo is None:
+            return  # nothing planned: no image ahead
         step.encoder_budget -= self.encoder_cache.commit(req, start, num_new, todo)
         if todo:
             step.encoder_inputs[req.request_id] = todo
@@ -343,10 +343,12 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            num_new = self._plan_images(req, req.num_computed_tokens, num_new, step)
-            if num_new <= 0:
-                i += 1
-                continue
+            mm = req.mm_inputs
+            if mm is not None and req.num_computed_tokens < mm.end:  # images ahead
+                num_new = self._plan_images(req, req.num_computed_tokens, num_new, step)
+                if num_new <= 0:
+                    i += 1
+                    continue
             drafts = self._drafts_to_schedule(req, known, step.budget)
             blocks = kv.allocate_slots(req, num_new + len(drafts))
             if blocks is None and drafts:  # short of blocks: verify no drafts before preempting
@@ -558,9 +560,11 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = min(num_new, step.budget)
-            num_new = self._plan_images(req, req.num_computed_tokens + num_hit, num_new, step)
-            if num_new <= 0:
-                break  # its next image waits for the encoder's budget or cache
+            mm = req.mm_inputs
+            if mm is not None and req.num_computed_tokens + num_hit < mm.end:  # images ahead
+                num_new = self._plan_images(req, req.num_computed_tokens + num_hit, num_new, step)
+                if num_new <= 0:
+                    break  # its next image waits for the encoder's budget or cache
             blocks = kv.allocate_slots(req, num_new, hit_blocks, num_hit)
             while blocks is None and self._preempt_worse_than(req, step):
                 blocks = kv.allocate_slots(req, num_new, hit_blocks, num_hit)
