@@ -14,6 +14,7 @@ The step's slots come from a shared ``LoRAContext``, set by the runner before ea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +42,16 @@ class LoRAContext:
     batch: LoRABatch | None = None
 
 
+class _Slice(NamedTuple):
+    """One projection of a wrapped layer: its rows ``offset .. offset + local`` of this rank's
+    output are the checkpoint's rows ``start .. start + local``."""
+
+    name: str
+    offset: int
+    local: int
+    start: int
+
+
 class LoRALinear(nn.Module):
     """A column- or row-parallel linear of layer ``layer`` with ``num_slots`` adapter slots of
     rank ``max_rank``."""
@@ -62,17 +73,16 @@ class LoRALinear(nn.Module):
         self.row_parallel = isinstance(base, RowParallelLinear)
         w = base.weight
         if self.row_parallel:
-            self.slices = [(projections[0], 0, base.out_features, 0, base.out_features)]
+            self.slices = [_Slice(projections[0], 0, base.out_features, 0)]
         else:
-            # (projection, offset in this rank's output, local rows, start in the checkpoint's)
             self.slices = [
-                (name, base.parts[name][0], base.parts[name][1].local, base.parts[name][1].start,
-                 base.parts[name][1].size)
+                _Slice(name, base.parts[name][0], base.parts[name][1].local,
+                       base.parts[name][1].start)
                 for name in projections
             ]  # fmt: skip
         n = len(self.slices)
         # Where each slice after the first starts in the output (``pagoda.ops.lora.expand``).
-        self.bounds = tuple(off for _, off, _, _, _ in self.slices[1:])
+        self.bounds = tuple(s.offset for s in self.slices[1:])
         kw = {"dtype": w.dtype, "device": w.device}
         # NOTE: buffers, not parameters: the checkpoint loader never sees them.
         self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, w.shape[1], **kw))
@@ -99,7 +109,7 @@ class LoRALinear(nn.Module):
         if adapter is None:
             return
         r, big_r = adapter.rank, self.max_rank
-        for i, (name, off, local, start, _) in enumerate(self.slices):
+        for i, (name, off, local, start) in enumerate(self.slices):
             pair = adapter.weights.get((self.layer, name))
             if pair is None:
                 continue
