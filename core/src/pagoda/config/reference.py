@@ -17,6 +17,8 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{a}`" for a in literals)
     if typing.get_origin(annotation) is list:
         return f"list of {_type_name(args[0])}"
+    if typing.get_origin(annotation) is dict:
+        return f"map of {_type_name(args[0])} to {_type_name(args[1])}"
     if args:
         return " \\| ".join(_type_name(a) for a in args)
     return "null" if annotation is type(None) else annotation.__name__
