@@ -235,6 +235,7 @@ class Scheduler:
         # use more distinct adapters, so no step does; waiting ones that would wait their turn.
         self.max_loras = max_loras
         self._lora_held: list[Request] = []
+        self._lora_active: set[int] | None = None  # this step's adapters, once counted
         # Multimodal: image tokens the encoder may compute in one step, and its outputs' cache.
         self.encoder_cache = encoder_cache
         self.encoder_budget = scheduler_config.max_num_encoder_input_tokens or budget
@@ -495,7 +496,7 @@ class Scheduler:
         finally:
             for req in reversed(self._lora_held):
                 self.waiting.add_preempted(req)
-            self._lora_held = []
+            self._lora_held, self._lora_active = [], None
             for req in reversed(held):
                 self.waiting.add_preempted(req)
 
@@ -850,8 +851,16 @@ class Scheduler:
         request uses, or there is a slot for one more (``lora.max_loras``)."""
         if self.max_loras is None or req.lora_request is None:
             return True
-        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
-        return req.lora_request.lora_int_id in active or len(active) < self.max_loras
+        active = self._lora_active
+        if active is None:  # counted once a step; admitted adapters join it
+            active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+            self._lora_active = active
+        lora_id = req.lora_request.lora_int_id
+        if lora_id not in active:
+            if len(active) >= self.max_loras:
+                return False
+            active.add(lora_id)
+        return True
 
     def lora_adapters(self) -> tuple[list[str], list[str]]:
         """The names of the adapters of the running requests, and of the waiting ones."""
