@@ -14,7 +14,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 
 BASE = {"max_model_len": 384, "kv_cache_memory_bytes": 64 << 20, "batch_invariant": True}
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -24,7 +24,7 @@ def _prompts(tokenizer) -> list[list[int]]:
     funcs += [inspect.getsource, inspect.cleandoc, inspect.getdoc, inspect.isclass]
     out = []
     for i, fn in enumerate(funcs):
-        src = tokenizer.encode(inspect.getsource(fn), add_special_tokens=False)[: 24 + 4 * i]
+        src = tokenizer.encode(inspect.getsource(fn), add_special_tokens=False)[: 20 + 3 * i]
         lead = tokenizer.encode("Repeat this code exactly:\n", add_special_tokens=False)
         out.append(lead + src + [198] + lead[:2])
     topics = ["the sea", "a city at night", "bread", "winter", "a library", "rain", "trains"]

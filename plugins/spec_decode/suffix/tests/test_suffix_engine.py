@@ -9,7 +9,7 @@ from __future__ import annotations
 from pagoda import LLM, SamplingParams
 
 BASE = {"max_model_len": 256, "kv_cache_memory_bytes": 32 << 20}
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 # Drafting every step: the governor's choice would be measured on two short requests.
 SPEC = {"method": "suffix", "adaptive": False}
 PROMPT = "Write a short poem about the sea."
