@@ -247,6 +247,12 @@ def test_bad_adapters_are_refused_in_one_line_naming_them(llm, lora_model, tmp_p
             llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, lora_request=lora, use_tqdm=False)
         msg = str(err.value)
         assert "\n" not in msg and repr(lora.lora_name) in msg and words in msg, msg
+    # An adapter checked once, then deleted: refused before it reaches the worker.
+    gone = _bad(tmp_path, "deleted", lora_model)
+    llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, lora_request=gone, use_tqdm=False)
+    shutil.rmtree(tmp_path / "deleted")
+    with pytest.raises(ValueError, match="'deleted'.*gone since the adapter was first checked"):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, lora_request=gone, use_tqdm=False)
     # A good batch right after: nothing else failed.
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2

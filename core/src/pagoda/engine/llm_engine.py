@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import Any
 
 from pagoda.config import EngineConfig
@@ -11,7 +12,7 @@ from pagoda.engine.core import EngineCore
 from pagoda.engine.dp_client import SyncDPClient, check_device_ranks
 from pagoda.engine.input_processor import InputProcessor, PromptType
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.lora.peft import check_adapter
+from pagoda.lora.peft import WEIGHTS_FILE, check_adapter
 from pagoda.lora_request import LoRARequest
 from pagoda.model_info import ModelInfo, load_model_tokenizer, model_eos_ids
 from pagoda.multimodal import MediaLimits
@@ -164,6 +165,13 @@ class LLMEngine:
             )
         known = self._loras.get(lora.lora_int_id)
         if known == lora:
+            if not os.path.isfile(os.path.join(lora.lora_path, WEIGHTS_FILE)):
+                # NOTE: a worker may read it again (its host copies are a cache): refused here,
+                # the request never reaches it.
+                raise ValueError(
+                    f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}): no {WEIGHTS_FILE} "
+                    "(gone since the adapter was first checked)"
+                )
             return
         if known is not None:
             raise ValueError(
