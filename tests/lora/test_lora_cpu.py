@@ -331,3 +331,29 @@ def test_lora_settings_that_cannot_work_are_refused_by_key(lora_model) -> None:
     plain = LLM(kv_cache_memory_bytes=4 << 20, **base)
     with pytest.raises(ValueError, match="'x': LoRA is off"):
         plain.generate({"prompt_token_ids": [1, 2]}, lora_request=LoRARequest("x", 1, "/x"))
+
+
+def test_a_graph_replay_gets_every_tokens_slot_and_padding_rows_none(llm, adapters) -> None:
+    """What a decode graph reads (``LoRAInputs.prepare`` with the bucket's token count): each
+    request's slot for each of its tokens, -1 for the base model and the padding rows; an
+    eager step without adapters runs the base path alone."""
+    import numpy as np
+
+    lora = llm.engine.engine_core.executor.worker.model_runner.lora
+    lora.add("x", adapters["lora-a"])
+    lora.add("y", None)
+    lora.add("z", adapters["lora-b"])
+    try:
+        counts = np.array([2, 2, 2])  # a verification-shaped step: 2 tokens a request
+        qsl = np.array([0, 2, 4, 6])
+        lora.prepare(["x", "y", "z"], counts, qsl, graph_tokens=10)
+        slot_a, slot_b = lora.slots.slot_of[1], lora.slots.slot_of[2]
+        assert lora.context.batch is lora.graph_batch and lora.graph_batch.use_rows
+        want = [slot_a, slot_a, -1, -1, slot_b, slot_b] + [-1] * 4
+        assert lora.token_slots[:10].tolist() == want
+        lora.prepare(["y"], np.array([3]), np.array([0, 3]), graph_tokens=None)
+        assert lora.context.batch is None
+    finally:
+        for rid in "xyz":
+            lora.remove(rid)
+        lora.context.batch = None
