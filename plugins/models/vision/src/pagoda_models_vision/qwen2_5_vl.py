@@ -187,8 +187,9 @@ class VisionTower(nn.Module):
         self.merger = PatchMerger(int(v["out_hidden_size"]), dim, self.merge)
         head_dim = dim // heads
         theta = float((v.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
-        quarter = head_dim // 2
-        inv = 1.0 / (theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        # Rows and columns rotate half of each head each: head_dim / 4 frequencies per axis.
+        axis = head_dim // 2
+        inv = 1.0 / (theta ** (torch.arange(0, axis, 2, dtype=torch.float) / axis))
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def _layout(self, t: int, h: int, w: int) -> tuple[np.ndarray, ...]:
