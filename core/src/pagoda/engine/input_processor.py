@@ -103,6 +103,8 @@ class InputProcessor:
         (``truncate_prompt_tokens``): keep at most that many tokens (-1: ``max_model_len``); a
         text is truncated by its tokenizer (its special tokens kept), token ids keep their last.
         The prompt may fill the whole context (no output token follows)."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise ValueError("pooling requests take text only; multi_modal_data is for generation")
         limit = self.info.max_model_len
         k = limit if truncate == -1 else truncate
         kwargs = {} if k is None else {"truncation": True, "max_length": k}

@@ -158,3 +158,9 @@ def test_preempted_image_requests_resume_with_transformers_tokens(model):
         processed = llm.engine.input_processor.process(prompt)
         ref, _ = hf_generate(model[0], processed.prompt_token_ids, processed.mm_inputs, 10)
         assert out.outputs[0].token_ids == ref
+
+
+def test_images_in_a_pooling_request_are_refused_by_name(llm):
+    prompt = {"prompt_token_ids": prompt_ids(1), "multi_modal_data": {"image": IMAGES[0]}}
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.engine.input_processor.process_pooling(prompt)
