@@ -72,6 +72,13 @@ def test_adapters_are_models_selected_by_name(lora_server, lora_model) -> None:
     assert base_resp.json()["choices"][0]["text"] != resp.json()["choices"][0]["text"]
 
 
+def test_the_openapi_document_has_the_adapter_routes(lora_server) -> None:
+    doc = httpx.get(f"{lora_server.url}/openapi.json", headers=lora_server.headers, timeout=30)
+    assert doc.status_code == 200, doc.text
+    paths = doc.json()["paths"]
+    assert "/v1/load_lora_adapter" in paths and "/v1/unload_lora_adapter" in paths
+
+
 def test_an_unknown_model_name_is_a_404_naming_it(lora_server) -> None:
     resp = _complete(lora_server, "no-such-adapter")
     assert resp.status_code == 404
