@@ -29,7 +29,7 @@ class SuffixSettings(BaseModel):
 class SuffixProposer(SpeculativeProposer):
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.min_match = ctx.plugin_settings("suffix").min_match
+        self.min_match = ctx.plugin_settings("toy_lookup").min_match
 
     def propose(self, batch):
         k = self.ctx.num_speculative_tokens
@@ -39,12 +39,12 @@ class SuffixProposer(SpeculativeProposer):
 
 @hookimpl
 def register_plugin_settings(register):
-    register("suffix", "suffix_plugin:SuffixSettings")
+    register("toy_lookup", "suffix_plugin:SuffixSettings")
 
 
 @hookimpl
 def register_spec_proposers(register):
-    register("suffix", "suffix_plugin:SuffixProposer")
+    register("toy_lookup", "suffix_plugin:SuffixProposer")
 
 
 from pagoda.attention.torch_native import TorchNativeBackend
@@ -55,7 +55,7 @@ class ConfiguredBackend(TorchNativeBackend):
 
     @classmethod
     def configure(cls, config):
-        cls.min_match = config.plugin_settings("suffix").min_match
+        cls.min_match = config.plugin_settings("toy_lookup").min_match
 
 
 @hookimpl
@@ -65,10 +65,10 @@ def register_attention_backends(register):
 
 YAML = """\
 speculative:
-  method: suffix
+  method: toy_lookup
   num_speculative_tokens: 2
 plugins:
-  suffix:
+  toy_lookup:
     min_match: 4
 """
 
@@ -94,15 +94,16 @@ def test_a_third_party_proposer_reads_its_setting_from_the_config_file(engine_ya
 def test_every_family_reads_the_same_settings_from_its_section(engine_yaml) -> None:
     config = EngineConfig.load(engine_yaml)
     for section in ("speculative", "structured_output", "attention", "parallel"):
-        assert getattr(config, section).plugin_settings("suffix").min_match == 4, section
-    assert config.plugin_settings("suffix").min_match == 4  # what an executor receives
+        assert getattr(config, section).plugin_settings("toy_lookup").min_match == 4, section
+    assert config.plugin_settings("toy_lookup").min_match == 4  # what an executor receives
     defaults = EngineConfig.load()
-    assert defaults.structured_output.plugin_settings("suffix").min_match == 2
+    assert defaults.structured_output.plugin_settings("toy_lookup").min_match == 2
 
 
 def test_a_bad_value_for_a_proposer_setting_names_the_key_and_file(engine_yaml) -> None:
     engine_yaml.write_text(YAML.replace("min_match: 4", "min_match: 0"))
-    with pytest.raises(ConfigError, match=r"plugins\.suffix\.min_match: .*greater than or equal"):
+    bad = r"plugins\.toy_lookup\.min_match: .*greater than or equal"
+    with pytest.raises(ConfigError, match=bad):
         EngineConfig.load(engine_yaml)
 
 
@@ -114,7 +115,7 @@ def test_an_attention_backend_reads_its_setting_in_configure_when_the_engine_sta
     from pagoda import LLM
 
     engine_yaml.write_text(
-        "attention:\n  backend: configured\nplugins:\n  suffix:\n    min_match: 7\n"
+        "attention:\n  backend: configured\nplugins:\n  toy_lookup:\n    min_match: 7\n"
     )
     llm = LLM(config=str(engine_yaml), max_model_len=64, max_num_seqs=2)
     assert llm.engine.engine_core is not None
