@@ -206,11 +206,13 @@ def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> 
     y = torch.empty(tokens, r, dtype=torch.float32, device=x.device)  # (as sgmv_shrink)
     if tokens == 0:
         return y
-    br = min(64, triton.next_power_of_2(r))
+    # NOTE: a few ranks a program and long strides of K (Punica's BGMV: a block per output):
+    # a decode step's few rows still fill the device, each program reducing K in few steps.
+    br, bk = 4, 512
     _bgmv_shrink_kernel[(tokens, triton.cdiv(r, br))](
         x, a, y, token_slots, k, r,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0),
-        BLOCK_R=br, BLOCK_K=128, num_warps=4,
+        BLOCK_R=br, BLOCK_K=bk, num_warps=4,
     )  # fmt: skip
     return y
 
