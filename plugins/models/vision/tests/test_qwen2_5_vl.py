@@ -164,3 +164,18 @@ def test_images_in_a_pooling_request_are_refused_by_name(llm):
     prompt = {"prompt_token_ids": prompt_ids(1), "multi_modal_data": {"image": IMAGES[0]}}
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.engine.input_processor.process_pooling(prompt)
+
+
+def test_two_tensor_parallel_ranks_give_transformers_tokens(model):
+    """The decoder split over two gloo CPU ranks (the vision tower whole on each)."""
+    llm = LLM(model=str(model[1]), tensor_parallel_size=2, executor="multiproc", dtype="float32",
+              device="cpu", max_model_len=128, kv_cache_memory_bytes=8 << 20,
+              max_num_batched_tokens=16, max_num_encoder_input_tokens=64)  # fmt: skip
+    try:
+        prompt = {"prompt_token_ids": prompt_ids(2), "multi_modal_data": {"image": IMAGES[:2]}}
+        processed = llm.engine.input_processor.process(prompt)
+        ref, _ = hf_generate(model[0], processed.prompt_token_ids, processed.mm_inputs, 6)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == ref
+    finally:
+        llm.engine.shutdown()
