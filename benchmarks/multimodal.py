@@ -135,9 +135,10 @@ def run_transformers(folder: Path, batch: int) -> dict:
     cfg = json.loads((folder / "config.json").read_text())
     hf_cfg = tf.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    model = tf.Qwen2_5_VLForConditionalGeneration._from_config(
-        hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).to("cuda").eval()
+    with torch.device("cuda"):  # random weights drawn on the GPU, not the host
+        model = tf.Qwen2_5_VLForConditionalGeneration._from_config(
+            hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa"
+        ).eval()
     proc = Qwen2_5_VLProcessor(cfg, None)
     gen = dict(max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False,
                eos_token_id=None, pad_token_id=0)  # fmt: skip
