@@ -37,11 +37,11 @@ def _batch(req_ids: list[str], histories: list[list[int]], num_prompt: list[int]
 def test_draft_follows_the_most_frequent_continuation_and_stops_when_unsure() -> None:
     tree = SuffixTree(8)
     cursor = tree.add([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
-    draft, score, matched = SuffixTree.draft(cursor, 6, 0.3, 4.0)
+    draft, score, matched = tree.draft(cursor, 6, 0.3, 4.0)
     # "1 2" was followed by "3" three times; after "1 2 3", "4" twice and "5" once.
     assert matched == 2 and draft[:2] == [3, 4]
     assert score > 1.0
-    unsure = SuffixTree.draft(cursor, 6, 0.9, 4.0)[0]
+    unsure = tree.draft(cursor, 6, 0.9, 4.0)[0]
     assert unsure == [3]
 
 
@@ -66,5 +66,7 @@ def test_global_tree_drops_the_oldest_outputs_beyond_its_bound() -> None:
         p.remove([f"r{j}"])
     assert p.cached_tokens <= 50 and list(p.cached) == ["r3", "r4"]
     # The oldest output's substrings are gone from the tree; the newest are there.
-    assert 1000 not in p.global_tree.root.children
-    assert p.global_tree.root.children[1080].count == 1
+    tree = p.global_tree
+    assert 1000 not in tree.edges and tree.count[tree.edges[1080]] == 1
+    # Nodes freed by the dropped outputs are reused: the tree holds what its window holds.
+    assert len(tree.count) - len(tree.free) - 1 == len(tree.edges)

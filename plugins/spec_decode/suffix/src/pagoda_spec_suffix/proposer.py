@@ -25,7 +25,7 @@ import numpy as np
 
 from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
 from pagoda_spec_suffix.settings import SuffixSettings
-from pagoda_spec_suffix.tree import Node, SuffixTree
+from pagoda_spec_suffix.tree import SuffixTree
 
 
 @dataclass
@@ -33,8 +33,8 @@ class _Request:
     tree: SuffixTree
     num_prompt: int
     tokens: list[int] = field(default_factory=list)  # known so far, a copy
-    cursor: list[Node] = field(default_factory=list)  # in its own tree
-    global_cursor: list[Node | None] = field(default_factory=list)  # in the global tree
+    cursor: list[int] = field(default_factory=list)  # its suffixes' nodes in its own tree
+    global_cursor: list[int] = field(default_factory=list)  # and in the global tree
 
 
 class SuffixProposer(SpeculativeProposer):
@@ -60,11 +60,11 @@ class SuffixProposer(SpeculativeProposer):
         for i, req_id in enumerate(batch.req_ids):
             req = self._catch_up(req_id, batch, i, longest)
             cap = int(min(k, batch.max_num_drafts[i]))
-            best, score, _ = SuffixTree.draft(
+            best, score, _ = req.tree.draft(
                 req.cursor[:longest], cap, s.min_token_prob, s.max_spec_factor
             )
             if use_global:
-                got, g_score, _ = SuffixTree.draft(
+                got, g_score, _ = self.global_tree.draft(
                     req.global_cursor, cap, s.min_token_prob, s.max_spec_factor
                 )
                 if g_score > score:
@@ -84,7 +84,7 @@ class SuffixProposer(SpeculativeProposer):
             new = batch.token_ids[batch.rows[i], have:now].tolist()
             req.tokens += new
             req.cursor = req.tree.add(new, req.cursor)
-            if self.global_tree.root.children:
+            if not self.global_tree.empty:
                 g = req.global_cursor
                 for t in new:
                     g = self.global_tree.follow(g, t, longest)

@@ -4,36 +4,28 @@ Every substring of at most ``depth`` tokens of the sequences added is a path fro
 node counts the occurrences of its substring, so a node's children say what followed that
 substring and how often. Adding a token costs ``depth`` steps: a *cursor* (the nodes of the
 suffixes that end at the last token added, shortest first) is extended by the token. Removing a
-sequence takes its counts back and drops the nodes that reach zero, so a tree over a window of
+sequence takes its counts back and frees the nodes that reach zero, so a tree over a window of
 sequences stays bounded by the tokens in the window times the depth.
 
 Drafting (:meth:`SuffixTree.draft`) starts at the node of the longest suffix of a context that
 has a continuation, and follows the most frequent child while the product of the children's
-frequencies (each child's count over its siblings') stays above a floor: a substring always
-followed by the same tokens drafts long, one with many continuations short or not at all.
+frequencies (each child's count over its siblings' total) stays above a floor: a substring
+always followed by the same tokens drafts long, one with many continuations short or not at all.
+
+NOTE: nodes are integers and edges one dictionary of integer keys (``node * 2**24 + token``),
+so that a tree of hundreds of thousands of nodes holds no Python object the garbage collector
+tracks (a tree of node objects spent most of its time in collections). Each node keeps its most
+frequent child (updated as counts grow; after a removal it may be stale until the next addition
+there: drafts may then follow a child that is no longer the most frequent, which costs
+acceptance, never correctness).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-
-class Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self) -> None:
-        self.children: dict[int, Node] = {}
-        self.count = 0
-
-    def best_child(self) -> tuple[int, Node, int]:
-        """(token, node, total of the children's counts) of the most frequent child."""
-        total = 0
-        best_tok, best = -1, None
-        for tok, child in self.children.items():
-            total += child.count
-            if best is None or child.count > best.count:
-                best_tok, best = tok, child
-        return best_tok, best, total  # type: ignore[return-value]
+_KEY = 1 << 24  # tokens are below this
+NONE = -1
 
 
 class SuffixTree:
@@ -41,21 +33,46 @@ class SuffixTree:
         if depth < 2:
             raise ValueError(f"suffix tree: depth must be at least 2, got {depth}")
         self.depth = depth
-        self.root = Node()
+        self.edges: dict[int, int] = {}  # node * _KEY + token -> child
+        self.count: list[int] = [0]  # per node; node 0 is the root
+        self.total: list[int] = [0]  # per node: its children's counts summed
+        self.best: list[int] = [NONE]  # per node: its most frequent child
+        self.best_tok: list[int] = [NONE]
+        self.free: list[int] = []
 
-    def extend(self, cursor: list[Node], token: int) -> list[Node]:
+    @property
+    def empty(self) -> bool:
+        return self.total[0] == 0
+
+    def _child(self, node: int, token: int) -> int:
+        key = node * _KEY + token
+        child = self.edges.get(key)
+        if child is None:
+            if self.free:
+                child = self.free.pop()
+                self.count[child] = self.total[child] = 0
+                self.best[child] = self.best_tok[child] = NONE
+            else:
+                child = len(self.count)
+                self.count.append(0)
+                self.total.append(0)
+                self.best.append(NONE)
+                self.best_tok.append(NONE)
+            self.edges[key] = child
+        c = self.count[child] = self.count[child] + 1
+        self.total[node] += 1
+        b = self.best[node]
+        if b == NONE or (b != child and c > self.count[b]):
+            self.best[node], self.best_tok[node] = child, token
+        return child
+
+    def extend(self, cursor: list[int], token: int) -> list[int]:
         """Add ``token`` after the suffixes ``cursor`` (shortest first, as this returns):
         each of them, and the empty one, gains it. Returns the new cursor."""
-        out = []
-        for node in (self.root, *cursor[: self.depth - 1]):
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = Node()
-            child.count += 1
-            out.append(child)
-        return out
+        child = self._child
+        return [child(0, token), *(child(node, token) for node in cursor[: self.depth - 1])]
 
-    def add(self, tokens: Iterable[int], cursor: list[Node] | None = None) -> list[Node]:
+    def add(self, tokens: Iterable[int], cursor: list[int] | None = None) -> list[int]:
         cursor = [] if cursor is None else cursor
         for t in tokens:
             cursor = self.extend(cursor, t)
@@ -63,51 +80,59 @@ class SuffixTree:
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Take back the counts that :meth:`add` of ``tokens`` (in one call) put in."""
-        n = len(tokens)
+        n, edges, count, total = len(tokens), self.edges, self.count, self.total
         for start in range(n):
-            node = self.root
+            node = 0
             for j in range(start, min(n, start + self.depth)):
-                child = node.children.get(tokens[j])
+                key = node * _KEY + tokens[j]
+                child = edges.get(key)
                 if child is None:  # (not added as one sequence: nothing more to take back)
                     break
-                child.count -= 1
-                if child.count <= 0:
-                    del node.children[tokens[j]]
-                    child.count = 0  # NOTE: cursors that still hold it see a dead node
+                count[child] -= 1
+                total[node] -= 1
+                if count[child] <= 0:
+                    del edges[key]
+                    count[child] = 0
+                    self.free.append(child)
+                    if self.best[node] == child:
+                        self.best[node] = self.best_tok[node] = NONE
                 node = child
 
-    def follow(self, cursor: list[Node | None], token: int, longest: int) -> list[Node | None]:
-        """Like :meth:`extend` without adding: the nodes of the suffixes (length 1, 2, ...,
-        at most ``longest``) of a context that the tree holds, after ``token``; None where it
-        holds no such substring. For a context kept apart from the tree (another request's)."""
-        out: list[Node | None] = [self.root.children.get(token)]
+    def follow(self, cursor: list[int], token: int, longest: int) -> list[int]:
+        """Like :meth:`extend` without adding: the nodes of the suffixes (length 1, 2, ..., at
+        most ``longest``) of a context that the tree holds, after ``token`` (``NONE`` where it
+        holds no such substring). For a context kept apart from the tree (another request's).
+        A node freed since (its count 0) counts as absent."""
+        edges, count = self.edges, self.count
+        out = [edges.get(token, NONE)]
         for node in cursor[: longest - 1]:
-            out.append(node.children.get(token) if node is not None and node.count else None)
-        while out and out[-1] is None:
+            child = edges.get(node * _KEY + token, NONE) if node != NONE and count[node] else NONE
+            out.append(child)
+        while out and out[-1] == NONE:
             out.pop()
         return out
 
-    @staticmethod
     def draft(
-        cursor: Sequence[Node | None], max_len: int, min_prob: float, factor: float
+        self, cursor: Sequence[int], max_len: int, min_prob: float, factor: float
     ) -> tuple[list[int], float, int]:
         """The draft from the longest suffix in ``cursor`` with a continuation: (tokens, their
         expected accepted count (the sum of each prefix's probability), the suffix's length).
         At most ``max_len`` tokens and ``factor`` times the suffix's length."""
+        count, total, best, best_tok = self.count, self.total, self.best, self.best_tok
         for m in range(len(cursor), 0, -1):
             node = cursor[m - 1]
-            if node is None or not node.count or not node.children:
+            if node == NONE or not count[node] or not total[node] or best[node] == NONE:
                 continue
             limit = min(max_len, max(1, int(factor * m)))
             out: list[int] = []
-            prob = score = 1.0
+            prob = 1.0
             score = 0.0
-            while len(out) < limit and node.children:
-                tok, child, total = node.best_child()
-                prob *= child.count / total
+            while len(out) < limit and total[node] and best[node] != NONE:
+                child = best[node]
+                prob *= count[child] / total[node]
                 if prob < min_prob:
                     break
-                out.append(tok)
+                out.append(best_tok[node])
                 score += prob
                 node = child
             return out, score, m
