@@ -11,6 +11,7 @@ scheduler's and the runner's sides of speculation live in ``pagoda.scheduler`` a
 from __future__ import annotations
 
 from pagoda.sample.rejection import rejection_sample
+from pagoda.spec_decode.cost import DraftCost
 from pagoda.spec_decode.metrics import SpecDecodingStats
 from pagoda.spec_decode.proposer import (
     Drafts,
@@ -23,6 +24,7 @@ from pagoda.spec_decode.proposer import (
 )
 
 __all__ = [
+    "DraftCost",
     "Drafts",
     "ProposalBatch",
     "ProposerContext",

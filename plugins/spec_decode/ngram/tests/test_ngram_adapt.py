@@ -35,7 +35,7 @@ def _run(proposer: NgramProposer, texts: list[list[int]], steps: int) -> list[li
     known = [60] * len(texts)
     counts = []
     clock = [0.0]
-    proposer.adapt.clock = lambda: clock[0]
+    proposer.adapt.cost.clock = lambda: clock[0]
     for _ in range(steps):
         clock[0] += 0.1 + 0.002 * sum(counts[-1]) if counts else 0.1
         batch = _batch([t[:n] for t, n in zip(texts, known)])
@@ -71,7 +71,7 @@ def test_a_costly_draft_token_shortens_drafts() -> None:
         lengths.g_hits[:] = lengths.first_hits[:] = 80  # accepted 0.8 at every position
         lengths.g_trials[:] = lengths.first_trials[:] = 100
         clock = [0.0]
-        lengths.clock = lambda: clock[0]
+        lengths.cost.clock = lambda: clock[0]
         d = 0
         for i in range(40):
             clock[0] += 0.1 + per_draft * d  # the step that verified the last call's drafts

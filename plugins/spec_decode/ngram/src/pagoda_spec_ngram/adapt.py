@@ -10,9 +10,10 @@ What it measures:
   estimates it. Hits and trials are counted per request and position, and for the whole engine
   per position and per length of the match the drafts came from (decayed, so that they follow
   the workload).
-- *The cost of drafts at this batch size.* The time between calls is one engine step; its
-  regression on the draft tokens proposed for it, per batch-size bucket (1, 2-3, 4-7, ...), gives
-  a plain step's time and the time each draft token adds.
+- *The cost of drafts at this batch size* (:class:`pagoda.spec_decode.DraftCost`): the time
+  between calls is one engine step; its regression on the draft tokens given for it, per
+  batch-size bucket (1, 2-3, 4-7, ...), gives a plain step's time and the time each draft token
+  adds.
 
 What it decides: a draft at position ``j`` is proposed while the probability that it is
 accepted (the product of the conditional rates up to ``j``, the first of them by the match's
@@ -26,44 +27,14 @@ lengths within it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
+from pagoda.spec_decode import DraftCost
+
 _DECAY = 0.98  # per observation, for the engine-wide counts (a window of some 50 drafts)
 _PRIOR = 2.0  # weight of the engine-wide rate in a request's own estimate, in trials
-_MIN_THRESHOLD, _MAX_THRESHOLD = 0.05, 0.9
-_DEFAULT_THRESHOLD = 0.2  # before the cost is measured
-
-
-@dataclass
-class _Cost:
-    """Decayed sums for the regression of step seconds on draft tokens (one bucket)."""
-
-    w: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def add(self, x: float, y: float, decay: float = 0.95) -> None:
-        self.w = decay * self.w + 1
-        self.x = decay * self.x + x
-        self.y = decay * self.y + y
-        self.xx = decay * self.xx + x * x
-        self.xy = decay * self.xy + x * y
-
-    def fit(self) -> tuple[float, float] | None:
-        """(seconds of a step without drafts, seconds per draft token), or None while the
-        drafts' counts have not varied enough to tell."""
-        if self.w < 4:
-            return None
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var < 0.25:
-            return None
-        slope = (self.xy / self.w - mx * my) / var
-        return max(my - slope * mx, 1e-6), max(slope, 0.0)
 
 
 class DraftLengths:
@@ -72,10 +43,16 @@ class DraftLengths:
     Per-request state lives in arrays indexed by the request's row of the runner's token array
     (``ProposalBatch.rows``), so that every call is a few numpy operations over the batch."""
 
-    def __init__(self, k: int, max_match: int, max_num_reqs: int, clock=time.perf_counter):
+    def __init__(
+        self,
+        k: int,
+        max_match: int,
+        max_num_reqs: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.k = k
         self.max_match = max_match
-        self.clock = clock
+        self.cost = DraftCost(clock)
         self.owner: list[str | None] = [None] * max_num_reqs  # the request each row's state is of
         self.row_of: dict[str, int] = {}
         self.given = np.full((max_num_reqs, k), -1, dtype=np.int64)  # the last drafts given
@@ -89,9 +66,7 @@ class DraftLengths:
         self.g_trials = np.full(k, 2.0)
         self.first_hits = np.ones(max_match + 1)
         self.first_trials = np.full(max_match + 1, 2.0)
-        self.costs: dict[int, _Cost] = {}
-        self._last: tuple[float, int, int] | None = None  # (time, batch bucket, drafts given)
-        self.emitted_per_step = 1.0  # tokens a request emits per call (decayed mean)
+        self._gained: float | None = None  # tokens a request gained since the last call
 
     def own(self, req_ids: list[str], rows: np.ndarray) -> np.ndarray:
         """[n] bool: rows whose state is of the request now there (others are reset)."""
@@ -143,23 +118,13 @@ class DraftLengths:
         np.add.at(self.first_trials, m[scored], 1.0)
         np.add.at(self.first_hits, m[scored], hit[scored, 0])
         out = np.minimum(came[scored], hit[scored].sum(axis=1) + 1)
-        if len(out):
-            self.emitted_per_step += 0.05 * (float(out.mean()) - self.emitted_per_step)
+        self._gained = float(out.mean()) if len(out) else None
         self.given[rows] = -1
-
-    def threshold(self, n: int) -> float:
-        """The least acceptance probability a draft token must have at batch size ``n``."""
-        fit = self._cost(n).fit()
-        if fit is None:
-            return _DEFAULT_THRESHOLD
-        base, per_draft = fit
-        per_token = base / max(n * self.emitted_per_step, 1e-9)
-        return float(np.clip(per_draft / per_token, _MIN_THRESHOLD, _MAX_THRESHOLD))
 
     def lengths(self, rows: np.ndarray, match: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """[n] draft lengths for the rows' matches of ``match`` tokens (0: none found), at
         most ``caps``."""
-        tau = self.threshold(len(rows))
+        tau = self.cost.threshold(len(rows))
         rate = np.repeat((self.g_hits / self.g_trials)[None, :], len(rows), axis=0)
         rate[:, 0] = (self.first_hits / self.first_trials)[np.minimum(match, self.max_match)]
         rate = (self.hits[rows] + _PRIOR * rate) / (self.trials[rows] + _PRIOR)
@@ -173,24 +138,11 @@ class DraftLengths:
         self, rows: np.ndarray, drafts: np.ndarray, match: np.ndarray, num_tokens: np.ndarray
     ) -> None:
         """Record the drafts given (to score at the next call) and time the step before."""
-        now = self.clock()
         self.given[rows] = drafts
         self.at[rows] = num_tokens
         self.match[rows] = np.minimum(match, self.max_match)
-        n = len(rows)
-        bucket = max(n, 1).bit_length()
-        if self._last is not None:
-            t, b, count = self._last
-            if b == bucket and now - t < 5.0:  # (an idle engine is not a step)
-                self._cost(n).add(float(count), now - t)
-        self._last = (now, bucket, int((drafts >= 0).sum()))
-
-    def _cost(self, n: int) -> _Cost:
-        b = max(n, 1).bit_length()
-        got = self.costs.get(b)
-        if got is None:
-            got = self.costs[b] = _Cost()
-        return got
+        self.cost.step(len(rows), int((drafts >= 0).sum()), self._gained)
+        self._gained = None
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

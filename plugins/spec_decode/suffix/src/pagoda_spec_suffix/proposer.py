@@ -7,8 +7,10 @@ suffixes. A request's output goes into the global tree when the request leaves (
 the global tree holds at most ``global_max_tokens`` output tokens, the oldest request's dropped
 first. Each call drafts from whichever tree expects more accepted tokens, following the most
 frequent continuation of the longest suffix matched while its estimated probability holds
-(``min_token_prob``) and for at most ``max_spec_factor`` times the match's length: the draft
-length adapts to how often, and how consistently, the context was seen before. With
+(at least ``min_token_prob``, and at least what a draft token costs at this batch size, measured:
+:class:`pagoda.spec_decode.DraftCost`) and for at most ``max_spec_factor`` times the match's
+length: the draft length adapts to how often, and how consistently, the context was seen
+before. With
 ``num_speculative_tokens`` unset drafts are at most 8 tokens long.
 
 The work per call is a few dictionary steps per new token and per tree level (``max_tree_depth``)
@@ -23,7 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda.spec_decode import (
+    DraftCost,
+    Drafts,
+    ProposalBatch,
+    ProposerContext,
+    SpeculativeProposer,
+)
 from pagoda_spec_suffix.settings import SuffixSettings
 from pagoda_spec_suffix.tree import SuffixTree
 
@@ -49,6 +57,7 @@ class SuffixProposer(SpeculativeProposer):
         # req_id -> output tokens in the global tree, oldest first; and their total.
         self.cached: OrderedDict[str, list[int]] = OrderedDict()
         self.cached_tokens = 0
+        self.cost = DraftCost()
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         n, k = len(batch), self.k
@@ -57,24 +66,33 @@ class SuffixProposer(SpeculativeProposer):
         # NOTE: a match must leave room in the tree's depth for the draft after it.
         longest = max(1, self.depth - k)
         use_global = bool(self.cached)
+        # A draft token must be likelier to be accepted than what it costs (measured).
+        floor = max(s.min_token_prob, self.cost.threshold(n))
+        gained, known, given = 0, 0, 0
         for i, req_id in enumerate(batch.req_ids):
-            req = self._catch_up(req_id, batch, i, longest)
+            req, new = self._catch_up(req_id, batch, i, longest)
+            if new is not None:
+                gained, known = gained + new, known + 1
             cap = int(min(k, batch.max_num_drafts[i]))
-            best, score, _ = req.tree.draft(
-                req.cursor[:longest], cap, s.min_token_prob, s.max_spec_factor
-            )
+            best, score, _ = req.tree.draft(req.cursor[:longest], cap, floor, s.max_spec_factor)
             if use_global:
                 got, g_score, _ = self.global_tree.draft(
-                    req.global_cursor, cap, s.min_token_prob, s.max_spec_factor
+                    req.global_cursor, cap, floor, s.max_spec_factor
                 )
                 if g_score > score:
                     best = got
             out[i, : len(best)] = best
+            given += len(best)
+        self.cost.step(n, given, gained / known if known else None)
         return Drafts(out)
 
-    def _catch_up(self, req_id: str, batch: ProposalBatch, i: int, longest: int) -> _Request:
-        """The request's state, with the tokens it gained since the last call added."""
+    def _catch_up(
+        self, req_id: str, batch: ProposalBatch, i: int, longest: int
+    ) -> tuple[_Request, int | None]:
+        """The request's state, with the tokens it gained since the last call added; and how
+        many it gained (None: a request not seen before)."""
         req = self.requests.get(req_id)
+        seen = req is not None
         if req is None:
             req = self.requests[req_id] = _Request(
                 SuffixTree(self.depth), int(batch.num_prompt_tokens[i])
@@ -89,7 +107,7 @@ class SuffixProposer(SpeculativeProposer):
                 for t in new:
                     g = self.global_tree.follow(g, t, longest)
                 req.global_cursor = g
-        return req
+        return req, (now - have if seen else None)
 
     def remove(self, req_ids: Iterable[str]) -> None:
         """Forget the requests; their outputs join the global tree (a request that comes back
