@@ -265,13 +265,14 @@ class SpeculativeConfig(_Section):
         None,
         ge=1,
         description="ngram: shortest suffix matched in the prompt and output; default:"
-        " prompt_lookup_max, or 5 when neither is set (vLLM's defaults)",
+        " prompt_lookup_max; neither set: matches of 1 to 8 tokens, the proposer measuring"
+        " from which length drafting pays",
     )
     prompt_lookup_max: int | None = Field(
         None,
         ge=1,
         description="ngram: longest suffix matched in the prompt and output; default:"
-        " prompt_lookup_min, or 5 when neither is set",
+        " prompt_lookup_min; neither set: 8, the proposer choosing the shortest",
     )
     model: str | None = Field(
         None,
