@@ -4,10 +4,11 @@ A request with ``k`` scheduled drafts contributes ``k + 1`` consecutive *scoring
 holds the target's logits after draft ``j - 1`` (row 0: after its last known token) and samples
 position ``num_tokens + j``. Every sampling setting applies to each row as if the drafts before
 it were output already (penalties count them, bad words and min_tokens see them, a seeded row
-draws by its position), so verified output equals what plain decoding would give. In batch-invariant mode
-(``model.batch_invariant``) every scoring row is computed exactly as a one-token decode row
-(fixed-shape matmuls, attention from position 0 per query token, the same log-softmax), so greedy
-tokens and logprobs are bit-identical to those of the same engine without speculation.
+draws by its position), so verified output equals what plain decoding would give. In
+batch-invariant mode (``model.batch_invariant``) every scoring row is computed exactly as a
+one-token decode row (fixed-shape matmuls, attention from position 0 per query token, the same
+log-softmax), so greedy tokens and logprobs are bit-identical to those of the same engine
+without speculation.
 
 NOTE (for logits processors and grammar masks): in ``Sampler.process_logits`` a verification
 step's ``SamplingMetadata.req_ids`` repeats a request's id once per scoring row, in order.
