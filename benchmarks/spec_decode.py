@@ -317,7 +317,11 @@ def run_suite(args: argparse.Namespace) -> None:
     ``--method`` among the speculative options), then one table of the figures."""
     here = Path(__file__).resolve()
     rows = []
-    for dtype, prompts, batch, method, max_tokens, n in _GPU_SUITE:
+    # NOTE: --dtype (and --method) given with --suite run that part of it alone.
+    suite = [c for c in _GPU_SUITE if args.dtype in (None, c[0])]
+    if args.method_given:
+        suite = [c for c in suite if c[3] == args.method]
+    for dtype, prompts, batch, method, max_tokens, n in suite:
         cmd = [sys.executable, str(here), "--method", method, "--prompts", prompts]
         cmd += ["--batch-size", str(batch), "--dtype", dtype, "--max-tokens", str(max_tokens)]
         cmd += ["--device", args.device]
@@ -362,7 +366,8 @@ def main() -> None:
         default=None,
         help="gpu: run issue 44's matrix (bfloat16 and float32; copy and open sets at batch 1 "
         "for ngram and suffix; batch 64 random prompts for ngram), each in a process of its "
-        "own with only the method set, and print one table",
+        "own with only the method set, and print one table; with --dtype or --method, only "
+        "that part",
     )
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     p.add_argument("--output-json", default=None)
@@ -384,6 +389,7 @@ def main() -> None:
         "--disable-by-batch-size", type=int, default=None, help="speculative.disable_by_batch_size"
     )
     args = p.parse_args()
+    args.method_given = "--method" in sys.argv
     if args.suite:
         run_suite(args)
         return
