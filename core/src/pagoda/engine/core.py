@@ -20,7 +20,7 @@ from pagoda.scheduler.draft_policy import draft_policy
 from pagoda.scheduler.encoder_cache import EncoderCacheManager
 from pagoda.scheduler.scheduler import Scheduler
 from pagoda.scheduler.spec_governor import build_governor
-from pagoda.spec_decode.proposer import check_speculative
+from pagoda.spec_decode.proposer import check_speculative, proposer_paces_itself
 from pagoda.step import EngineCoreOutput, SchedulerOutput
 from pagoda.structured_output.manager import StructuredOutputManager, register_manager
 
@@ -71,7 +71,9 @@ class EngineCore:
             info.max_model_len,
             structured_output=self.structured_output,
             drafts=draft_policy(config),
-            spec_governor=build_governor(config.speculative),
+            spec_governor=build_governor(
+                config.speculative, self_paced=proposer_paces_itself(config.speculative)
+            ),
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             batch_queue=config.parallel.pipeline_parallel_size > 1,
             encoder_cache=_encoder_cache(sched_config, info),

@@ -131,6 +131,7 @@ class SpeculationGovernor:
         disturbance: float = 2.0,
         disable_by_batch_size: int | None = None,
         fixed: bool = False,
+        self_paced_below: int = 0,
     ) -> None:
         if epoch_steps < 1 or settle_steps < 0 or not 1 <= min_explore <= max_explore:
             raise ValueError("governor: epoch_steps >= 1, settle_steps >= 0, 1 <= min <= max")
@@ -151,6 +152,9 @@ class SpeculationGovernor:
         self.disable_by_batch_size = disable_by_batch_size
         # Fixed: only ``disable_by_batch_size`` decides; nothing is measured.
         self.fixed = fixed
+        # Below this many running requests drafting stays on, unmeasured: the proposer paces
+        # itself (``SpeculativeProposer.paces_itself``).
+        self.self_paced_below = self_paced_below
         self.buckets: dict[int, _Bucket] = {}
         self.epoch: _Epoch | None = None
         self._last_end: float | None = None
@@ -175,7 +179,7 @@ class SpeculationGovernor:
         """Whether the step being scheduled, with ``num_running`` requests running, drafts."""
         if self.disable_by_batch_size is not None and num_running >= self.disable_by_batch_size:
             return False
-        if self.fixed:
+        if self.fixed or num_running < self.self_paced_below:
             return True
         b = self.bucket_of(num_running)
         if self.epoch is None or self.epoch.bucket != b:
@@ -369,12 +373,19 @@ def is_decode_step(num_scheduled: dict[str, int], drafts: dict[str, list[int]], 
     )
 
 
-def build_governor(config: SpeculativeConfig) -> SpeculationGovernor | None:
+def build_governor(
+    config: SpeculativeConfig, self_paced: bool = False
+) -> SpeculationGovernor | None:
     """The governor ``speculative`` asks for: measured (``adaptive``), with vLLM's
     ``disable_by_batch_size`` on top; None when drafting runs every step, or never (no
-    ``method``)."""
+    ``method``). ``self_paced``: the proposer drafts only what it measured to pay
+    (``SpeculativeProposer.paces_itself``), so at batch 1 drafting is left on: there the
+    governor's epochs (a request's content changes within them) cost more than they saved (the
+    copy set on a 2-core CPU: 1.39x with them, 1.66x without, benchmarks/README.md)."""
     if config.method is None or (not config.adaptive and config.disable_by_batch_size is None):
         return None
     if not config.adaptive:  # the threshold alone: never measured, never probed
         return SpeculationGovernor(disable_by_batch_size=config.disable_by_batch_size, fixed=True)
-    return SpeculationGovernor(disable_by_batch_size=config.disable_by_batch_size)
+    return SpeculationGovernor(
+        disable_by_batch_size=config.disable_by_batch_size, self_paced_below=2 if self_paced else 0
+    )

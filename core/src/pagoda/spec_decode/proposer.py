@@ -215,6 +215,15 @@ class SpeculativeProposer(ABC):
     # The proposer sets and clears entries; ``remove`` should drop them.
     resume_at: dict[str, int]
 
+    @classmethod
+    def paces_itself(cls, config: SpeculativeConfig) -> bool:
+        """Whether, under ``config`` (the ``speculative`` section), the proposer drafts only what
+        it measured to pay (each request's length from its acceptance and the measured cost of a
+        draft token, :class:`pagoda.spec_decode.DraftCost`), so that at batch 1 the speculation
+        governor leaves drafting on instead of measuring it in epochs. Called once, at start,
+        on the class. Default False."""
+        return False
+
     def __init__(self, ctx: ProposerContext) -> None:
         """Called once per model runner, when it is built: ``ctx`` (a :class:`ProposerContext`)
         holds the speculative section of the configuration, the model's sizes, the device and
@@ -283,6 +292,16 @@ def build_proposer(ctx: ProposerContext) -> SpeculativeProposer | None:
             "pagoda.spec_decode.SpeculativeProposer"
         )
     return proposer
+
+
+def proposer_paces_itself(config: SpeculativeConfig) -> bool:
+    """``SpeculativeProposer.paces_itself`` of the proposer ``config.method`` names (False for
+    none, or for a factory, which tells nothing before it builds)."""
+    if config.method is None:
+        return False
+    target = get_registry("spec_proposers").get(config.method)
+    paces = getattr(target, "paces_itself", None)
+    return bool(paces(config)) if isinstance(target, type) and callable(paces) else False
 
 
 def check_speculative(config: EngineConfig, info: ModelInfo) -> None:

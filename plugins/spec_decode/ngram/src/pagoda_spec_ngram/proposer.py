@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
 from pagoda_spec_ngram.adapt import DraftLengths
 
@@ -133,6 +134,11 @@ class NgramProposer(SpeculativeProposer):
     and the lookup keys unset it measures (``pagoda_spec_ngram.adapt``) and chooses each
     request's draft length and the shortest match it drafts from; each key given fixes its part
     (``prompt_lookup_min``/``max``: the window; ``num_speculative_tokens``: the length)."""
+
+    @classmethod
+    def paces_itself(cls, config: SpeculativeConfig) -> bool:
+        """With the draft length not given, each request's is chosen from what it pays."""
+        return not config.draft_length_given
 
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)

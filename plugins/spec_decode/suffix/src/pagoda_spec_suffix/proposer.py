@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode import (
     DraftCost,
     Drafts,
@@ -46,6 +47,11 @@ class _Request:
 
 
 class SuffixProposer(SpeculativeProposer):
+    @classmethod
+    def paces_itself(cls, config: SpeculativeConfig) -> bool:
+        """Its drafts stop where their probability falls below what a draft token costs."""
+        return True
+
     def __init__(self, ctx: ProposerContext) -> None:
         super().__init__(ctx)
         s = ctx.plugin_settings("suffix")
