@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagoda.bench.report import commit
+
 CONFIG = Path(__file__).parent / "configs" / "qwen3-0.6b"
 RANK = 16
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -123,14 +125,6 @@ def run_case(case: str, folder: Path, adapters: list[Path], args: argparse.Names
     return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json", type=Path)
@@ -153,7 +147,7 @@ def main() -> int:
         "benchmark": "lora",
         "command": " ".join(["python benchmarks/lora.py", *sys.argv[1:]]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": commit(),
         "model": "qwen3-0.6b (random weights, bfloat16)",
         "adapters": f"random, rank {RANK}, on {', '.join(TARGETS)}",
         "workload": {"requests": args.requests, "prompt_len": args.prompt_len,

@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagoda.bench.report import commit
+
 CONFIG = Path(__file__).parent / "configs" / "qwen3-30b-a3b"
 CASES = {
     "native": ("native", None),
@@ -196,14 +198,6 @@ def run_kernel() -> dict:
             "gpu": torch.cuda.get_device_name(device)}  # fmt: skip
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json", type=Path)
@@ -229,7 +223,7 @@ def main() -> int:
         "benchmark": "moe",
         "command": " ".join(["python benchmarks/moe.py", *sys.argv[1:]]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": commit(),
         "model": "qwen3-30b-a3b (random weights, bfloat16)",
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagoda.bench.report import commit
+
 CONFIG = Path(__file__).parent / "configs" / "qwen2.5-vl-3b"
 NUM_REQUESTS = 64
 SHARED = 16
@@ -185,14 +187,6 @@ def run_transformers(folder: Path, batch: int) -> dict:
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json", type=Path)
@@ -217,7 +211,7 @@ def main() -> int:
         "benchmark": "multimodal",
         "command": " ".join(["python benchmarks/multimodal.py", *sys.argv[1:]]),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": commit(),
         "model": "qwen2.5-vl-3b (random weights, bfloat16)",
         "workload": {"requests": NUM_REQUESTS, "image": f"{IMAGE_SIDE}x{IMAGE_SIDE}",
                      "output_tokens": OUTPUT_TOKENS, "text_tokens": TEXT_TOKENS + 3},
