@@ -418,8 +418,10 @@ def main() -> None:
     for llm in engines.values():
         llm.generate(prompts[: args.batch_size], warm, use_tqdm=False)
     core = engines["spec"].engine.engine_core
-    if core.scheduler.spec_governor is not None:
-        core.scheduler.spec_governor = build_governor(core.config.speculative)
+    gov = core.scheduler.spec_governor
+    if gov is not None:
+        paced = gov.self_paced_below > 0
+        core.scheduler.spec_governor = build_governor(core.config.speculative, self_paced=paced)
     stats = engines["spec"].engine.engine_core.scheduler.spec_stats_total
     drafts0, draft_tokens0, accepted0 = (
         stats.num_drafts,
