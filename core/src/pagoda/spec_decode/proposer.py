@@ -217,11 +217,11 @@ class SpeculativeProposer(ABC):
 
     @classmethod
     def paces_itself(cls, config: SpeculativeConfig) -> bool:
-        """Whether, under ``config`` (the ``speculative`` section), the proposer drafts only what
-        it measured to pay (each request's length from its acceptance and the measured cost of a
-        draft token, :class:`pagoda.spec_decode.DraftCost`), so that at batch 1 the speculation
-        governor leaves drafting on instead of measuring it in epochs. Called once, at start,
-        on the class. Default False."""
+        """Returns whether, under ``config`` (the ``speculative`` section), the proposer drafts
+        only what it measured to pay (each request's length from its acceptance and the measured
+        cost of a draft token, :class:`pagoda.spec_decode.DraftCost`), so that at batch 1 the
+        speculation governor leaves drafting on instead of measuring it in epochs. Called once,
+        at start, on the class. Default False."""
         return False
 
     def __init__(self, ctx: ProposerContext) -> None:
