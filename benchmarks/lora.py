@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from pagoda.bench.random_weights import config_folder
 from pagoda.bench.report import commit
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3-0.6b"
@@ -35,17 +35,6 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 #: case -> (adapters, device slots); 0 adapters: LoRA off
 CASES = {"base": (0, 0), "lora-8": (8, 8), "lora-32-slots-8": (32, 8)}
 
-
-def _folder(tmp: Path) -> Path:
-    """The config and a synthetic tokenizer (the engine draws the weights)."""
-    from pagoda.loader.synthetic import synthetic_tokenizer
-
-    cfg = json.loads((CONFIG / "config.json").read_text())
-    folder = tmp / CONFIG.name
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(CONFIG / "config.json", folder / "config.json")
-    synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
-    return folder
 
 
 def _adapters(tmp: Path, count: int) -> list[Path]:
@@ -154,7 +143,7 @@ def main() -> int:
                      "output_len": args.output_len, "max_num_seqs": 64},  # fmt: skip
     }
     with tempfile.TemporaryDirectory() as tmp:
-        folder = _folder(Path(tmp))
+        folder = config_folder(CONFIG, Path(tmp))
         _adapters(Path(tmp) / "adapters", max(CASES[c][0] for c in args.cases))
         for case in args.cases:
             out = Path(tmp) / f"{case}.json"

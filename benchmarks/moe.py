@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagoda.bench.random_weights import config_folder
 from pagoda.bench.report import commit
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3-30b-a3b"
@@ -40,17 +40,6 @@ CASES = {
 }
 DECODE_BATCHES = (64, 256)
 
-
-def _folder(tmp: Path) -> Path:
-    """The config and a synthetic tokenizer (the weights are drawn by the engine)."""
-    from pagoda.loader.synthetic import synthetic_tokenizer
-
-    cfg = json.loads((CONFIG / "config.json").read_text())
-    folder = tmp / CONFIG.name
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(CONFIG / "config.json", folder / "config.json")
-    synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
-    return folder
 
 
 def _expert_bytes(cfg: dict) -> int:
@@ -227,7 +216,7 @@ def main() -> int:
         "model": "qwen3-30b-a3b (random weights, bfloat16)",
     }
     with tempfile.TemporaryDirectory() as tmp:
-        folder = _folder(Path(tmp))
+        folder = config_folder(CONFIG, Path(tmp))
         todo = ["kernel"] + ([] if args.skip_engines else args.cases)
         for case in todo:
             out = Path(tmp) / f"{case}.json"

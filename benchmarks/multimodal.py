@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from pagoda.bench.random_weights import config_folder
 from pagoda.bench.report import commit
 
 CONFIG = Path(__file__).parent / "configs" / "qwen2.5-vl-3b"
@@ -34,20 +34,6 @@ IMAGE_SIDE = 448
 OUTPUT_TOKENS = 128
 TEXT_TOKENS = 24
 
-
-def _folder(tmp: Path) -> Path:
-    """The config and a synthetic tokenizer: Pagoda draws its weights (``load_format=dummy``),
-    transformers initialises its own."""
-    from pagoda.loader.synthetic import synthetic_tokenizer
-
-    cfg = json.loads((CONFIG / "config.json").read_text())
-    folder = tmp / CONFIG.name
-    folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(CONFIG / "config.json", folder / "config.json")
-    synthetic_tokenizer(cfg["text_config"]["vocab_size"], cfg["eos_token_id"]).save_pretrained(
-        folder
-    )
-    return folder
 
 
 def _images(num: int, seed: int, shared: int = 0) -> list:
@@ -217,7 +203,7 @@ def main() -> int:
                      "output_tokens": OUTPUT_TOKENS, "text_tokens": TEXT_TOKENS + 3},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        folder = _folder(Path(tmp))
+        folder = config_folder(CONFIG, Path(tmp))
         for case in args.cases:
             out = Path(tmp) / f"{case}.json"
             cmd = [sys.executable, __file__, "--one", case, "--folder", str(folder),

@@ -24,6 +24,21 @@ logger = logging.getLogger(__name__)
 MARKER = "pagoda-random-weights.json"
 
 
+def config_folder(config_dir: Path, into: Path) -> Path:
+    """``config_dir``'s config and a synthetic tokenizer in ``into/<its name>``, no weights: for
+    an engine that draws its own (``load_format=dummy``)."""
+    from pagoda.loader.synthetic import synthetic_tokenizer
+
+    cfg = json.loads((config_dir / "config.json").read_text())
+    folder = into / config_dir.name
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(config_dir / "config.json", folder / "config.json")
+    # NOTE: a vision-language config keeps its vocabulary in its text part
+    vocab = cfg["vocab_size"] if "vocab_size" in cfg else cfg["text_config"]["vocab_size"]
+    synthetic_tokenizer(vocab, cfg["eos_token_id"]).save_pretrained(folder)
+    return folder
+
+
 def random_weights_dir(config_dir: Path, seed: int) -> Path:
     # NOTE: torch and the engine load when a benchmark runs, not when the CLI builds its parser.
     from pagoda.loader import cache_dir
