@@ -60,6 +60,11 @@ def register_lora_resolvers(register: Register) -> None:
 
 
 @hookimpl
+def register_quantization_methods(register: Register) -> None:
+    register("fp8", "pagoda.quantization.fp8:Fp8Method")
+
+
+@hookimpl
 def register_offload_policies(register: Register) -> None:
     register("lru", "pagoda.kv_offload.policy:LRUPolicy")
     register("arc", "pagoda.kv_offload.arc:ARCPolicy")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ from pagoda.loader.synthetic import synthetic_tokenizer
 from pagoda.models.impl import select_model_impl
 from pagoda.models.shape import ModelShape
 from pagoda.pooling.config import PoolerConfig, resolve_pooler
+from pagoda.quantization import checkpoint_config, kv_cache_unsupported, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,6 +36,10 @@ class ModelInfo:
     # pools (None: it only generates).
     tasks: tuple[str, ...] = ("generate",)
     pooler: PoolerConfig | None = None
+    # The quantization method that serves the model (``model.quantization``, or the
+    # checkpoint's; None: full precision) and the checkpoint's ``quantization_config``.
+    quantization: str | None = None
+    quantization_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def bidirectional(self) -> bool:
@@ -51,6 +56,15 @@ class ModelInfo:
         shape = impl.shape(hf_config, config.parallel.tensor_parallel_size)
         device = _pick_device(mc.device)
         dtype = _pick_dtype(mc.dtype, shape, device)
+        quantization = resolve_quantization(mc.quantization, hf_config, device, dtype)
+        why = kv_cache_unsupported(config.cache.kv_cache_dtype, device)
+        if why is not None:
+            raise ValueError(why)
+        if quantization is not None and config.lora.enable_lora:
+            raise ValueError(
+                f"LoRA adapters do not run over quantized linears yet (model.quantization="
+                f"{quantization}); turn one of them off"
+            )
         # Window layers keep every block of the context and mask: a window does not cap it.
         context = shape.max_position_embeddings
         max_model_len = mc.max_model_len or context
@@ -89,6 +103,8 @@ class ModelInfo:
             model_impl=impl_name,
             tasks=tasks,
             pooler=pooler,
+            quantization=quantization,
+            quantization_config=checkpoint_config(hf_config) if quantization else {},
         )
 
 

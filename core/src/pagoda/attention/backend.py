@@ -16,6 +16,7 @@ import torch
 
 from pagoda.attention.spec import AttentionSpec
 from pagoda.config import AttentionConfig
+from pagoda.ops.fp8 import FP8_DTYPE, from_fp8, to_fp8
 
 
 @dataclass
@@ -45,14 +46,21 @@ class CommonAttentionMetadata:
 class AttentionImpl(ABC):
     """One attention layer's computation over the paged KV cache.
 
-    Besides the constructor's arguments, the layer sets two attributes before the first step:
-    ``spec``, the layer's :class:`AttentionSpec` (one the backend's ``unsupported`` accepted),
-    and ``sinks``, the ``[num_heads]`` sink logits (the layer's ``sinks`` parameter, loaded with the
-    weights: the model's dtype, the engine's device) when ``spec.sinks``, else None.
+    Besides the constructor's arguments, the layer sets these attributes before the first step:
+    ``spec``, the layer's :class:`AttentionSpec` (one the backend's ``unsupported`` accepted);
+    ``sinks``, the ``[num_heads]`` sink logits (the layer's ``sinks`` parameter, loaded with the
+    weights: the model's dtype, the engine's device) when ``spec.sinks``, else None; and
+    ``k_scale`` and ``v_scale``, float32 ``[1]`` tensors on the engine's device: with an FP8
+    cache (``kv_cache.dtype`` is ``float8_e4m3fn``, only where the backend's
+    ``supports_kv_cache_dtype`` said so) keys are stored as ``fp8(key / k_scale)`` and read back
+    as ``stored * k_scale``, values likewise. Read them on the device, every step: their values
+    may change after a CUDA graph is captured (the first prompt computes them).
     """
 
     spec: AttentionSpec
     sinks: torch.Tensor | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         """Called once per layer when the model is built. ``num_heads`` and ``num_kv_heads`` are
@@ -158,6 +166,14 @@ class AttentionBackend(ABC):
         return missing[0] if missing else None
 
     @classmethod
+    def supports_kv_cache_dtype(cls, dtype: torch.dtype) -> bool:
+        """Called at engine start with the KV cache's dtype when ``cache.kv_cache_dtype`` is not
+        ``auto`` (``torch.float8_e4m3fn`` for ``fp8``). Returns whether this backend stores and
+        reads a cache of that dtype, with the impl's ``k_scale`` and ``v_scale``
+        (``write_kv_cache`` stores one). Default: false (a cache in the model's dtype only)."""
+        return False
+
+    @classmethod
     def supports_block_size(cls, block_size: int) -> bool:
         """Called at engine start with ``cache.block_size`` as ``block_size``. Returns whether
         this backend reads a paged cache with blocks of that many tokens (default: any)."""
@@ -225,22 +241,39 @@ def write_kv_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_tokens: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Store the first ``num_tokens`` rows of ``key`` and ``value`` (``[num_tokens,
     num_kv_heads, head_size]``) in their slots ``slot_mapping[:num_tokens]`` of ``kv_cache``, a
     cache in the default layout (``[2, num_blocks, block_size, num_kv_heads, head_size]``).
 
     Keys or values narrower than the cache's heads (``value_head_size`` differs from
-    ``head_size``) fill the leading part of each head.
+    ``head_size``) fill the leading part of each head. An FP8 cache stores ``fp8(key /
+    k_scale)`` and ``fp8(value / v_scale)`` (the impl's scales; see :class:`AttentionImpl`).
 
     Returns the key cache and the value cache, ``[num_blocks, block_size, num_kv_heads,
     head_size]`` views of ``kv_cache``."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     heads, size = key.shape[1], kv_cache.shape[-1]
     slots = slot_mapping[:num_tokens]
-    for src, cache in ((key, key_cache), (value, value_cache)):
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
         rows = cache.view(-1, heads, size)
         if src.shape[2] != size:
             rows = rows[..., : src.shape[2]]
-        rows.index_copy_(0, slots, src[:num_tokens])
+        src = src[:num_tokens]
+        if fp8:
+            # NOTE: as bytes: index_copy_ has no FP8 kernel on a CPU.
+            src = to_fp8(src, 1.0 if scale is None else scale).view(torch.uint8)
+            rows = rows.view(torch.uint8)
+        rows.index_copy_(0, slots, src)
     return key_cache, value_cache
+
+
+def read_kv(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values gathered from the cache, in ``dtype``: FP8 ones dequantized with their
+    ``scale`` (:func:`write_kv_cache`), others as they are (no copy when already ``dtype``)."""
+    if cache.dtype != FP8_DTYPE:
+        return cache.to(dtype)
+    return from_fp8(cache, 1.0 if scale is None else scale, dtype)

@@ -11,6 +11,8 @@ from torch import nn
 
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.spec import AttentionSpec
+from pagoda.loader.sharded import WeightSlice, as_slice
+from pagoda.ops.fp8 import FP8_MAX
 
 _attn_metadata: Any = None
 
@@ -33,6 +35,12 @@ class Attention(nn.Module):
     ``head_size``, ``scale`` and ``num_kv_heads``, which a given spec must repeat). A spec with
     ``sinks`` gives the layer a ``sinks`` parameter (``[num_heads]``, this rank's heads, in the
     model's dtype) for the weights to fill; its impl reads it as ``impl.sinks``.
+
+    Its KV scales, ``k_scale`` and ``v_scale`` (float32 ``[1]`` buffers, 1.0 unless loaded or
+    computed), are what an FP8 KV cache divides keys and values by when it stores them; its
+    impl reads them as ``impl.k_scale`` and ``impl.v_scale``. With ``calibrate_kv_scales`` set
+    (the model runner sets it once the cache is bound), the next forward computes them from its
+    keys and values first, then clears it.
     """
 
     def __init__(
@@ -75,9 +83,37 @@ class Attention(nn.Module):
             self.impl.sinks = self.sinks
         # Bound by the model runner once the cache is allocated.
         self.kv_cache: torch.Tensor = torch.empty(0)
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.impl.k_scale, self.impl.v_scale = self.k_scale, self.v_scale
+        self.kv_scales_loaded = False
+        self.calibrate_kv_scales = False
+
+    def load_kv_scale(self, which: str, scale: torch.Tensor | WeightSlice) -> None:
+        """Set the key (``which="k"``) or value (``"v"``) scale from a checkpoint's tensor (one
+        value)."""
+        value = as_slice(scale).full().float().reshape(-1)
+        if value.numel() != 1:
+            raise ValueError(
+                f"layer {self.layer_idx}: a KV scale is one value, the checkpoint's {which}_scale "
+                f"has {value.numel()}"
+            )
+        with torch.no_grad():
+            (self.k_scale if which == "k" else self.v_scale).copy_(value)
+        self.kv_scales_loaded = True
+
+    @torch.no_grad()
+    def _calibrate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        # NOTE: half the format's range: later tokens may reach past the first prompt's largest
+        # value (they are clamped there) without saturating at once.
+        for t, scale in ((k, self.k_scale), (v, self.v_scale)):
+            scale.copy_((t.abs().amax().float() / (FP8_MAX / 2)).clamp(min=1e-6).reshape(1))
+        self.calibrate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
+        if self.calibrate_kv_scales:
+            self._calibrate(k, v)
         out = self.impl.forward(
             q.view(n, self.num_heads, self.head_size),
             k.view(n, self.num_kv_heads, self.head_size),

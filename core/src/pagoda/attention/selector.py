@@ -24,13 +24,18 @@ def select_attention_backend(
     head_size: int,
     block_size: int = 16,
     specs: Sequence[AttentionSpec] = (),
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> type[AttentionBackend]:
     """The backend class named ``name`` (``attention.backend``), checked to support ``device``,
-    ``dtype``, ``head_size``, ``block_size`` and every layer's spec (``specs[i]`` is layer
-    ``i``'s); ``auto`` picks the highest ``priority`` among those that do and whose kernels are
+    ``dtype``, ``head_size``, ``block_size``, every layer's spec (``specs[i]`` is layer
+    ``i``'s) and a KV cache of ``kv_cache_dtype`` (None or ``dtype``: the model's);
+    ``auto`` picks the highest ``priority`` among those that do and whose kernels are
     compiled (see :mod:`pagoda.attention.jit`). The error when none does names what a layer
     needs that the backends lack."""
-    backend = _select(name, device, dtype, head_size, block_size, specs)
+    cache_dtype = None if kv_cache_dtype in (None, dtype) else kv_cache_dtype
+    if name != "auto" and cache_dtype is not None:
+        _check_kv_cache_dtype(name, cache_dtype, device, dtype, head_size, block_size, specs)
+    backend = _select(name, device, dtype, head_size, block_size, specs, cache_dtype)
     logger.info("attention: %s (attention.backend %s)", backend.name, name)
     return backend
 
@@ -42,6 +47,7 @@ def _select(
     head_size: int,
     block_size: int,
     specs: Sequence[AttentionSpec],
+    cache_dtype: torch.dtype | None = None,
 ) -> type[AttentionBackend]:
     distinct = list(dict.fromkeys(specs))
 
@@ -50,12 +56,15 @@ def _select(
             b.supports(device, dtype, head_size)
             and b.supports_block_size(block_size)
             and all(b.unsupported(s) is None for s in distinct)
+            and (cache_dtype is None or b.supports_kv_cache_dtype(cache_dtype))
         )
 
     needs = (
         f"device={device.type}, dtype={str(dtype).removeprefix('torch.')}, "
         f"head_size={head_size}, block_size={block_size}{_layer_needs(specs)}"
     )
+    if cache_dtype is not None:
+        needs += f", kv_cache_dtype={_dtype_name(cache_dtype)}"
     chosen = select(
         "attention_backends", name, supports=supports, needs=needs, check=_check_backend
     )
@@ -93,6 +102,48 @@ def _select(
         if get_tp_rank() == 0:  # NOTE: one compile per machine, not one per tensor-parallel rank
             jit.compile_in_background(chosen, what, argv)
     return ready
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_kv_cache_dtype(
+    name: str,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_size: int,
+    block_size: int,
+    specs: Sequence[AttentionSpec],
+) -> None:
+    """A backend named by the user that cannot read the KV cache's dtype: one line that says so
+    and names the backends that can (for the rest of the engine's needs)."""
+    backend = get_registry("attention_backends").get(name)
+    _check_backend(name, backend)
+    if backend.supports_kv_cache_dtype(cache_dtype):
+        return
+    registry = get_registry("attention_backends")
+    able = []
+    for other in registry.names():
+        try:
+            b = registry.get(other)
+        except PluginLoadError:
+            continue
+        if (
+            other != name
+            and isinstance(b, type)
+            and issubclass(b, AttentionBackend)
+            and b.supports_kv_cache_dtype(cache_dtype)
+            and b.supports(device, dtype, head_size)
+            and b.supports_block_size(block_size)
+            and all(b.unsupported(s) is None for s in dict.fromkeys(specs))
+        ):
+            able.append(other)
+    raise PluginSelectionError(
+        f"attention backend {name!r} cannot read a KV cache of {_dtype_name(cache_dtype)} "
+        f"(cache.kv_cache_dtype); backends that can here: {', '.join(able) or 'none'}"
+    )
 
 
 def _layer_needs(specs: Sequence[AttentionSpec]) -> str:

@@ -10,6 +10,10 @@ window, a soft-cap, sinks, chunks, bidirectional, a value head size of its own) 
 path: each request's context gathered and attended with explicit float32 logits and the spec's
 mask, built once per step per distinct spec. Sinks are read from ``impl.sinks`` (see
 :class:`~pagoda.attention.backend.AttentionImpl`).
+
+An FP8 cache (``cache.kv_cache_dtype: fp8``) is read through the same paths: each gather is
+dequantized with the layer's scales, and a prompt without context attends to its keys as
+stored, not to the step's own, so that every read of a token sees the same values.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from pagoda.attention.backend import (
     AttentionBackend,
     AttentionImpl,
     CommonAttentionMetadata,
+    read_kv,
     write_kv_cache,
 )
 from pagoda.attention.spec import AttentionSpec
+from pagoda.ops.fp8 import FP8_DTYPE
 
 
 @dataclass
@@ -135,6 +141,10 @@ class TorchNativeBackend(AttentionBackend):
         return None  # every feature of the spec
 
     @classmethod
+    def supports_kv_cache_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype == FP8_DTYPE
+
+    @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
         return TorchNativeImpl
 
@@ -196,8 +206,9 @@ class TorchNativeImpl(AttentionImpl):
         md = attn_metadata
         num_tokens = md.common.num_actual_tokens
         key_cache, value_cache = write_kv_cache(
-            key, value, kv_cache, md.common.slot_mapping, num_tokens
+            key, value, kv_cache, md.common.slot_mapping, num_tokens, self.k_scale, self.v_scale
         )
+        fp8 = kv_cache.dtype == FP8_DTYPE
         if self.spec.features():
             return self._general(query, key_cache, value_cache, md)
 
@@ -208,11 +219,14 @@ class TorchNativeImpl(AttentionImpl):
         h_kv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // h_kv
         for p in md.prefills:
-            if p.mask is None:  # no context: the keys are the step's own, no gather
+            if p.mask is None and not fp8:  # no context: the keys are the step's own, no gather
                 k, v = key[p.start : p.end], value[p.start : p.end]
             else:
                 k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len]
                 v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len]
+                if fp8:
+                    k = read_kv(k, self.k_scale, query.dtype)
+                    v = read_kv(v, self.v_scale, query.dtype)
             q_len, kv_len = p.end - p.start, k.shape[0]
             # NOTE: KV heads as the batch and the query heads sharing one as its heads, K and V
             # expanded (stride 0, no copy): torch's fused CPU kernel with no copy of K and V per
@@ -247,6 +261,9 @@ class TorchNativeImpl(AttentionImpl):
             blocks = dec.blocks[block : block + b * max_blocks]
             k = key_rows.index_select(0, blocks).view(b, -1, h_kv, d).transpose(1, 2)
             v = value_rows.index_select(0, blocks).view(b, -1, h_kv, d).transpose(1, 2)
+            if k.dtype == FP8_DTYPE:
+                k = read_kv(k, self.k_scale, q.dtype)
+                v = read_kv(v, self.v_scale, q.dtype)
             # NOTE: the query heads that share a KV head ride as that head's "query
             # positions", so grouped-query attention needs no copy of K and V per query head.
             o = F.scaled_dot_product_attention(
@@ -277,8 +294,10 @@ class TorchNativeImpl(AttentionImpl):
         requests, masks = md.masks_for(spec)
         for r, mask in zip(requests, masks):
             seq_len = mask.shape[1]
-            k = key_cache[r.blocks].flatten(0, 1)[:seq_len, :, :d].float()
-            v = value_cache[r.blocks].flatten(0, 1)[:seq_len, :, :dv].float()
+            k = read_kv(key_cache[r.blocks].flatten(0, 1)[:seq_len, :, :d], self.k_scale,
+                        torch.float32)  # fmt: skip
+            v = read_kv(value_cache[r.blocks].flatten(0, 1)[:seq_len, :, :dv], self.v_scale,
+                        torch.float32)  # fmt: skip
             q = query[r.start : r.end].float().view(-1, h_kv, group, d).permute(1, 2, 0, 3)
             # [h_kv, group, q_len, seq_len]
             logits = q @ k.permute(1, 2, 0).unsqueeze(1) * self.scale

@@ -49,6 +49,13 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="weights and activations; auto: float32 on CPU, else the model's"
     )
+    quantization: str | None = Field(
+        None,
+        min_length=1,
+        description="quantization method by name (`pagoda plugins`): fp8 (FP8 weights and"
+        " per-token activations, W8A8; a bf16 checkpoint is quantized as it loads), none, or a"
+        " plugin's; None: the checkpoint's own (its quantization_config), else none",
+    )
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: model's")
     seed: int = Field(0, description="seed for random weights and unseeded sampling")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available")
@@ -130,6 +137,17 @@ class CacheConfig(_Section):
     )
     num_gpu_blocks_override: int | None = Field(
         None, ge=2, description="exact number of KV cache blocks (testing)"
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="how keys and values are stored: auto: the model's dtype; fp8 (fp8_e4m3):"
+        " FP8 e4m3 with a scale per layer (half the memory of bf16; needs a backend that reads"
+        " it: triton, torch_native)",
+    )
+    calculate_kv_scales: bool = Field(
+        True,
+        description="with an FP8 KV cache and no KV scales in the checkpoint: each layer's key"
+        " and value scales from the first prompt it computes (false: 1.0)",
     )
     # KV offload (pagoda.kv_offload): prefix-cached blocks the GPU evicts go to a CPU pool.
     cpu_offload_gb: float = Field(

@@ -29,6 +29,7 @@ from pagoda.models.parallel_layers import (
     split_evenly,
 )
 from pagoda.ops import qk_norm_rotary, silu_and_mul
+from pagoda.quantization import LinearMethod, QuantizationMethod, kv_scale_of
 
 
 def attention_specs(
@@ -47,6 +48,14 @@ def attention_specs(
     return [window if kind == "sliding_attention" else full for kind in kinds]
 
 
+def _linear_method(
+    quant: QuantizationMethod | None, prefix: str, names: tuple[str, ...]
+) -> LinearMethod | None:
+    """The quantization method's linear method for the layer merging checkpoint projections
+    ``prefix.name`` for each of ``names`` (None: full precision)."""
+    return None if quant is None else quant.linear_method([f"{prefix}.{n}" for n in names])
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -54,6 +63,7 @@ class LlamaAttention(nn.Module):
         backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
         layer_idx: int,
+        quant: QuantizationMethod | None = None,
     ) -> None:
         super().__init__()
         # This rank's heads: the query heads split, the KV heads split or (fewer than ranks)
@@ -66,6 +76,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         kv_total = cfg.num_key_value_heads * self.head_dim
         kv_start = shape.kv_head_start * self.head_dim
+        prefix = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             [
@@ -74,9 +85,13 @@ class LlamaAttention(nn.Module):
                 Part("v_proj", kv_total, kv_start, self.kv_size),
             ],
             bias=cfg.attention_bias,
+            quant=_linear_method(quant, prefix, ("q_proj", "k_proj", "v_proj")),
         )
         self.o_proj = RowParallelLinear(
-            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias=False
+            cfg.num_attention_heads * self.head_dim,
+            cfg.hidden_size,
+            bias=False,
+            quant=_linear_method(quant, prefix, ("o_proj",)),
         )
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -111,7 +126,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, quant: QuantizationMethod | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"activation {cfg.hidden_act!r} is not supported (only silu)")
@@ -119,8 +136,14 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size,
             [split_evenly(n, cfg.intermediate_size) for n in ("gate_proj", "up_proj")],
             bias=False,
+            quant=_linear_method(quant, prefix, ("gate_proj", "up_proj")),
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            bias=False,
+            quant=_linear_method(quant, prefix, ("down_proj",)),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -133,10 +156,11 @@ class LlamaDecoderLayer(nn.Module):
         backend: type[AttentionBackend],
         rotary_emb: RotaryEmbedding,
         layer_idx: int,
+        quant: QuantizationMethod | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, rotary_emb, layer_idx)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, backend, rotary_emb, layer_idx, quant)
+        self.mlp = LlamaMLP(cfg, quant, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -159,7 +183,12 @@ class LlamaModel(nn.Module):
     not the last returns its hidden states and residual stacked, ``[2, num_tokens, hidden]``,
     which the next stage takes as ``intermediate``."""
 
-    def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: type[AttentionBackend],
+        quant: QuantizationMethod | None = None,
+    ) -> None:
         super().__init__()
         self.hidden_size = cfg.hidden_size
         self.start, self.end = stage_layers(cfg.num_hidden_layers)
@@ -174,7 +203,7 @@ class LlamaModel(nn.Module):
         # NOTE: other stages' layers are parameterless stand-ins, so that names and indices
         # stay the checkpoint's.
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, rotary_emb, i)
+            LlamaDecoderLayer(cfg, backend, rotary_emb, i, quant)
             if self.start <= i < self.end
             else nn.Identity()
             for i in range(cfg.num_hidden_layers)
@@ -214,11 +243,19 @@ class LlamaForCausalLM(nn.Module):
     supports_pipeline_parallel = True
     #: Its linears take LoRA adapters (``pagoda.lora``: q/k/v/o, gate/up/down).
     supports_lora = True
+    #: It takes a quantization method (``pagoda.quantization``) as its third argument: the
+    #: decoder's linears quantized, the embedding and LM head in full precision.
+    supports_quantization = True
 
-    def __init__(self, cfg: ModelArchConfig, backend: type[AttentionBackend]) -> None:
+    def __init__(
+        self,
+        cfg: ModelArchConfig,
+        backend: type[AttentionBackend],
+        quant: QuantizationMethod | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.model = LlamaModel(cfg, backend, quant)
         if self.model.last:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
             if cfg.tie_word_embeddings:
@@ -271,6 +308,10 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             if self._elsewhere(name):
+                continue
+            scale = kv_scale_of(name)
+            if scale is not None:  # an FP8 KV cache's scale, read by the layer's attention
+                self.get_submodule(scale[0]).load_kv_scale(scale[1], tensor)
                 continue
             parts = name.split(".")
             shard = parts[-2] if len(parts) >= 2 else ""

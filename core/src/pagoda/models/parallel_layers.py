@@ -10,6 +10,11 @@
 
 Each layer loads its slice straight from the checkpoint tensor (``load_weight``), reading only
 its part of a safetensors file. With one rank these are the plain layers: no communication.
+
+A linear built with a quantization method's :class:`~pagoda.quantization.LinearMethod`
+(``quant``) holds the weights the method creates, hands it every checkpoint tensor but the bias
+with the place its part lands (:class:`~pagoda.quantization.LinearSlice`), and computes through
+it; the bias stays the layer's own, in the model's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 from pagoda.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 from pagoda.loader.sharded import WeightSlice, as_slice
 from pagoda.ops import linear
+from pagoda.quantization.method import LinearMethod, LinearSlice
 from pagoda.utils import cdiv
 
 
@@ -61,12 +67,31 @@ def split_evenly(name: str, size: int) -> Part:
     return Part(name, size, get_tp_rank() * local, local)
 
 
+def _init_linear(
+    layer: nn.Linear, in_features: int, out_features: int, bias: bool, quant: LinearMethod | None
+) -> None:
+    """``nn.Linear``'s own weights, or (``quant``) the method's and a bias of the model's dtype."""
+    if quant is None:
+        nn.Linear.__init__(layer, in_features, out_features, bias=bias)
+        layer.quant_method = None
+        return
+    # NOTE: on the meta device: the method's weights replace it, nothing is allocated for it.
+    nn.Linear.__init__(layer, in_features, out_features, bias=False, device="meta")
+    layer.quant_method = quant
+    del layer.weight
+    quant.create_weights(layer, in_features, out_features, torch.get_default_dtype())
+    if bias:
+        layer.bias = nn.Parameter(torch.empty(out_features))
+
+
 class ColumnParallelLinear(nn.Linear):
     """One or several projections of one input (q/k/v, gate/up) in one matmul, each projection's
     output rows split over the ranks; the output stays split."""
 
-    def __init__(self, in_features: int, parts: list[Part], bias: bool) -> None:
-        super().__init__(in_features, sum(p.local for p in parts), bias=bias)
+    def __init__(
+        self, in_features: int, parts: list[Part], bias: bool, quant: LinearMethod | None = None
+    ) -> None:
+        _init_linear(self, in_features, sum(p.local for p in parts), bias, quant)
         self.parts: dict[str, tuple[int, Part]] = {}
         off = 0
         for p in parts:
@@ -78,12 +103,24 @@ class ColumnParallelLinear(nn.Linear):
     ) -> None:
         off, part = self.parts[shard or ""]
         w = as_slice(w)
+        if self.quant_method is not None and param_name != "bias":
+            where = LinearSlice(
+                shard or "", off, part.start, part.local, part.size, 0, self.in_features,
+                self.in_features,
+            )  # fmt: skip
+            if param_name == "weight":
+                _check(f"{shard}.weight" if shard else "weight", w.shape,
+                       (part.size, self.in_features))  # fmt: skip
+            self.quant_method.load_weight(self, param_name, w, where)
+            return
         label = f"{shard}.{param_name}" if shard else param_name
         param = getattr(self, param_name)
         _check(label, w.shape, (part.size, *param.shape[1:]))
         _copy(param[off : off + part.local], w.narrow(0, part.start, part.local))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -91,10 +128,12 @@ class RowParallelLinear(nn.Linear):
     """``in_features`` (the checkpoint's) split over the ranks; the partial products are summed
     over the ranks, so every rank gets the whole output."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, quant: LinearMethod | None = None
+    ) -> None:
         self.in_total = in_features
         self.in_start = get_tp_rank() * (in_features // get_tp_size())
-        super().__init__(in_features // get_tp_size(), out_features, bias=bias)
+        _init_linear(self, in_features // get_tp_size(), out_features, bias, quant)
 
     def load_weight(
         self, param_name: str, w: torch.Tensor | WeightSlice, shard: str | None = None
@@ -104,11 +143,23 @@ class RowParallelLinear(nn.Linear):
             _check("bias", w.shape, (self.out_features,))
             _copy(self.bias, w.full())
             return
+        if self.quant_method is not None:
+            if param_name == "weight":
+                _check(param_name, w.shape, (self.out_features, self.in_total))
+            n = self.out_features
+            where = LinearSlice(
+                shard or "", 0, 0, n, n, self.in_start, self.in_features, self.in_total
+            )
+            self.quant_method.load_weight(self, param_name, w, where)
+            return
         _check(param_name, w.shape, (self.out_features, self.in_total))
         _copy(self.weight, w.narrow(1, self.in_start, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(linear(x, self.weight))
+        if self.quant_method is not None:
+            y = all_reduce(self.quant_method.apply(self, x, None))
+        else:
+            y = all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -252,6 +252,26 @@ def register_lora_resolvers(register: Register) -> None:
     """
 
 
+@hookspec
+def register_quantization_methods(register: Register) -> None:
+    """Register quantization methods by name (``fp8``, ``awq``, ``gptq``, ...).
+
+    :param register: call ``register(name, "pkg.mod:MethodClass")`` for each method; the class
+        implements :class:`pagoda.quantization.QuantizationMethod`: ``unsupported(checkpoint
+        config, device, dtype)`` (None when it serves them, else what is missing), the
+        ``checkpoint_formats`` it reads, and, built in each worker as
+        ``MethodClass(checkpoint_config)``, ``linear_method(prefixes)``: a
+        :class:`pagoda.quantization.LinearMethod` per linear layer (its weights created, loaded
+        and applied).
+
+    Called once per process, when plugins load. Every implementation is called; duplicate names
+    follow the rule of :func:`register_attention_backends`. Users select one with
+    ``model.quantization`` (``--quantization``); left unset, a checkpoint whose
+    ``quantization_config`` names a ``quant_method`` selects the method that lists it. The
+    core's ``fp8`` is registered through this hook.
+    """
+
+
 # ---- seams: once per request or once per step ---------------------------------------------------
 
 
@@ -345,6 +365,7 @@ REGISTRY_HOOKS: dict[str, str] = {
     "tool_parsers": "register_tool_parsers",
     "reasoning_parsers": "register_reasoning_parsers",
     "lora_resolvers": "register_lora_resolvers",
+    "quantization_methods": "register_quantization_methods",
 }
 """Registry kind -> the hook that fills it."""
 

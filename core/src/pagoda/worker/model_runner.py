@@ -39,6 +39,7 @@ from pagoda.ops import batch_invariant, set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
 from pagoda.pooling.config import PoolerConfig
+from pagoda.quantization import QuantizationMethod, finish_loading, is_fp8, kv_cache_dtype
 from pagoda.sample.metadata import LogprobsTensors
 from pagoda.sample.ops import gather_logprobs
 from pagoda.sample.sampler import Sampler
@@ -84,8 +85,13 @@ class ModelRunner:
         *,
         model_impl: str = "native",
         pooler: PoolerConfig | None = None,
+        quantization: QuantizationMethod | None = None,
     ) -> None:
         self.config = config
+        # The quantization method the model's linears take (None: full precision), and the KV
+        # cache's dtype (``cache.kv_cache_dtype``).
+        self.quantization = quantization
+        self.kv_cache_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
         # Pooling requests' poolers and their state across prompt chunks (None: the model only
         # generates); built once the model is loaded.
         self.pooler = pooler
@@ -110,6 +116,11 @@ class ModelRunner:
         # the backend's selection.
         self.model_cls = get_registry("model_impls").get(model_impl).model_class(shape)
         head_size = max(shape.head_sizes)
+        if self.batch_invariant and self.kv_cache_dtype != dtype:
+            raise ValueError(
+                "model.batch_invariant runs its own attention, which reads no KV cache of "
+                f"cache.kv_cache_dtype={config.cache.kv_cache_dtype}; use kv_cache_dtype auto"
+            )
         self.attn_backend: type[AttentionBackend] = (
             invariant_attention_backend(config, device, dtype, head_size)
             if self.batch_invariant
@@ -120,6 +131,7 @@ class ModelRunner:
                 head_size,
                 self.block_size,
                 shape.attention,
+                self.kv_cache_dtype,
             )
         )
         self.attn_backend.configure(config.attention)
@@ -195,10 +207,17 @@ class ModelRunner:
         set_fused_ops(self.config.model.fused_ops)
         batch_invariant.set_batch_invariant(self.batch_invariant)
         model_cls = self.model_cls
+        args: tuple = (self.shape.config, self.attn_backend)
+        if self.quantization is not None:
+            if not getattr(model_cls, "supports_quantization", False):
+                raise ValueError(
+                    f"{model_cls.__name__} takes no quantization method (model.quantization="
+                    f"{self.quantization.name}): its class does not declare "
+                    "supports_quantization"
+                )
+            args += (self.quantization,)
         # Parameters are allocated, not initialised: the weights (or dummy values) fill them next.
-        model = build_model(
-            model_cls, self.shape.config, self.attn_backend, device=self.device, dtype=self.dtype
-        )
+        model = build_model(model_cls, *args, device=self.device, dtype=self.dtype)
         built = [m.spec for m in model.modules() if isinstance(m, Attention)]
         if built != list(self.stage_attention):
             raise ValueError(
@@ -213,6 +232,8 @@ class ModelRunner:
             # NOTE: a tensor-parallel rank reads its slices of the files, not whole tensors.
             read = iter_safetensors_slices if get_tp_size() > 1 else iter_safetensors
             model.load_weights(read(self.hf_dir))
+        if self.quantization is not None:
+            finish_loading(model)
         self.model = model.eval()
         if self.config.lora.enable_lora:  # (after loading: it wraps the loaded linears)
             self.lora = LoRAInputs(
@@ -227,7 +248,7 @@ class ModelRunner:
         self.startup_times["load_weights_s"] = time.perf_counter() - start
 
     def kv_cache_block_bytes(self) -> int:
-        per_token = self.shape.kv_bytes_per_token(self.dtype.itemsize, self.stage)
+        per_token = self.shape.kv_bytes_per_token(self.kv_cache_dtype.itemsize, self.stage)
         extra = self.proposer.kv_cache_block_bytes(self.block_size) if self.proposer else 0
         return self.block_size * per_token + extra
 
@@ -329,12 +350,14 @@ class ModelRunner:
             for heads, size in self.kv_layouts
         ]
         if self.device.type == "cpu":
-            self.kv_caches = [lazily_zeroed(shape, self.dtype) for shape in shapes]
+            self.kv_caches = [lazily_zeroed(shape, self.kv_cache_dtype) for shape in shapes]
         else:
             self.kv_caches = [torch.empty(0)] * len(layers)
             for shape in dict.fromkeys(shapes):
                 idx = [i for i, s in enumerate(shapes) if s == shape]
-                stacked = torch.zeros((len(idx), *shape), dtype=self.dtype, device=self.device)
+                stacked = torch.zeros(
+                    (len(idx), *shape), dtype=self.kv_cache_dtype, device=self.device
+                )
                 for i, cache in zip(idx, stacked.unbind(0)):
                     self.kv_caches[i] = cache
         for module, cache in zip(layers, self.kv_caches):
@@ -377,6 +400,11 @@ class ModelRunner:
                     )
                     self.graph_capture_s += spec.greedy_graphs.capture()
             self.startup_times["graph_capture_s"] = self.graph_capture_s
+        if is_fp8(self.kv_cache_dtype) and self.config.cache.calculate_kv_scales:
+            # NOTE: after the graphs' capture (its dummy steps would set them): the first prompt
+            # sets each layer's scales, which the graphs read from the layer's buffers.
+            for layer in layers:
+                layer.calibrate_kv_scales = not layer.kv_scales_loaded
         if self.device.type == "cuda" and spec is not None:
             # The greedy verification kernel compiles here, not in the first step that verifies.
             # NOTE: imported here: it imports Triton, a heavy optional dependency that only CUDA

@@ -10,6 +10,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.cpu_threads import allowed_cpus, choose_threads
 from pagoda.model_info import ModelInfo
+from pagoda.quantization import build_quantization
 from pagoda.step import ModelRunnerOutput, SchedulerOutput
 from pagoda.worker.model_runner import ModelRunner
 
@@ -35,6 +36,7 @@ class Worker:
             info.max_num_batched_tokens,
             model_impl=info.model_impl,
             pooler=info.pooler,
+            quantization=build_quantization(info.quantization, info.quantization_config),
         )
 
     def load_model(self) -> None:
