@@ -294,6 +294,7 @@ class LlamaForCausalLM(nn.Module):
         Raises when a parameter stays unset or a weight has no home, naming it.
         """
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         merged = {
             "q_proj": "qkv_proj",
@@ -320,9 +321,13 @@ class LlamaForCausalLM(nn.Module):
                 self.get_submodule(module_name).load_weight(parts[-1], tensor, shard)
                 loaded.add(f"{module_name}.{parts[-1]}")
                 continue
+            module = modules.get(".".join(parts[:-1]))
+            if getattr(module, "quant_method", None) is not None:  # it reads its own tensors
+                module.load_weight(parts[-1], tensor)
+                loaded.add(name)
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint weight {name!r} has no parameter in the model")
-            module = self.get_submodule(".".join(parts[:-1]))
             if hasattr(module, "load_weight"):  # a parallel layer: it reads its own slice
                 module.load_weight(parts[-1], tensor)
                 loaded.add(name)

@@ -15,6 +15,11 @@
   a reference when one is given, and tensor-parallel refusals (needs pytest).
 - :func:`check_model_impl`, :func:`build_impl_model`, :func:`run_steps` and the ``check_*``
   functions of ``pagoda.testing.model_impl``: the same without pytest.
+- :class:`QuantizationMethodConformance`: subclass it in a pytest module to check a
+  quantization method's linears against float64 (needs pytest).
+- :func:`check_linear_method`, :func:`fp8_checkpoint`, :func:`quantize_dequantize` of
+  ``pagoda.testing.quantization``: the same without pytest, and FP8 checkpoints in the layouts
+  Hugging Face publishes.
 - :func:`plugin_registered`: register a plugin object for the duration of a ``with`` block.
 
 Floor: faces. Nothing in the core imports it.
@@ -41,10 +46,17 @@ from pagoda.testing.model_impl import (
     check_model_impl,
     run_steps,
 )
+from pagoda.testing.quantization import (
+    FP8_TOLERANCE,
+    check_linear_method,
+    fp8_checkpoint,
+    quantize_dequantize,
+)
 from pagoda.testing.spec_decode import ProposerCase, check_proposer_case, proposer_cases
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "FP8_TOLERANCE",
     "AttentionBackendConformance",
     "AttentionCase",
     "GrammarBackendConformance",
@@ -63,6 +75,10 @@ __all__ = [
     "attention_cases",
     "check_attention_backend",
     "plugin_registered",
+    "QuantizationMethodConformance",
+    "check_linear_method",
+    "fp8_checkpoint",
+    "quantize_dequantize",
     "reference_attention",
     "run_attention_case",
 ]
@@ -84,6 +100,11 @@ def __getattr__(name: str) -> Any:
         from pagoda.testing.model_impl_suite import ModelImplSuite
 
         return ModelImplSuite
+    if name == "QuantizationMethodConformance":  # imports pytest
+        # NOTE: the suites import pytest: only for a test that asks for one.
+        from pagoda.testing.quantization_suite import QuantizationMethodConformance
+
+        return QuantizationMethodConformance
     if name == "SpeculativeProposerConformance":  # imports pytest
         # NOTE: the suites import pytest: only for a test that asks for one.
         from pagoda.testing.spec_decode_suite import SpeculativeProposerConformance

@@ -10,6 +10,12 @@ prompts together) and prefix-cached context (requests that share the blocks of a
 Feature cases run the same scenarios with one :class:`~pagoda.attention.spec.AttentionSpec` field
 each set away from plain causal attention, at a scale where a backend that ignores the field
 fails.
+
+An FP8 KV cache (``kv_cache_dtype=torch.float8_e4m3fn``) runs the same cases with scales of the
+layer's own (:data:`FP8_KV_SCALES`, not 1.0, so that a backend that ignores them fails); the
+reference then attends over the keys and values as the cache holds them (``fp8(x / scale) *
+scale``), so the tolerance (:data:`FP8_KV_TOLERANCES`) covers the backend's arithmetic, not the
+format's rounding.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 
 from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.spec import AttentionSpec
+from pagoda.ops.fp8 import FP8_DTYPE, from_fp8, to_fp8
 
 #: (atol, rtol) per dtype; backends with looser arithmetic (TF32, fp8) pass their own.
 DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -30,6 +37,17 @@ DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float16: (5e-3, 5e-3),
     torch.bfloat16: (3e-2, 3e-2),
 }
+
+#: (atol, rtol) per compute dtype with an FP8 KV cache: the dequantized keys and values are
+#: rounded to the compute dtype (or the scales applied in another order) before the dots.
+FP8_KV_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-3, 1e-3),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (4e-2, 4e-2),
+}
+#: The key and value scales an FP8 case's layer has: the kit's keys and values (normal, at most
+#: about 4.5) then span most of e4m3's range (448) without reaching past it.
+FP8_KV_SCALES = (0.0125, 0.02)
 
 # A step: (request index, first token, end token) for each request scheduled in it.
 Step = list[tuple[int, int, int]]
@@ -172,6 +190,15 @@ def attention_cases(
     return cases
 
 
+def fp8_kv_cases() -> list[AttentionCase]:
+    """The cases an FP8 KV cache runs: every scenario on 8 heads over 2 KV heads and on one KV
+    head, head size 64, blocks of 16, and each scenario with a sliding window."""
+    cases = attention_cases((64,), (16,), ((8, 2), (4, 1)), features=False)
+    for scenario in _scenarios(16):
+        cases.append(_case(scenario, 8, 2, 64, 16, 200, **FEATURES["sliding_window"]))
+    return cases
+
+
 def _case(scenario: str, h: int, kv: int, d: int, bs: int, seed: int, **spec: Any) -> AttentionCase:
     lens, steps, shared = _scenarios(bs)[scenario]
     final = [(r, s, e) for r, (s, e) in enumerate((n, n + 1) for n in lens)]
@@ -268,19 +295,22 @@ def run_attention_case(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     reference_spec: AttentionSpec | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run every step of ``case`` through ``backend``; (output, float64 reference) per step.
     The reference follows ``reference_spec``'s rules (default: the case's ``spec``; a negative
-    control passes one with a feature dropped)."""
+    control passes one with a feature dropped). ``kv_cache_dtype`` (None: ``dtype``) is the
+    cache's; an FP8 one holds keys and values scaled by :data:`FP8_KV_SCALES`."""
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
+    cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
     if device.type != "cpu":
-        return _run(backend, case, device, dtype, ref_spec)
+        return _run(backend, case, device, dtype, ref_spec, cache_dtype)
     # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(backend, case, device, dtype, ref_spec)
+        return _run(backend, case, device, dtype, ref_spec, cache_dtype)
     finally:
         torch.set_num_threads(threads)
 
@@ -291,14 +321,22 @@ def _run(
     device: torch.device,
     dtype: torch.dtype,
     ref_spec: AttentionSpec,
+    cache_dtype: torch.dtype,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
     bs, d, spec = case.block_size, case.head_size, case.spec
     shape = backend.get_kv_cache_shape(lay.num_blocks, bs, case.num_kv_heads, spec.cache_head_size)
     gen = torch.Generator().manual_seed(case.seed + 1)
-    kv_cache = torch.randn(shape, generator=gen).to(dtype).to(device)
+    kv_cache = torch.randn(shape, generator=gen).to(cache_dtype).to(device)
     impl = backend.get_impl_cls()(case.num_heads, d, spec.scale, case.num_kv_heads)
     impl.spec = spec  # as the layer does
+    fp8 = cache_dtype == FP8_DTYPE
+    k_scale, v_scale = FP8_KV_SCALES if fp8 else (1.0, 1.0)
+    impl.k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
+    impl.v_scale = torch.tensor([v_scale], dtype=torch.float32, device=device)
+    if fp8:  # the reference reads what the cache holds
+        lay.k = [from_fp8(to_fp8(t.to(dtype), k_scale), k_scale, torch.float64) for t in lay.k]
+        lay.v = [from_fp8(to_fp8(t.to(dtype), v_scale), v_scale, torch.float64) for t in lay.v]
     if lay.sinks is not None:
         impl.sinks = lay.sinks.to(dtype).to(device)
     rules = {
@@ -368,21 +406,29 @@ def check_attention_backend(
     dtype: torch.dtype = torch.float32,
     tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
     reference_spec: AttentionSpec | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> None:
     """Run ``case`` and raise ``AssertionError`` at the first step whose output differs from the
     float64 reference (of ``reference_spec``, default the case's) by more than the tolerance of
-    ``dtype``. A case whose spec the backend's ``unsupported`` rejects raises ``ValueError``."""
+    ``dtype`` (with an FP8 ``kv_cache_dtype``: :data:`FP8_KV_TOLERANCES`'s, unless
+    ``tolerances`` says). A case whose spec the backend's ``unsupported`` rejects, or a cache
+    dtype its ``supports_kv_cache_dtype`` does not, raises ``ValueError``."""
     missing = backend.unsupported(case.spec)
     if missing is not None:
         raise ValueError(f"{backend.__name__} does not support {missing}, which {case.name} needs")
-    atol, rtol = {**DEFAULT_TOLERANCES, **(tolerances or {})}[dtype]
-    steps = run_attention_case(backend, case, device, dtype, reference_spec)
+    fp8 = kv_cache_dtype is not None and kv_cache_dtype != dtype
+    if fp8 and not backend.supports_kv_cache_dtype(kv_cache_dtype):
+        raise ValueError(f"{backend.__name__} does not read a KV cache of {kv_cache_dtype}")
+    base = FP8_KV_TOLERANCES if fp8 else DEFAULT_TOLERANCES
+    atol, rtol = {**base, **(tolerances or {})}[dtype]
+    steps = run_attention_case(backend, case, device, dtype, reference_spec, kv_cache_dtype)
     for i, (out, ref) in enumerate(steps):
         err = (out - ref).abs().max().item() if out.shape == ref.shape else float("nan")
 
         def msg(m: str, i: Any = i, err: float = err) -> str:
             return (
-                f"{backend.__name__} on {case.name} ({dtype}, {device}), step {i + 1} of "
+                f"{backend.__name__} on {case.name} ({dtype}{', fp8 KV' if fp8 else ''}, "
+                f"{device}), step {i + 1} of "
                 f"{len(case.steps)} {list(case.steps[i])}: max abs error {err:.3g}\n{m}"
             )
 

@@ -18,8 +18,14 @@ import pytest
 import torch
 
 from pagoda.attention.backend import AttentionBackend
+from pagoda.ops.fp8 import FP8_DTYPE
 from pagoda.plugins import get_registry
-from pagoda.testing.attention import AttentionCase, attention_cases, check_attention_backend
+from pagoda.testing.attention import (
+    AttentionCase,
+    attention_cases,
+    check_attention_backend,
+    fp8_kv_cases,
+)
 
 
 class AttentionBackendConformance:
@@ -36,6 +42,11 @@ class AttentionBackendConformance:
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
     #: dtype -> (atol, rtol), overriding ``pagoda.testing.attention.DEFAULT_TOLERANCES``.
     tolerances: ClassVar[dict[torch.dtype, tuple[float, float]]] = {}
+    #: KV cache dtypes besides the model's to run :func:`fp8_kv_cases` with (None: each one
+    #: the backend's ``supports_kv_cache_dtype`` accepts, of ``float8_e4m3fn``).
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    #: dtype -> (atol, rtol) with such a cache, overriding ``FP8_KV_TOLERANCES``.
+    kv_cache_tolerances: ClassVar[dict[torch.dtype, tuple[float, float]]] = {}
 
     def backend_class(self) -> type[AttentionBackend]:
         if isinstance(self.backend, str):
@@ -65,5 +76,28 @@ class AttentionBackendConformance:
             if cls.supports(device, dtype, case.head_size):
                 check_attention_backend(cls, case, device, dtype, self.tolerances)
                 ran += 1
+        if not ran:
+            pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")
+
+    @pytest.mark.parametrize("case", fp8_kv_cases(), ids=lambda c: c.name)
+    def test_fp8_kv_cache_matches_float64_reference(self, case: AttentionCase) -> None:
+        cls = self.backend_class()
+        cache_dtypes = self.kv_cache_dtypes
+        if cache_dtypes is None:
+            cache_dtypes = tuple(d for d in (FP8_DTYPE,) if cls.supports_kv_cache_dtype(d))
+        if not cache_dtypes:
+            pytest.skip(f"{cls.__name__} reads no KV cache but the model's dtype")
+        missing = cls.unsupported(case.spec)
+        if missing is not None:
+            pytest.skip(f"{cls.__name__} does not support {missing}")
+        device = torch.device(self.device)
+        ran = 0
+        for cache_dtype in cache_dtypes:
+            for dtype in self.dtypes:
+                if cls.supports(device, dtype, case.head_size):
+                    check_attention_backend(
+                        cls, case, device, dtype, self.kv_cache_tolerances, None, cache_dtype
+                    )
+                    ran += 1
         if not ran:
             pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")

@@ -51,6 +51,9 @@ class TestTritonConformance(AttentionBackendConformance):
         if _CUDA
         else (torch.float32,)
     )
+    # An FP8 KV cache on the GPU only: the interpreter's casts to float8_e4m3fn round wrongly
+    # (127.0 becomes 64.0, subnormals are lost), where the GPU's are exact.
+    kv_cache_dtypes = None if _CUDA else ()
 
 
 # The extras the kernels compute, each with the `paged_attention` argument that carries it and

@@ -3,7 +3,10 @@
 Besides plain causal attention it computes a layer's sliding window, logit soft-cap, sinks and
 chunks, and bidirectional attention (encoders; with a window or chunks too)
 (:class:`~pagoda.attention.spec.AttentionSpec`), in every kernel path: each is a compile-time
-flag of the kernels, so a plain layer runs the same code as before they existed."""
+flag of the kernels, so a plain layer runs the same code as before they existed. So is an FP8
+KV cache (``cache.kv_cache_dtype: fp8``): the cache write quantizes with the layer's scales, and
+the attention kernels read FP8 keys and values, their scales folded into the logits' scale and
+the output."""
 
 from __future__ import annotations
 
@@ -78,6 +81,10 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def unsupported(cls, spec: AttentionSpec) -> str | None:
         return next((f for f in spec.features() if f not in _FEATURES), None)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype == torch.float8_e4m3fn
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
@@ -213,7 +220,9 @@ class TritonAttentionImpl(AttentionImpl):
         if spec.sinks and self.sinks is None:
             raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
         write = write_kv_cache_fused if _fused_write(kv_cache, key, value) else write_kv_cache
-        key_cache, value_cache = write(key, value, kv_cache, c.slot_mapping, n)
+        key_cache, value_cache = write(
+            key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
+        )
         out = torch.empty_like(query)
         paged_attention(
             query,
@@ -235,5 +244,7 @@ class TritonAttentionImpl(AttentionImpl):
             sinks=self.sinks if spec.sinks else None,
             chunk_size=spec.chunk_size,
             causal=spec.causal,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out

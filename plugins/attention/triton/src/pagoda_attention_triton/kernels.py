@@ -88,6 +88,7 @@ def _tile(
     LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """One tile of keys: scores (soft-capped), causal mask (and with ``LOCAL``, each row's first
     key ``q_lo``: a window's or a chunk's), online-softmax update of (m, l, acc). Without
@@ -106,6 +107,8 @@ def _tile(
         mask=n_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
+    if FP8_KV:  # (its scale is in ``scale``)
+        k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
     if SOFTCAP:
         # c * tanh(s / c) as c - 2c / (exp(2s / c) + 1): one exp, as exact as the softmax's,
@@ -135,6 +138,8 @@ def _tile(
         mask=n_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if FP8_KV:  # (its scale multiplies the output)
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -196,6 +201,8 @@ def _paged_attention(
     qsl_ptr,
     order_ptr,
     sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     chunk,
@@ -230,9 +237,14 @@ def _paged_attention(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     CAUSAL: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(2)
+    v_mul = 1.0
+    if FP8_KV:  # keys and values stored as fp8(x / scale): the scales fold into the arithmetic
+        scale = scale * tl.load(k_scale_ptr)
+        v_mul = tl.load(v_scale_ptr)
     if ORDERED:
         # One program a (request, KV head), every request's queries in one q-block, requests
         # taken in the order `order_ptr` gives (longest context first) with their KV heads
@@ -328,6 +340,7 @@ def _paged_attention(
                 WINDOW or CHUNK,
                 SOFTCAP,
                 CAUSAL,
+                FP8_KV,
             )
             start += TILE_N
     else:
@@ -363,9 +376,12 @@ def _paged_attention(
                 WINDOW or CHUNK,
                 SOFTCAP,
                 CAUSAL,
+                FP8_KV,
             )
 
     tok = q_start + q_tok
+    if FP8_KV:
+        acc = acc * v_mul
     if NUM_SPLITS == 1:
         out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
@@ -397,6 +413,8 @@ def _paged_decode(
     qsl_ptr,
     order_ptr,
     sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     chunk,
@@ -425,6 +443,7 @@ def _paged_decode(
     CHUNK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
 ):
     """Decode (one query a request, no split): a program takes ``HEADS_PER_PROGRAM`` KV heads
     of one request, requests in ``order_ptr``'s order, in one loop over (head, key tile): the
@@ -433,6 +452,10 @@ def _paged_decode(
     is that of ``_paged_attention``'s decode programs, tile for tile (a window's or chunk's
     first tile is theirs too)."""
     pid = tl.program_id(0)
+    v_mul = 1.0
+    if FP8_KV:  # keys and values stored as fp8(x / scale): the scales fold into the arithmetic
+        scale = scale * tl.load(k_scale_ptr)
+        v_mul = tl.load(v_scale_ptr)
     groups: tl.constexpr = NUM_KV_HEADS // HEADS_PER_PROGRAM
     seq = tl.load(order_ptr + pid // groups)
     head0 = (pid % groups) * HEADS_PER_PROGRAM
@@ -503,8 +526,9 @@ def _paged_decode(
             WINDOW or CHUNK,
             SOFTCAP,
             True,  # a decode query is its request's last token: bidirectional is causal
+            FP8_KV,
         )
-        out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
+        out = acc * v_mul / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
             out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -563,11 +587,14 @@ def _write_kv(
     stride_kh,
     stride_vt,
     stride_vh,
+    k_scale_ptr,
+    v_scale_ptr,
     heads,
     head_dim,
     value_offset,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -578,9 +605,12 @@ def _write_kv(
     mask = (h < heads)[:, None] & (d < head_dim)[None, :]
     dst = cache_ptr + slot * heads * head_dim + h[:, None] * head_dim + d[None, :]
     k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    tl.store(dst, k, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(dst + value_offset, v, mask=mask)
+    if FP8:  # fp8(x / scale), clamped to the format's range (a cast past it gives NaN)
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + value_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_cache_fused(
@@ -589,12 +619,19 @@ def write_kv_cache_fused(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_tokens: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagoda.attention.backend.write_kv_cache` in one kernel: key and value of each of
     the first ``num_tokens`` tokens to its slot of the default-layout cache (``[2, num_blocks,
     block_size, num_kv_heads, head_size]``, contiguous), where the two ``index_copy_`` took a
-    launch each. ``key`` and ``value`` may be strided views (unit stride in the last dimension)."""
+    launch each. ``key`` and ``value`` may be strided views (unit stride in the last dimension).
+    An FP8 cache stores ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` (float32 ``[1]``
+    tensors on the device)."""
     heads, size = key.shape[1], key.shape[2]
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache is written with its k_scale and v_scale")
     if num_tokens:
         _write_kv[(num_tokens,)](
             key,
@@ -605,11 +642,14 @@ def write_kv_cache_fused(
             key.stride(1),
             value.stride(0),
             value.stride(1),
+            k_scale if fp8 else slot_mapping,  # (unread without FP8)
+            v_scale if fp8 else slot_mapping,
             heads,
             size,
             kv_cache.stride(0),
             BLOCK_H=triton.next_power_of_2(heads),
             BLOCK_D=triton.next_power_of_2(size),
+            FP8=fp8,
             num_warps=4,
         )
     return kv_cache[0], kv_cache[1]
@@ -640,6 +680,8 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     causal: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``tile_n`` (keys a loop iteration reads), ``num_warps``, ``num_stages`` and ``block_m``
     (query rows a program holds: query tokens x the heads of a KV head) override the launch
@@ -657,7 +699,11 @@ def paged_attention(
     off, and not compiled in). With a window or chunks, ``num_splits`` slices cut the keys a
     query can see, not its context. ``causal=False`` is a bidirectional layer's: each query sees
     its request's keys on both sides (within its window and its chunk); a step of one query a
-    request (``max_query_len == 1``) runs the causal kernels, which compute the same for it."""
+    request (``max_query_len == 1``) runs the causal kernels, which compute the same for it.
+
+    An FP8 cache (``float8_e4m3fn``) holds ``fp8(key / k_scale)`` and ``fp8(value / v_scale)``:
+    ``k_scale`` and ``v_scale`` (float32 ``[1]``, on the device, read there so that a CUDA
+    graph sees later values) fold into the logits' scale and the output."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = key_cache.shape[2], key_cache.shape[1]
     g = num_heads // num_kv_heads
@@ -712,9 +758,14 @@ def paged_attention(
         if sinks.shape != (num_heads,):
             raise ValueError(f"sinks must be [num_heads] = [{num_heads}], not {list(sinks.shape)}")
         sinks = sinks.contiguous()  # the kernels index it by head
-    # Each value is unread without its flag (the query stands in for absent sinks).
+    fp8_kv = key_cache.dtype == torch.float8_e4m3fn
+    if fp8_kv and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 KV cache is read with its k_scale and v_scale")
+    # Each value is unread without its flag (the query stands in for absent sinks and scales).
     spec_args = (
         query if sinks is None else sinks,
+        k_scale if fp8_kv else query,
+        v_scale if fp8_kv else query,
         scale,
         sliding_window or 1,
         chunk_size or 1,
@@ -728,6 +779,7 @@ def paged_attention(
         "CHUNK": chunk_size is not None,
         "SOFTCAP": logit_softcap is not None,
         "SINKS": sinks is not None,
+        "FP8_KV": fp8_kv,
     }
     strides = (
         *query.stride()[:2],
