@@ -179,6 +179,39 @@ def test_hook_register_lora_resolvers_makes_a_resolver_selectable_by_name() -> N
     assert "local" in get_registry("lora_resolvers").names()
 
 
+class _Quantization:
+    PAGODA_PLUGIN_API = 1
+
+    @hookimpl
+    def register_quantization_methods(self, register):
+        from pagoda.quantization.fp8 import Fp8Method
+
+        class HookedFp8(Fp8Method):
+            name = "hooked_fp8"
+            checkpoint_formats = ("hooked-format",)
+
+            @classmethod
+            def unsupported(cls, checkpoint_config, device, dtype):
+                return None
+
+        register("hooked_fp8", HookedFp8)
+
+
+def test_hook_register_quantization_methods_makes_a_method_selectable_by_name() -> None:
+    from pagoda.quantization import build_quantization, resolve_quantization
+
+    cpu = torch.device("cpu")
+    with plugin_registered(_Quantization(), "quantization"):
+        assert resolve_quantization("hooked_fp8", {}, cpu, torch.float32) == "hooked_fp8"
+        # a checkpoint in its format selects it
+        hf = {"quantization_config": {"quant_method": "hooked-format"}}
+        assert resolve_quantization(None, hf, cpu, torch.float32) == "hooked_fp8"
+        method = build_quantization("hooked_fp8", {})
+        assert method.name == "hooked_fp8" and method.linear_method(["a.q_proj"]) is not None
+    assert "fp8" in get_registry("quantization_methods").names()
+    assert "hooked_fp8" not in get_registry("quantization_methods").names()
+
+
 class _Settings:
     PAGODA_PLUGIN_API = 1
 

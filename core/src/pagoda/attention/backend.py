@@ -167,8 +167,8 @@ class AttentionBackend(ABC):
 
     @classmethod
     def supports_kv_cache_dtype(cls, dtype: torch.dtype) -> bool:
-        """Called at engine start with the KV cache's dtype when ``cache.kv_cache_dtype`` is not
-        ``auto`` (``torch.float8_e4m3fn`` for ``fp8``). Returns whether this backend stores and
+        """Called at engine start with the KV cache's ``dtype`` when ``cache.kv_cache_dtype`` is
+        not ``auto`` (``torch.float8_e4m3fn`` for ``fp8``). Returns whether this backend stores and
         reads a cache of that dtype, with the impl's ``k_scale`` and ``v_scale``
         (``write_kv_cache`` stores one). Default: false (a cache in the model's dtype only)."""
         return False
@@ -250,7 +250,8 @@ def write_kv_cache(
 
     Keys or values narrower than the cache's heads (``value_head_size`` differs from
     ``head_size``) fill the leading part of each head. An FP8 cache stores ``fp8(key /
-    k_scale)`` and ``fp8(value / v_scale)`` (the impl's scales; see :class:`AttentionImpl`).
+    k_scale)`` and ``fp8(value / v_scale)``, ``k_scale`` and ``v_scale`` being the impl's
+    float32 ``[1]`` scales (see :class:`AttentionImpl`; None: 1.0).
 
     Returns the key cache and the value cache, ``[num_blocks, block_size, num_kv_heads,
     head_size]`` views of ``kv_cache``."""
