@@ -128,6 +128,11 @@ def _length_classes() -> np.ndarray:
 _LENGTH_CLASSES = _length_classes()
 
 
+def _dequantize(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered keys or values in ``dtype``: an FP8 cache's (gathered as bytes) dequantized."""
+    return read_kv(t.view(FP8_DTYPE), scale, dtype) if t.dtype == torch.uint8 else t.to(dtype)
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     priority = 0
@@ -209,6 +214,8 @@ class TorchNativeImpl(AttentionImpl):
             key, value, kv_cache, md.common.slot_mapping, num_tokens, self.k_scale, self.v_scale
         )
         fp8 = kv_cache.dtype == FP8_DTYPE
+        if fp8:  # NOTE: gathered as bytes: not every device has FP8 gather kernels
+            key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
         if self.spec.features():
             return self._general(query, key_cache, value_cache, md)
 
@@ -225,8 +232,8 @@ class TorchNativeImpl(AttentionImpl):
                 k = key_cache[p.blocks].flatten(0, 1)[: p.seq_len]
                 v = value_cache[p.blocks].flatten(0, 1)[: p.seq_len]
                 if fp8:
-                    k = read_kv(k, self.k_scale, query.dtype)
-                    v = read_kv(v, self.v_scale, query.dtype)
+                    k = _dequantize(k, self.k_scale, query.dtype)
+                    v = _dequantize(v, self.v_scale, query.dtype)
             q_len, kv_len = p.end - p.start, k.shape[0]
             # NOTE: KV heads as the batch and the query heads sharing one as its heads, K and V
             # expanded (stride 0, no copy): torch's fused CPU kernel with no copy of K and V per
@@ -261,9 +268,9 @@ class TorchNativeImpl(AttentionImpl):
             blocks = dec.blocks[block : block + b * max_blocks]
             k = key_rows.index_select(0, blocks).view(b, -1, h_kv, d).transpose(1, 2)
             v = value_rows.index_select(0, blocks).view(b, -1, h_kv, d).transpose(1, 2)
-            if k.dtype == FP8_DTYPE:
-                k = read_kv(k, self.k_scale, q.dtype)
-                v = read_kv(v, self.v_scale, q.dtype)
+            if k.dtype == torch.uint8:  # an FP8 cache's bytes
+                k = _dequantize(k, self.k_scale, q.dtype)
+                v = _dequantize(v, self.v_scale, q.dtype)
             # NOTE: the query heads that share a KV head ride as that head's "query
             # positions", so grouped-query attention needs no copy of K and V per query head.
             o = F.scaled_dot_product_attention(
@@ -294,10 +301,10 @@ class TorchNativeImpl(AttentionImpl):
         requests, masks = md.masks_for(spec)
         for r, mask in zip(requests, masks):
             seq_len = mask.shape[1]
-            k = read_kv(key_cache[r.blocks].flatten(0, 1)[:seq_len, :, :d], self.k_scale,
-                        torch.float32)  # fmt: skip
-            v = read_kv(value_cache[r.blocks].flatten(0, 1)[:seq_len, :, :dv], self.v_scale,
-                        torch.float32)  # fmt: skip
+            k = _dequantize(key_cache[r.blocks].flatten(0, 1)[:seq_len, :, :d], self.k_scale,
+                            torch.float32)  # fmt: skip
+            v = _dequantize(value_cache[r.blocks].flatten(0, 1)[:seq_len, :, :dv], self.v_scale,
+                            torch.float32)  # fmt: skip
             q = query[r.start : r.end].float().view(-1, h_kv, group, d).permute(1, 2, 0, 3)
             # [h_kv, group, q_len, seq_len]
             logits = q @ k.permute(1, 2, 0).unsqueeze(1) * self.scale

@@ -528,7 +528,10 @@ def _paged_decode(
             True,  # a decode query is its request's last token: bidirectional is causal
             FP8_KV,
         )
-        out = acc * v_mul / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
+        scaled = acc
+        if FP8_KV:
+            scaled = acc * v_mul
+        out = scaled / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
             out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),

@@ -1,0 +1,177 @@
+"""On a GPU with FP8 tensor cores: the W8A8 linear (``torch._scaled_mm``, and Ada's tensor-wise
+path) against float64 and against the CPU emulation, inside a CUDA graph too; the one-kernel
+per-token quantization against the torch code; an FP8 checkpoint in the compressed-tensors
+layout (written from random weights) loading into the weights online quantization makes; and an
+FP8 KV cache through the Triton backend against the float64 reference, and in an engine against
+the reference backend's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.ops import fp8 as fp8_ops
+from pagoda.ops.fp8 import FP8_DTYPE, fp8_linear, from_fp8, quantize_rows
+from pagoda.testing.attention import check_attention_backend, fp8_kv_cases
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "quantization"))
+import fp8kit  # noqa: E402
+
+_CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _CUDA, reason="needs CUDA"),
+    pytest.mark.skipif(
+        _CUDA and torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores"
+    ),
+]
+BF16 = torch.bfloat16
+# Llama-3.1-8B's q/k/v (4096 -> 6144) and down (14336 -> 4096) projections.
+SHAPES = [(4096, 6144), (14336, 4096)]
+
+
+def _operands(m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(BF16)
+    w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
+    wq, ws = quantize_rows(w)
+    return x, wq, ws.view(-1)
+
+
+def _reference(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """float64 product of the values the kernel multiplies: x quantized per token, and the
+    FP8 weights with their scales."""
+    xq, xs = quantize_rows(x)
+    return from_fp8(xq, xs, torch.float64) @ from_fp8(wq, ws[:, None], torch.float64).T
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("m", [1, 37, 256])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_fp8_linear_matches_float64_of_its_quantized_values(m: int, k: int, n: int) -> None:
+    x, wq, ws = _operands(m, k, n)
+    bias = torch.randn(n, device="cuda").to(BF16)
+    got = fp8_linear(x, wq, ws, bias)
+    assert got.dtype == BF16 and got.shape == (m, n)
+    want = _reference(x, wq, ws) + bias.double()
+    # bf16 output (2^-8 relative) and float32 accumulation in cuBLASLt's order
+    assert _rel(got, want) < 4e-3
+    torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2e-2)
+    # the CPU emulation computes the same
+    emulated = fp8_linear(x.cpu(), wq.cpu(), ws.cpu(), bias.cpu())
+    assert _rel(emulated, want.cpu()) < 4e-3
+
+
+def test_adas_tensorwise_path_computes_the_same(monkeypatch) -> None:
+    x, wq, ws = _operands(64, 4096, 6144)
+    rowwise = fp8_linear(x, wq, ws)
+    index = torch.cuda.current_device()
+    monkeypatch.setitem(fp8_ops._ROWWISE, index, False)
+    tensorwise = fp8_linear(x, wq, ws)
+    want = _reference(x, wq, ws)
+    assert _rel(rowwise, want) < 4e-3 and _rel(tensorwise, want) < 4e-3
+
+
+def test_per_token_quantization_kernel_matches_the_torch_code() -> None:
+    from pagoda.ops.triton_fp8 import quantize_tokens_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(300, 4096, generator=gen, device="cuda") * 3).to(BF16)
+    x[7] = 0  # an all-zero row keeps a finite scale
+    q, s = quantize_tokens_triton(x)
+    q_ref, s_ref = quantize_rows(x)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert q.dtype == FP8_DTYPE and torch.isfinite(q.float()).all()
+    # a scale one ulp apart may move a value across a rounding boundary, rarely
+    assert (q.float() != q_ref.float()).float().mean() < 1e-3
+
+
+def test_fp8_linear_replays_in_a_cuda_graph() -> None:
+    x, wq, ws = _operands(32, 4096, 6144)
+    eager = fp8_linear(x, wq, ws)
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(static, wq, ws)  # warm-up (Triton compiles, cuBLASLt picks its kernel)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(static, wq, ws)
+    static.copy_(x * 2)
+    graph.replay()
+    torch.testing.assert_close(out, fp8_linear(x * 2, wq, ws), atol=0, rtol=0)
+    assert not torch.equal(out, eager)
+
+
+# ---- engines ------------------------------------------------------------------------------------
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(40)]} for i in range(4)]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    return fp8kit.build(tmp_path_factory.mktemp("fp8-gpu"))
+
+
+def _run(folder: Path, **kw) -> tuple[list[list[int]], torch.Tensor, dict[str, torch.Tensor]]:
+    llm = LLM(model=str(folder), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory_bytes=64 << 20, **kw)  # fmt: skip
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        model = llm.engine.engine_core.executor.worker.model_runner.model
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        state.update(
+            (f"{n}.weight_scale", m.weight_scale.cpu())
+            for n, m in model.named_modules()
+            if getattr(m, "quant_method", None) is not None
+        )
+    finally:
+        llm.engine.shutdown()
+    logprobs = torch.tensor(
+        [[next(iter(p.values())).logprob for p in o.prompt_logprobs[1:]] for o in outs]
+    )
+    return [o.outputs[0].token_ids for o in outs], logprobs, state
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def test_compressed_tensors_checkpoint_loads_what_online_quantization_makes(folders) -> None:
+    online_tokens, online_logprobs, online = _run(folders["full"], quantization="fp8")
+    tokens, logprobs, loaded = _run(folders["compressed-tensors"])
+    assert online.keys() == loaded.keys()
+    for name, t in online.items():
+        assert torch.equal(_bits(t), _bits(loaded[name])), name
+    assert online["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8_DTYPE
+    assert tokens == online_tokens
+    torch.testing.assert_close(logprobs, online_logprobs, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", fp8_kv_cases(), ids=lambda c: c.name)
+def test_fp8_kv_cache_through_triton_matches_the_float64_reference(case) -> None:
+    pytest.importorskip("pagoda_attention_triton")
+    from pagoda_attention_triton.backend import TritonAttentionBackend
+
+    check_attention_backend(TritonAttentionBackend, case, "cuda", BF16, kv_cache_dtype=FP8_DTYPE)
+
+
+def test_fp8_kv_engine_on_triton_tracks_the_reference_backend(folders) -> None:
+    pytest.importorskip("pagoda_attention_triton")
+    common = dict(quantization="fp8", kv_cache_dtype="fp8")
+    tokens, logprobs, _ = _run(folders["full"], attention_backend="triton", **common)
+    ref_tokens, ref_logprobs, _ = _run(
+        folders["full"], attention_backend="torch_native", enforce_eager=True, **common
+    )
+    # the same scales (the first prompt's), the same stored values; the kernels' arithmetic only
+    assert tokens == ref_tokens
+    assert (logprobs - ref_logprobs).abs().max() < 0.1
