@@ -131,7 +131,13 @@ class PoolingRunner:
         ids = [f[0] for f in finished]
         shapes = [tuple(outs[r].shape) for r in ids]
         flat = torch.cat([outs[r].reshape(-1) for r in ids])
-        return PooledStep(ids, shapes, flat.to("cpu", non_blocking=True))
+        if flat.is_cuda:
+            # NOTE: into page-locked memory, or the copy is not asynchronous: ``to("cpu",
+            # non_blocking=True)`` into pageable memory waits for the step, and the host then
+            # prepares the next step while the device idles (5 ms a step of 16,384 tokens).
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            flat = host.copy_(flat, non_blocking=True)
+        return PooledStep(ids, shapes, flat)
 
     def _finish(self, params: PoolingParams, pooled: torch.Tensor) -> torch.Tensor:
         """Rows pooled alike (``[n, hidden]``): through the classifier head, or truncated and
