@@ -194,6 +194,19 @@ def workload_prompts(args: argparse.Namespace, llm: LLM) -> tuple[list[dict], li
     return prompts, kinds
 
 
+def _warm_prompts(args: argparse.Namespace, llm: LLM, n: int) -> list[dict]:
+    """``n`` prompts like the workload's, none of them measured."""
+    if args.random_weights or args.prompts == "random":
+        rng = np.random.default_rng(1)
+        vocab = llm.engine.engine_core.executor.worker.model_runner.shape.vocab_size
+        ids = rng.integers(10, min(10_000, vocab), (n, args.input_len))
+        return [{"prompt_token_ids": row.tolist()} for row in ids]
+    other = argparse.Namespace(**{**vars(args), "prompts": "stdlib", "num_prompts": None})
+    other.kinds = None
+    prompts = workload_prompts(other, llm)[0]
+    return (prompts * (n // max(len(prompts), 1) + 1))[:n]
+
+
 def add_workload_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
     """The model, device and workload options (``workload_prompts``, ``use_random_weights``)."""
     p.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
@@ -411,12 +424,22 @@ def main() -> None:
     prompts, kinds = workload_prompts(args, engines["off"])
     random = bool(args.random_weights) or args.prompts == "random"
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=random)
-    # Warm-up: first-call costs (allocations, kernel launch caches, host buffers) at the batch
-    # size measured out of the way. What the speculation governor learned in it is forgotten:
-    # the measured passes pay its exploration from the start.
-    warm = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    # Warm-up: first-call costs (allocations, kernel launch caches, host buffers, kernels
+    # compiled for longer contexts and for each verification length) at the batch size
+    # measured out of the way: the first batches whole, at the measured length. With 16 tokens
+    # of one prompt, an H200 run (50a063c) met compiles in its first two timed batches, one on
+    # each engine (ratios 17.8 and 0.14), and they decided the whole figure. What the
+    # speculation governor learned in it is forgotten: the measured passes pay its exploration
+    # from the start.
+    # The warm-up's prompts are not the measured ones (the suffix proposer's global tree would
+    # keep their answers): the stdlib set's, or random ids of another seed.
+    warm = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    warm_prompts = _warm_prompts(
+        args, engines["off"], args.batch_size * (1 if args.batch_size > 1 else 3)
+    )
     for llm in engines.values():
-        llm.generate(prompts[: args.batch_size], warm, use_tqdm=False)
+        for i in range(0, len(warm_prompts), args.batch_size):
+            llm.generate(warm_prompts[i : i + args.batch_size], warm, use_tqdm=False)
     core = engines["spec"].engine.engine_core
     gov = core.scheduler.spec_governor
     if gov is not None:
