@@ -160,3 +160,26 @@ def test_prefix_caching_with_an_fp8_kv_cache_gives_the_tokens_of_a_cold_cache(fp
         if caching:
             assert all(o.num_cached_tokens == 48 for o in rest)
     assert runs[True] == runs[False]
+
+
+def test_kv_offload_carries_an_fp8_cache_through_the_cpu_pool(fp8_folders) -> None:
+    """Prefixes pushed out of a small device cache into the CPU pool and loaded back give the
+    tokens of a device cache that kept them (the pool holds the FP8 bytes as they are)."""
+    prefixes = [[(11 * i + 7 * j) % 250 + 3 for j in range(96)] for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for offload in (0.0, 0.01):
+        llm = LLM(model=str(fp8_folders["full"]), max_model_len=256, kv_cache_dtype="fp8",
+                  num_gpu_blocks_override=17 if offload else 64, max_num_seqs=2,
+                  cpu_offload_gb=offload)  # fmt: skip
+        outs = []
+        for rnd in range(2):  # the second round finds each prefix evicted (offload: in the pool)
+            for i, p in enumerate(prefixes):
+                o = llm.generate({"prompt_token_ids": p + [5 + rnd, 7 + i]}, params, use_tqdm=False)
+                outs.append((o[0].outputs[0].token_ids, o[0].num_cached_tokens))
+        runs[offload] = outs
+        if offload:
+            medium = llm.engine.engine_core.executor.worker.model_runner.kv_offload
+            assert medium.cpu.dtype == torch.uint8  # the FP8 bytes
+    assert [t for t, _ in runs[0.01]] == [t for t, _ in runs[0.0]]
+    assert all(cached >= 80 for _, cached in runs[0.01][4:])  # hits, from the pool

@@ -65,6 +65,9 @@ def stack_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(size, stride, first.storage_offset())
 
 
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @dataclass
 class _Job:
     """A submitted job's events: those that end its copies, and (kind, blocks, start, end) of
@@ -76,6 +79,10 @@ class _Job:
 
 class CPUMedium(OffloadMedium):
     def __init__(self, kv_caches: list[torch.Tensor], block_dim: int, num_blocks: int) -> None:
+        # NOTE: an FP8 cache (cache.kv_cache_dtype) moves as its bytes: the gathers and
+        # scatters below have no FP8 kernels on a CPU.
+        if kv_caches and kv_caches[0].dtype in _BYTE_FLOATS:
+            kv_caches = [kv.view(torch.uint8) for kv in kv_caches]
         super().__init__(kv_caches, block_dim, num_blocks)
         first = kv_caches[0]
         self.device = first.device
