@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.bench.device import KernelCompiles
 from pagoda.bench.report import commit, hardware, save_report
 from pagoda.process import tuned_gc
 from pagoda.scheduler.spec_governor import build_governor
@@ -460,7 +461,8 @@ def main() -> None:
     batches = [
         prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)
     ] * args.repeats
-    with tuned_gc():  # as the engine-core process runs (pagoda.process)
+    compiles = KernelCompiles()
+    with tuned_gc(), compiles:  # (tuned_gc: as the engine-core process runs, pagoda.process)
         for b, batch in enumerate(batches):
             order = ("off", "spec") if b % 2 == 0 else ("spec", "off")
             outs = {}
@@ -473,6 +475,8 @@ def main() -> None:
                 rate[name] = n / dt
             batch_ratios.append(round(rate["spec"] / rate["off"], 3))
             same &= outs["off"] == outs["spec"]
+            if compiles.names:
+                print(f"batch {b}: kernels compiled so far {compiles.names}", file=sys.stderr)
             so_far = {k: tokens[k] / seconds[k] for k in seconds}
             print(f"batch {b}: tok/s so far {so_far}", file=sys.stderr)
     if args.profile:
@@ -489,6 +493,9 @@ def main() -> None:
         "kinds": sorted(set(kinds)),
         "max_tokens": args.max_tokens,
         "speculative": spec,
+        # Triton kernels compiled inside the timed passes (a first-time cost in the figure; None:
+        # this Triton cannot tell)
+        "kernels_compiled_while_timed": compiles.names if compiles.supported else None,
         "output_tokens": tokens,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},

@@ -68,3 +68,38 @@ def _copy_seconds(device: Any, nbytes: int, iters: int) -> float:
     x = torch.ones(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     return time_fn(lambda: y.copy_(x), iters, device)
+
+
+class KernelCompiles:
+    """Triton kernels compiled (or loaded from the disk cache) while it is entered: a timed
+    region should meet none, or a first-time cost is in the figure. ``names`` in order;
+    ``supported`` is False where this Triton offers no compile hook (or there is no Triton)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.supported = False
+        self._knobs: Any = None
+        self._before: Any = None
+
+    def __enter__(self) -> KernelCompiles:
+        try:
+            import triton.knobs as knobs
+
+            self._knobs = knobs.runtime
+            self._before = self._knobs.jit_post_compile_hook
+        except (ImportError, AttributeError):
+            return self
+        self.supported = True
+
+        def hook(*args: Any, **kwargs: Any) -> None:
+            fn = kwargs.get("fn")
+            self.names.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", fn)))
+            if self._before is not None:
+                self._before(*args, **kwargs)
+
+        self._knobs.jit_post_compile_hook = hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.supported:
+            self._knobs.jit_post_compile_hook = self._before
