@@ -2,7 +2,8 @@
 float32, Qwen3-0.6B's q/k/v projection, ranks 8 to 64, prompt segments and decode rows with and
 without adapters); a LoRA layer's BGMV captured in a CUDA graph replays with other slots; an
 engine's decode graphs, captured with the LoRA path, replay a batch of base-model and adapter
-requests with transformers' merged tokens and the eager engine's."""
+requests with transformers' merged tokens and the eager engine's. Each decode kernel of
+``pagoda.ops.lora.DECODE_KERNELS`` runs every decode case."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def _batch(lengths: list[int], slots: list[int], rows: bool) -> ops.LoRABatch:
     qsl = np.concatenate([[0], np.cumsum(lengths)])
     token_slots = torch.tensor(np.repeat(slots, lengths), dtype=torch.int32, device="cuda")
     segments = [(int(qsl[i]), int(qsl[i + 1]), s) for i, s in enumerate(slots) if s >= 0]
+    order, starts = ops.sort_rows(np.repeat(slots, lengths).astype(np.int32), SLOTS)
     return ops.LoRABatch(
         token_slots,
         torch.tensor(qsl, dtype=torch.int32, device="cuda"),
@@ -49,6 +51,8 @@ def _batch(lengths: list[int], slots: list[int], rows: bool) -> ops.LoRABatch:
         max(lengths),
         segments,
         use_rows=rows,
+        sorted_rows=torch.tensor(order, device="cuda"),
+        slot_starts=torch.tensor(starts, device="cuda"),
     )
 
 
@@ -63,9 +67,9 @@ def _reference(x, a, b, batch, out) -> torch.Tensor:
     return want
 
 
-def _run(x, a, b, batch, out) -> torch.Tensor:
+def _run(x, a, b, batch, out, kernel: str = "bgmv") -> torch.Tensor:
     got = out.clone()
-    ops.expand(ops.shrink(x, a, batch), b, batch, got, BOUNDS)
+    ops.add_lora(x, a, b, batch, got, BOUNDS, kernel=kernel)
     return got
 
 
@@ -90,10 +94,13 @@ def test_sgmv_matches_the_torch_reference_on_prompt_segments(rank: int, dtype) -
     _check(_run(x, a, b, batch, out), _reference(x, a, b, batch, out), out, batch, dtype)
 
 
+@pytest.mark.parametrize("kernel", ops.DECODE_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 @pytest.mark.parametrize("tokens", [1, 64, 256])
-def test_bgmv_matches_the_torch_reference_on_decode_rows(tokens: int, rank: int, dtype) -> None:
+def test_decode_kernels_match_the_torch_reference_on_decode_rows(
+    tokens: int, rank: int, dtype, kernel: str
+) -> None:
     a, b = _weights(rank, dtype)
     rng = np.random.default_rng(tokens)
     slots = rng.integers(-1, SLOTS, tokens).tolist()  # -1: base-model rows among them
@@ -102,7 +109,7 @@ def test_bgmv_matches_the_torch_reference_on_decode_rows(tokens: int, rank: int,
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(dtype)
     out = torch.randn(tokens, sum(SIZES), generator=g, device="cuda").to(dtype)
     want = _reference(x, a, b, batch, out)
-    _check(_run(x, a, b, batch, out), want, out, batch, dtype)
+    _check(_run(x, a, b, batch, out, kernel), want, out, batch, dtype)
     # The row reference (what a CPU runs for rows) agrees too.
     ref = out.float().clone()
     y = ops.bgmv_shrink_reference(x, a, batch.token_slots)
@@ -112,24 +119,29 @@ def test_bgmv_matches_the_torch_reference_on_decode_rows(tokens: int, rank: int,
     torch.testing.assert_close(ref, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_bgmv_in_a_cuda_graph_replays_with_new_slots() -> None:
-    """Captured once with every row on the base model, replayed with slots written into the
-    same buffer: the adapters' products, as the eager kernels give them."""
+@pytest.mark.parametrize("kernel", ops.DECODE_KERNELS)
+def test_decode_kernels_in_a_cuda_graph_replay_with_new_slots(kernel: str) -> None:
+    """Captured once with every row on the base model, replayed with slots (and fused-slots'
+    rows grouped by slot) written into the same buffers: the adapters' products, as the eager
+    kernels give them."""
     dtype, rank, tokens = torch.bfloat16, 16, 32
     a, b = _weights(rank, dtype)
     batch = _batch([1] * tokens, [-1] * tokens, rows=True)
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(tokens, HIDDEN, generator=g, device="cuda").to(dtype)
     out = torch.randn(tokens, sum(SIZES), generator=g, device="cuda").to(dtype)
-    _run(x, a, b, batch, out)  # compile outside the capture
+    _run(x, a, b, batch, out, kernel)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _run(x, a, b, batch, out)
+        captured = _run(x, a, b, batch, out, kernel)
     for seed in range(3):
         slots = np.random.default_rng(seed).integers(-1, SLOTS, tokens).astype(np.int32)
         batch.token_slots.copy_(torch.from_numpy(slots))
+        order, starts = ops.sort_rows(slots, SLOTS)
+        batch.sorted_rows.copy_(torch.from_numpy(order))
+        batch.slot_starts.copy_(torch.from_numpy(starts))
         graph.replay()
-        eager = _run(x, a, b, batch, out)
+        eager = _run(x, a, b, batch, out, kernel)
         assert torch.equal(captured, eager)
         rows = _batch([1] * tokens, slots.tolist(), rows=False)
         torch.testing.assert_close(
@@ -170,8 +182,12 @@ def _generate(kit: dict, **kw) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def test_decode_graphs_replay_mixed_adapters_with_transformers_tokens(kit) -> None:
+@pytest.mark.parametrize("kernel", ops.DECODE_KERNELS)
+def test_decode_graphs_replay_mixed_adapters_with_transformers_tokens(
+    kit, kernel: str, monkeypatch
+) -> None:
     pytest.importorskip("pagoda_attention_triton")
+    monkeypatch.setattr(ops, "DECODE_KERNEL", kernel)  # (the engine runs in this process)
     got, llm = _generate(kit)
     runner = llm.engine.engine_core.executor.worker.model_runner
     try:

@@ -357,3 +357,42 @@ def test_a_graph_replay_gets_every_tokens_slot_and_padding_rows_none(llm, adapte
         for rid in "xyz":
             lora.remove(rid)
         lora.context.batch = None
+
+
+def test_a_decode_step_of_the_same_requests_reuses_the_last_slots(
+    llm, adapters, monkeypatch
+) -> None:
+    """``LoRAInputs.prepare`` uploads nothing for a rows step of the requests, token counts and
+    slots of the last one; a request added, or an adapter moved to another slot, uploads
+    again. With ``fused-slots``' sort on, the rows grouped by slot go up with the slots."""
+    import numpy as np
+
+    lora = llm.engine.engine_core.executor.worker.model_runner.lora
+    uploads = []
+    real = lora.buffers.to_device
+    monkeypatch.setattr(lora.buffers, "to_device", lambda d, s: (uploads.append(1), real(d, s)))
+    monkeypatch.setattr(lora, "sorts", True)
+    lora.add("x", adapters["lora-a"])
+    lora.add("y", adapters["lora-b"])
+    lora.add("z", adapters["lora-a"])
+    try:
+        ids, counts, qsl = ["x", "y", "z"], np.ones(3, dtype=np.int64), np.arange(4)
+        lora.prepare(ids, counts, qsl, graph_tokens=4)
+        assert len(uploads) == 3  # the slots, the sorted rows, each slot's start
+        slot_a, slot_b = lora.slots.slot_of[1], lora.slots.slot_of[2]
+        starts = lora.slot_starts.tolist()
+        assert lora.sorted_rows[starts[slot_a] : starts[slot_a + 1]].tolist() == [0, 2]
+        assert lora.sorted_rows[starts[slot_b] : starts[slot_b + 1]].tolist() == [1]
+        lora.prepare(list(ids), counts.copy(), qsl, graph_tokens=4)
+        assert len(uploads) == 3 and lora.context.batch is lora.graph_batch
+        lora.slots.version += 1  # as when an adapter is written into another slot
+        lora.prepare(ids, counts, qsl, graph_tokens=4)
+        assert len(uploads) == 6
+        lora.add("w", None)
+        lora.prepare(ids + ["w"], np.ones(4, dtype=np.int64), np.arange(5), graph_tokens=4)
+        assert len(uploads) == 9
+        assert lora.token_slots[:4].tolist() == [slot_a, slot_b, slot_a, -1]
+    finally:
+        for rid in "xyzw":
+            lora.remove(rid)
+        lora.context.batch = None

@@ -72,3 +72,45 @@ def test_bgmv_expands_three_slices_in_one_launch_like_the_reference() -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     lo = y[3, 8:16] @ b[1, 20:27].T  # k of row 3 (slot 1) reads the second 8 ranks
     torch.testing.assert_close(got[3, 20:27], lo, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", ["bgmv-wide", "fused-rows", "fused-slots"])
+@pytest.mark.parametrize("rank", [8, 16, 64])
+def test_decode_kernel_variants_match_the_torch_reference(kernel: str, rank: int) -> None:
+    """Each decode kernel of ``pagoda.ops.lora.DECODE_KERNELS`` on q | k | v: 17 rows of one
+    slot (two blocks of 16 rows for fused-slots), rows of no adapter (untouched), partial
+    blocks (slices of 37, 18 and 9 columns). float32: the interpreter's bfloat16 ``tl.dot`` is
+    wrong (SGMV's too); tests/gpu/test_lora_gpu.py runs bfloat16."""
+    g = torch.Generator().manual_seed(5 + rank)
+    sizes = (37, 18, 9)
+    a = torch.randn(SLOTS, 3 * rank, K, generator=g)
+    b = torch.randn(SLOTS, sum(sizes), rank, generator=g)
+    x = torch.randn(24, K, generator=g)
+    rows = torch.tensor([2] * 17 + [-1, 0, 1, -1, 0, 2, 1], dtype=torch.int32)
+    bounds = (37, 55)
+    base = torch.randn(24, sum(sizes), generator=g)
+    want = base.clone()
+    ref.expand(ref.bgmv_shrink_reference(x, a, rows), b, _rows_batch(rows), want, bounds)
+    got = base.clone()
+    if kernel == "bgmv-wide":
+        y = triton_lora.bgmv_shrink(x, a, rows, wide=True)
+        triton_lora.bgmv_expand(y, b, rows, got, bounds, wide=True)
+    elif kernel == "fused-rows":
+        triton_lora.fused_rows(x, a, b, rows, got, bounds)
+    else:
+        order, starts = ref.sort_rows(rows.numpy(), SLOTS)
+        sorted_rows, slot_starts = torch.from_numpy(order), torch.from_numpy(starts)
+        triton_lora.fused_slots(x, a, b, sorted_rows, slot_starts, got, bounds)
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+    none = rows < 0
+    assert torch.equal(got[none], base[none])
+
+
+def test_sort_rows_groups_rows_by_slot_and_leaves_base_rows_out() -> None:
+    order, starts = ref.sort_rows(torch.tensor([2, -1, 0, 2, 0, -1]).numpy(), 4)
+    assert starts.tolist() == [0, 2, 2, 4, 4]
+    assert order[:4].tolist() == [2, 4, 0, 3] and sorted(order[4:].tolist()) == [1, 5]
+
+
+def _rows_batch(rows: torch.Tensor) -> ref.LoRABatch:
+    return ref.LoRABatch(rows, torch.zeros(1), torch.zeros(1), 1, [], use_rows=True)

@@ -23,7 +23,7 @@ from pagoda.distributed import all_reduce
 from pagoda.lora.peft import AdapterWeights
 from pagoda.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from pagoda.ops import linear
-from pagoda.ops.lora import LoRABatch, expand, shrink
+from pagoda.ops.lora import LoRABatch, add_lora
 
 #: A wrapped layer's name (the last part of its module path) -> the checkpoint projections it
 #: merges, in the order of its output columns.
@@ -93,12 +93,12 @@ class LoRALinear(nn.Module):
         if self.row_parallel:
             y = linear(x, base.weight)
             if batch is not None:
-                expand(shrink(x, self.lora_a, batch), self.lora_b, batch, y)
+                add_lora(x, self.lora_a, self.lora_b, batch, y)
             y = all_reduce(y)
             return y if base.bias is None else y + base.bias
         y = linear(x, base.weight, base.bias)
         if batch is not None:
-            expand(shrink(x, self.lora_a, batch), self.lora_b, batch, y, self.bounds)
+            add_lora(x, self.lora_a, self.lora_b, batch, y, self.bounds)
         return y
 
     @torch.no_grad()

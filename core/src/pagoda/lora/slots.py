@@ -34,6 +34,7 @@ class AdapterSlots:
         self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # lora id -> weights
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> device slot
         self.loads = 0  # adapters written into a slot since start (a test reads it)
+        self.version = 0  # changes whenever an adapter's slot does (the runner's inputs cache)
 
     def _host_copy(self, lora: LoRARequest) -> AdapterWeights:
         held = self.host.get(lora.lora_int_id)
@@ -71,9 +72,11 @@ class AdapterSlots:
                 layer.set_slot(slot, weights)
             self.slot_of[lid] = slot
             self.loads += 1
+            self.version += 1
         return {lid: self.slot_of[lid] for lid in loras}
 
     def remove(self, lora_id: int) -> None:
         """Forget adapter ``lora_id`` (unloaded): its slot and host copy are free."""
         self.host.pop(lora_id, None)
         self.slot_of.pop(lora_id, None)
+        self.version += 1

@@ -13,15 +13,34 @@ which slot each token uses (-1: none, the base model) in one of two ways:
 expand reads); ``expand`` adds ``y[:, off:off + R] @ b[slot].T`` into ``out`` in place, which may
 be a column slice of a wider output (q, k and v of one projection). The kernels read no device
 memory on the host, so a BGMV step replays in a CUDA graph with the slots as inputs.
+
+A rows step runs one of the ``DECODE_KERNELS`` (``add_lora`` dispatches; the CPU's torch
+reference is the same for all): ``bgmv`` (a shrink and an expand launch a projection),
+``bgmv-wide`` (the same two kernels, a slice's ranks a shrink program and wider expand blocks),
+``fused-rows`` (one launch: a program a token and block of output columns, which recomputes its
+slice's rank-R shrink) and ``fused-slots`` (one launch over the rows sorted by slot, the batch's
+``sorted_rows`` and ``slot_starts``: a program a slot's block of rows and of output columns,
+which reads the slot's A and B once for all its rows, by ``tl.dot``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagoda.ops import _use_triton
+
+DECODE_KERNELS = ("bgmv", "bgmv-wide", "fused-rows", "fused-slots")
+#: The kernel a rows (decode, CUDA graph) step runs, read once (``benchmarks/lora_kernels.py``
+#: times each; ``benchmarks/README.md`` says why this one).
+DECODE_KERNEL = os.environ.get("PAGODA_LORA_DECODE_KERNEL", "bgmv")
+if DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(
+        f"PAGODA_LORA_DECODE_KERNEL={DECODE_KERNEL!r}: expected one of {', '.join(DECODE_KERNELS)}"
+    )
 
 
 @dataclass
@@ -29,7 +48,8 @@ class LoRABatch:
     """Which adapter slot each token of a step uses (the module docstring's two forms).
 
     ``segments`` holds the host's copy of the segments, (start, end, slot) with slot >= 0, which
-    the torch reference reads; ``use_rows``: run BGMV over ``token_slots`` (CUDA graphs)."""
+    the torch reference reads; ``use_rows``: run BGMV over ``token_slots`` (CUDA graphs).
+    ``sorted_rows`` and ``slot_starts`` (:func:`sort_rows`): what ``fused-slots`` reads."""
 
     token_slots: torch.Tensor
     seg_starts: torch.Tensor
@@ -37,6 +57,51 @@ class LoRABatch:
     max_seg_len: int
     segments: list[tuple[int, int, int]]
     use_rows: bool = False
+    sorted_rows: torch.Tensor | None = None
+    slot_starts: torch.Tensor | None = None
+
+
+def sort_rows(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows with an adapter grouped by slot, int32: ``sorted_rows`` [tokens] (slot 0's rows,
+    then slot 1's, ...; the rows without an adapter after them) and ``slot_starts`` [num_slots
+    + 1] (slot s's rows are ``sorted_rows[slot_starts[s] : slot_starts[s + 1]]``)."""
+    key = np.where(token_slots < 0, num_slots, token_slots)
+    order = np.argsort(key, kind="stable").astype(np.int32)
+    starts = np.zeros(num_slots + 1, dtype=np.int32)
+    np.cumsum(np.bincount(key, minlength=num_slots + 1)[:num_slots], out=starts[1:])
+    return order, starts
+
+
+def add_lora(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch: LoRABatch,
+    out: torch.Tensor,
+    bounds: tuple[int, ...] = (),
+    kernel: str | None = None,
+) -> None:
+    """``out += (x @ a[slot].T) @ b[slot].T`` by slices (:func:`expand`), a rows step by the
+    decode kernel ``kernel`` (None: ``DECODE_KERNEL``)."""
+    kernel = kernel or DECODE_KERNEL
+    if batch.use_rows and kernel != "bgmv" and _use_triton(x):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
+        from pagoda.ops import triton_lora
+
+        slots = batch.token_slots[: x.shape[0]]
+        if kernel == "bgmv-wide":
+            y = triton_lora.bgmv_shrink(x, a, slots, wide=True)
+            triton_lora.bgmv_expand(y, b, slots, out, bounds, wide=True)
+        elif kernel == "fused-rows":
+            triton_lora.fused_rows(x, a, b, slots, out, bounds)
+        elif kernel == "fused-slots":
+            if batch.sorted_rows is None or batch.slot_starts is None:
+                raise ValueError("fused-slots needs the batch's sorted_rows and slot_starts")
+            triton_lora.fused_slots(x, a, b, batch.sorted_rows, batch.slot_starts, out, bounds)
+        else:
+            raise ValueError(f"unknown LoRA decode kernel {kernel!r}: one of {DECODE_KERNELS}")
+        return
+    expand(shrink(x, a, batch), b, batch, out, bounds)
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:

@@ -5,6 +5,9 @@ their adapter's matrix by ``tl.dot``; BGMV (rows: decode steps, CUDA graphs) red
 against its adapter's matrix. A program whose segment or row has no adapter (slot -1) returns at
 once: base-model rows cost nothing. Accumulation is float32; float32 inputs multiply in IEEE
 precision (not TF32), so they match the torch reference to rounding.
+
+A decode step's rows can instead run shrink and expand fused in one launch a projection
+(``fused_rows``, ``fused_slots``; :mod:`pagoda.ops.lora` says which runs).
 """
 
 from __future__ import annotations
@@ -200,7 +203,10 @@ def _bgmv_expand_kernel(
     tl.store(ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
-def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+def bgmv_shrink(
+    x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, wide: bool = False
+) -> torch.Tensor:
+    """``wide`` (``bgmv-wide``): 16 ranks (a slice of rank 16) a program, not 4."""
     tokens, k = x.shape
     r = a.shape[1]
     y = torch.empty(tokens, r, dtype=torch.float32, device=x.device)  # (as sgmv_shrink)
@@ -208,7 +214,7 @@ def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> 
         return y
     # NOTE: a few ranks a program and long strides of K (Punica's BGMV: a block per output):
     # a decode step's few rows still fill the device, each program reducing K in few steps.
-    br, bk = 4, 512
+    br, bk = (16, 256) if wide else (4, 512)
     _bgmv_shrink_kernel[(tokens, triton.cdiv(r, br))](
         x, a, y, token_slots, k, r,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0),
@@ -223,17 +229,187 @@ def bgmv_expand(
     token_slots: torch.Tensor,
     out: torch.Tensor,
     bounds: tuple[int, ...] = (),
+    wide: bool = False,
 ) -> None:
-    """Every slice of :func:`pagoda.ops.lora.expand` in one launch (at most three)."""
+    """Every slice of :func:`pagoda.ops.lora.expand` in one launch (at most three); ``wide``
+    (``bgmv-wide``): blocks of 512 output columns, not 128."""
     n, r = b.shape[1], b.shape[2]
     if y.shape[0] == 0:
         return
-    if len(bounds) > 2:
-        raise ValueError(f"bgmv_expand takes at most three slices, got bounds {bounds}")
-    b1, b2 = (*bounds, n, n)[:2]
-    bn = 128
+    b1, b2 = _two_bounds(bounds, n)
+    br = triton.next_power_of_2(r)
+    bn = min(512, 16384 // br) if wide else 128  # (rank 64: a tile of B as big as at 16)
     _bgmv_expand_kernel[(y.shape[0], triton.cdiv(n, bn))](
         y, b, out, token_slots, n, r, b1, b2,
         y.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_N=bn, BLOCK_R=triton.next_power_of_2(r), num_warps=4,
+        BLOCK_N=bn, BLOCK_R=br, num_warps=8 if wide else 4,
+    )  # fmt: skip
+
+
+def _two_bounds(bounds: tuple[int, ...], n: int) -> tuple[int, int]:
+    if len(bounds) > 2:
+        raise ValueError(f"a LoRA decode kernel takes at most three slices, got bounds {bounds}")
+    b1, b2 = (*bounds, n, n)[:2]
+    return b1, b2
+
+
+# ---- fused: shrink and expand in one launch (decode rows) ---------------------------------------
+#
+# A program owns a block of output columns inside one slice (q, k or v): the grid's last axis
+# counts each slice's blocks in turn, C1 and C2 being where the second and third slice's start;
+# the program recomputes its rows' rank-R shrink of that slice, which costs a read of the
+# slice's A (R x K) against the expand's read of a block of B.
+
+
+@triton.jit
+def _slice_block(p, E1, E2, N, C1, C2, BLOCK_N: tl.constexpr):
+    """Program ``p``'s slice, its output columns and the end of its slice."""
+    part = (p >= C1).to(tl.int32) + (p >= C2).to(tl.int32)
+    lo = tl.where(part == 0, 0, tl.where(part == 1, E1, E2))
+    hi = tl.where(part == 0, E1, tl.where(part == 1, E2, N))
+    c0 = tl.where(part == 0, 0, tl.where(part == 1, C1, C2))
+    cols = lo + (p - c0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return part, cols, hi
+
+
+@triton.jit
+def _fused_rows_kernel(
+    x_ptr, a_ptr, b_ptr, out_ptr, token_slots, K, R, N, E1, E2, C1, C2,
+    sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(token_slots + t).to(tl.int64)
+    if slot < 0:
+        return
+    part, cols, hi = _slice_block(tl.program_id(1), E1, E2, N, C1, C2, BLOCK_N)
+    rs = tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(x_ptr + t * sx0 + kk * sx1, mask=kk < K, other=0.0).to(tl.float32)
+        a = tl.load(
+            a_ptr + slot * sa0 + (part * R + rs)[:, None] * sa1 + kk[None, :] * sa2,
+            mask=(rs[:, None] < R) & (kk[None, :] < K),
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(a * x[None, :], axis=1)
+    col_ok = cols < hi
+    b = tl.load(
+        b_ptr + slot * sb0 + cols[:, None] * sb1 + rs[None, :] * sb2,
+        mask=col_ok[:, None] & (rs[None, :] < R),
+        other=0.0,
+    ).to(tl.float32)
+    delta = tl.sum(b * acc[None, :], axis=1)
+    ptrs = out_ptr + t * so0 + cols * so1
+    old = tl.load(ptrs, mask=col_ok).to(tl.float32)
+    tl.store(ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _fused_slots_kernel(
+    x_ptr, a_ptr, b_ptr, out_ptr, sorted_rows, slot_starts, K, R, N, E1, E2, C1, C2,
+    sx0, sx1, sa0, sa1, sa2, sb0, sb1, sb2, so0, so1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0).to(tl.int64)
+    start = tl.load(slot_starts + slot)
+    end = tl.load(slot_starts + slot + 1)
+    m0 = start + tl.program_id(1) * BLOCK_M
+    if m0 >= end:
+        return
+    idx = m0 + tl.arange(0, BLOCK_M)
+    row_ok = idx < end
+    rows = tl.load(sorted_rows + idx, mask=row_ok, other=0).to(tl.int64)
+    part, cols, hi = _slice_block(tl.program_id(2), E1, E2, N, C1, C2, BLOCK_N)
+    rs = tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        x = tl.load(
+            x_ptr + rows[:, None] * sx0 + kk[None, :] * sx1,
+            mask=row_ok[:, None] & (kk[None, :] < K),
+            other=0.0,
+        )
+        a = tl.load(
+            a_ptr + slot * sa0 + (part * R + rs)[None, :] * sa1 + kk[:, None] * sa2,
+            mask=(rs[None, :] < R) & (kk[:, None] < K),
+            other=0.0,
+        )
+        acc += tl.dot(x, a, input_precision=PRECISION)
+    col_ok = cols < hi
+    b = tl.load(
+        b_ptr + slot * sb0 + cols[None, :] * sb1 + rs[:, None] * sb2,
+        mask=(rs[:, None] < R) & col_ok[None, :],
+        other=0.0,
+    )
+    delta = tl.dot(acc.to(b.dtype), b, input_precision=PRECISION)
+    mask = row_ok[:, None] & col_ok[None, :]
+    ptrs = out_ptr + rows[:, None] * so0 + cols[None, :] * so1
+    old = tl.load(ptrs, mask=mask).to(tl.float32)
+    tl.store(ptrs, (old + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _slice_blocks(bounds: tuple[int, ...], n: int, bn: int) -> tuple[int, int, int, int, int]:
+    """The slices' ends E1, E2, where the second and third slice's blocks start (C1, C2), and
+    the blocks in all."""
+    e1, e2 = _two_bounds(bounds, n)
+    c1 = triton.cdiv(e1, bn)
+    c2 = c1 + triton.cdiv(e2 - e1, bn)
+    return e1, e2, c1, c2, c2 + triton.cdiv(n - e2, bn)
+
+
+def fused_rows(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    bounds: tuple[int, ...] = (),
+) -> None:
+    """``fused-rows``: :func:`pagoda.ops.lora.add_lora` in one launch, a program a token and
+    block of output columns of one slice (512 at rank 16)."""
+    tokens, k = x.shape
+    n, r = b.shape[1], b.shape[2]
+    if tokens == 0:
+        return
+    br = triton.next_power_of_2(r)
+    # NOTE: tiles of A (R x BLOCK_K) and B (BLOCK_N x R) of 4096 and 8192 floats at any rank.
+    bn, bk = min(512, 8192 // br), min(256, max(16, 4096 // br))
+    e1, e2, c1, c2, blocks = _slice_blocks(bounds, n, bn)
+    _fused_rows_kernel[(tokens, blocks)](
+        x, a, b, out, token_slots, k, r, n, e1, e2, c1, c2,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        BLOCK_N=bn, BLOCK_R=br, BLOCK_K=bk, num_warps=4,
+    )  # fmt: skip
+
+
+def fused_slots(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    slot_starts: torch.Tensor,
+    out: torch.Tensor,
+    bounds: tuple[int, ...] = (),
+) -> None:
+    """``fused-slots``: :func:`pagoda.ops.lora.add_lora` in one launch over the rows grouped
+    by slot (:func:`pagoda.ops.lora.sort_rows`), a program 16 rows of one slot and a block of
+    128 output columns of one slice."""
+    tokens, k = x.shape
+    slots, n, r = b.shape
+    if tokens == 0:
+        return
+    bm, bn = 16, 128
+    e1, e2, c1, c2, blocks = _slice_blocks(bounds, n, bn)
+    _fused_slots_kernel[(slots, triton.cdiv(tokens, bm), blocks)](
+        x, a, b, out, sorted_rows, slot_starts, k, r, n, e1, e2, c1, c2,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+        b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_K=128,
+        PRECISION=_precision(x.dtype), num_warps=4,
     )  # fmt: skip
