@@ -404,12 +404,15 @@ def fused_slots(
     slots, n, r = b.shape
     if tokens == 0:
         return
-    bm, bn = 16, 128
+    br = max(16, triton.next_power_of_2(r))
+    # NOTE: a tile of A (BLOCK_K x R) of 4096 elements at any rank: rank 64 in float32 still
+    # fits the pipelined stages in shared memory.
+    bm, bn, bk = 16, 128, min(256, 4096 // br)
     e1, e2, c1, c2, blocks = _slice_blocks(bounds, n, bn)
     _fused_slots_kernel[(slots, triton.cdiv(tokens, bm), blocks)](
         x, a, b, out, sorted_rows, slot_starts, k, r, n, e1, e2, c1, c2,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_K=128,
-        PRECISION=_precision(x.dtype), num_warps=4,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_R=br, BLOCK_K=bk, PRECISION=_precision(x.dtype),
+        num_warps=4,
     )  # fmt: skip
