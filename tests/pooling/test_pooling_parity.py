@@ -53,6 +53,25 @@ def test_embeddings_match_sentence_transformers(st_dirs, body, pooling, normaliz
     _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
 
 
+def test_last_token_steps_run_the_last_layer_for_the_pooled_rows_alone(st_dirs) -> None:
+    """A step whose every request pools its last token and ends its prompt there runs the last
+    layer past attention for those rows alone (``keeps_rows``); the embeddings stay
+    sentence-transformers'."""
+    folder = st_dirs("qwen3", "lasttoken", True)
+    llm = LLM(model=str(folder), **ENGINE)
+    model = llm.engine.engine_core.executor.worker.model_runner.model
+    kept: list[int | None] = []
+    forward = model.forward
+
+    def spy(*args, keep=None, **kwargs):
+        kept.append(None if keep is None else len(keep))
+        return forward(*args, keep=keep, **kwargs)
+
+    model.forward = spy
+    _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
+    assert sum(n or 0 for n in kept) == len(TEXTS), kept  # every prompt's last row, once
+
+
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean", "cls"])
 def test_chunked_prefill_splits_prompts_and_keeps_embeddings(st_dirs, pooling) -> None:
     """A 32-token budget splits the 72-token prompt over three steps (and others beside it):

@@ -109,7 +109,10 @@ class LlamaAttention(nn.Module):
             spec,
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``keep``: the rows whose output is read (every row's keys and values are cached)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -122,7 +125,8 @@ class LlamaAttention(nn.Module):
             )  # fmt: skip
         else:
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        out = self.attn(q, k, v)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class LlamaMLP(nn.Module):
@@ -165,14 +169,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keep``: only these rows go on past attention (the model's last layer, when the
+        caller reads a few rows: an embedding step's last tokens)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(positions, x, keep)
+        if keep is not None:
+            residual = residual[keep]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -216,6 +228,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.first:
             x, residual = self.embed_tokens(input_ids), None
@@ -226,8 +239,11 @@ class LlamaModel(nn.Module):
                     (2, input_ids.shape[0], self.hidden_size), dtype=dtype, device=input_ids.device
                 )
             x, residual = intermediate[0], intermediate[1]
-        for layer in self.layers[self.start : self.end]:
-            x, residual = layer(positions, x, residual)
+        layers = self.layers[self.start : self.end]
+        if keep is not None and not self.last:
+            raise ValueError("only the last pipeline stage's output rows can be kept")
+        for i, layer in enumerate(layers):
+            x, residual = layer(positions, x, residual, keep if i == len(layers) - 1 else None)
         if not self.last:
             return torch.stack((x, residual))
         x, _ = self.norm(x, residual)
@@ -243,6 +259,9 @@ class LlamaForCausalLM(nn.Module):
     supports_pipeline_parallel = True
     #: Its linears take LoRA adapters (``pagoda.lora``: q/k/v/o, gate/up/down).
     supports_lora = True
+    #: ``forward(..., keep=rows)`` runs the last layer past attention for those rows alone and
+    #: returns their hidden states (an embedding step reads each prompt's last token).
+    keeps_rows = True
     #: It takes a quantization method (``pagoda.quantization``) as its third argument: the
     #: decoder's linears quantized, the embedding and LM head in full precision.
     supports_quantization = True
@@ -266,11 +285,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         intermediate: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states of every token of the flat batch: [num_tokens, hidden_size]; on a
-        pipeline stage before the last, its hidden states and residual, [2, num_tokens,
-        hidden_size], which the next stage takes as ``intermediate``."""
-        return self.model(input_ids, positions, intermediate)
+        """Hidden states of every token of the flat batch: [num_tokens, hidden_size] (with
+        ``keep``, of those rows alone, in its order); on a pipeline stage before the last, its
+        hidden states and residual, [2, num_tokens, hidden_size], which the next stage takes
+        as ``intermediate``."""
+        return self.model(input_ids, positions, intermediate, keep)
 
     def _elsewhere(self, name: str) -> bool:
         """Whether checkpoint weight ``name`` belongs to another pipeline stage."""

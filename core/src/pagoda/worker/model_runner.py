@@ -604,6 +604,22 @@ class ModelRunner:
         if self.lora is not None:
             graph_tokens = None if bucket is None else bucket * graphs.query_len
             self.lora.prepare(req_ids, counts, qsl, graph_tokens)
+        # An embedding step that reads each request's last token alone runs the last layer
+        # past attention for those rows (``keeps_rows``): 1/num_layers of the MLP and output
+        # projection's work on most rows saved.
+        keep = None
+        if (
+            self.pooling is not None
+            and bucket is None
+            and verified is None
+            and spec is None
+            and self.lora is None
+            and mm is None
+            and not self.pipeline
+            and getattr(self.model, "keeps_rows", False)
+            and ib.pooling[rows].all()
+        ):
+            keep = self.pooling.last_rows(req_ids, qsl, seq_lens >= ib.num_prompt[rows])
         if bucket is not None:
             hidden = graphs.run(common, bucket)
         elif verified is not None:
@@ -621,6 +637,9 @@ class ModelRunner:
                 if eager:
                     pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
                     hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)
+                elif keep is not None:
+                    ids, pos = buffers.input_ids[:total], buffers.positions[:total]
+                    hidden = self.model(ids, pos, keep=buffers.as_device(keep))
                 else:
                     hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
 
@@ -635,7 +654,7 @@ class ModelRunner:
                     hidden,
                     req_ids,
                     np.flatnonzero(pooled),
-                    qsl,
+                    qsl if keep is None else np.arange(num_reqs + 1),  # (kept: a row each)
                     seq_lens >= ib.num_prompt[rows],
                     ib.num_prompt[rows],
                     buffers.as_device,

@@ -60,6 +60,18 @@ class PoolingRunner:
         for rid in req_ids:
             self.states.pop(rid, None)
 
+    def last_rows(self, req_ids: list[str], qsl: np.ndarray, done: np.ndarray) -> np.ndarray | None:
+        """The step's last token a request, when that is all the step reads: every request of
+        the step (``req_ids``) pools its last token and ends its prompt here. None otherwise."""
+        states = self.states
+        for rid in req_ids:
+            st = states.get(rid)
+            if st is None or st.params.pooling_type != "LAST":
+                return None
+        if not done.all():
+            return None
+        return qsl[1:] - 1
+
     def pool(
         self,
         hidden: torch.Tensor,
