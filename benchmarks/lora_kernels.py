@@ -10,7 +10,8 @@ bfloat16, each followed by its adapters' product (rank ``--rank`` 16, ``--slots`
 slot i mod 8) through ``pagoda.ops.lora.add_lora``. Printed: microseconds a step of the base
 linears alone, then of the base and each kernel (and what LoRA adds), also with every row on
 no adapter (what a base-model batch costs an engine with LoRA on); each kernel's output is
-first checked against the torch reference. The last line names the fastest kernel: the value
+first checked against the torch reference; ``--sweep`` also times the fused kernels at other
+blocks of output columns (``block_n``). The last line names the fastest kernel: the value
 of ``DECODE_KERNEL`` in ``core/src/pagoda/ops/lora.py`` it would take
 (``PAGODA_LORA_DECODE_KERNEL`` selects one without an edit).
 """
@@ -28,7 +29,7 @@ import torch
 
 from pagoda.bench.device import graph_time
 from pagoda.bench.report import commit, hardware, save_report
-from pagoda.ops import linear
+from pagoda.ops import linear, triton_lora
 from pagoda.ops import lora as ops
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3-0.6b" / "config.json"
@@ -109,6 +110,7 @@ def main() -> int:
                     choices=ops.DECODE_KERNELS)  # fmt: skip
     ap.add_argument("--iters", type=int, default=100, help="graph replays a trial")
     ap.add_argument("--trials", type=int, default=5, help="the median trial is reported")
+    ap.add_argument("--sweep", action="store_true", help="also the fused kernels' block_n")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -123,15 +125,22 @@ def main() -> int:
     none = np.full(args.tokens, -1, dtype=np.int32)
     batch = _batch(spread, args.slots, device)
 
-    def step(kernel: str | None) -> None:
+    def step(kernel: str | None, block_n: int | None) -> None:
         for projections in layers:
             for k, w, a, b, bounds in projections:
                 y = linear(inputs[k], w)
-                if kernel is not None:
+                if kernel is None:
+                    continue
+                if block_n is None:
                     ops.add_lora(inputs[k], a, b, batch, y, bounds, kernel=kernel)
+                elif kernel == "fused-rows":
+                    triton_lora.fused_rows(inputs[k], a, b, batch.token_slots, y, bounds, block_n)
+                else:
+                    triton_lora.fused_slots(inputs[k], a, b, batch.sorted_rows,
+                                            batch.slot_starts, y, bounds, block_n)  # fmt: skip
 
-    def us(kernel: str | None) -> float:
-        times = [graph_time(lambda: step(kernel), device, iters=args.iters)
+    def us(kernel: str | None, block_n: int | None = None) -> float:
+        times = [graph_time(lambda: step(kernel, block_n), device, iters=args.iters)
                  for _ in range(args.trials)]  # fmt: skip
         return statistics.median(times) * 1e6
 
@@ -151,6 +160,13 @@ def main() -> int:
                            "max_rel_error": round(error, 4)}  # fmt: skip
         print(f"base + {kernel:<12} {t:8.1f} us a step (LoRA {t - base:6.1f} us; "
               f"rows without adapters: {idle - base:6.1f} us)")  # fmt: skip
+    sweep: dict = {}
+    _set_slots(batch, spread, args.slots)
+    for kernel in [k for k in ("fused-rows", "fused-slots") if args.sweep and k in results]:
+        for block_n in (64, 128, 256, 512):
+            t = us(kernel, block_n)
+            sweep[f"{kernel} block_n={block_n}"] = round(t - base, 1)
+            print(f"  {kernel:<12} block_n={block_n:<4} LoRA {t - base:6.1f} us a step")
     best = min(results, key=lambda k: results[k]["us_per_step"])
     print(
         f"fastest: {best} (LoRA {results[best]['lora_us']} us a step over the base); the default"
@@ -165,6 +181,7 @@ def main() -> int:
         "tokens": args.tokens, "rank": args.rank, "slots": args.slots,
         "base_us_per_step": round(base, 1),
         "kernels": results,
+        "sweep_lora_us": sweep,
         "fastest": best,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }  # fmt: skip

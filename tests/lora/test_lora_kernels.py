@@ -79,8 +79,8 @@ def test_bgmv_expands_three_slices_in_one_launch_like_the_reference() -> None:
 def test_decode_kernel_variants_match_the_torch_reference(kernel: str, rank: int) -> None:
     """Each decode kernel of ``pagoda.ops.lora.DECODE_KERNELS`` on q | k | v: 17 rows of one
     slot (two blocks of 16 rows for fused-slots), rows of no adapter (untouched), partial
-    blocks (slices of 37, 18 and 9 columns). float32: the interpreter's bfloat16 ``tl.dot`` is
-    wrong (SGMV's too); tests/gpu/test_lora_gpu.py runs bfloat16."""
+    blocks (slices of 37, 18 and 9 columns, in one block each or in blocks of 16). float32:
+    the interpreter's bfloat16 ``tl.dot`` is wrong (SGMV's too); the GPU tests run bfloat16."""
     g = torch.Generator().manual_seed(5 + rank)
     sizes = (37, 18, 9)
     a = torch.randn(SLOTS, 3 * rank, K, generator=g)
@@ -104,6 +104,13 @@ def test_decode_kernel_variants_match_the_torch_reference(kernel: str, rank: int
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
     none = rows < 0
     assert torch.equal(got[none], base[none])
+    if kernel != "bgmv-wide":  # blocks of 16 columns: several a slice, the last one partial
+        got = base.clone()
+        if kernel == "fused-rows":
+            triton_lora.fused_rows(x, a, b, rows, got, bounds, block_n=16)
+        else:
+            triton_lora.fused_slots(x, a, b, sorted_rows, slot_starts, got, bounds, block_n=16)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
 
 
 def test_sort_rows_groups_rows_by_slot_and_leaves_base_rows_out() -> None:

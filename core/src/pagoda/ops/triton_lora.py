@@ -369,16 +369,17 @@ def fused_rows(
     token_slots: torch.Tensor,
     out: torch.Tensor,
     bounds: tuple[int, ...] = (),
+    block_n: int | None = None,
 ) -> None:
     """``fused-rows``: :func:`pagoda.ops.lora.add_lora` in one launch, a program a token and
-    block of output columns of one slice (512 at rank 16)."""
+    block of output columns of one slice (``block_n``; None: 512 at rank 16)."""
     tokens, k = x.shape
     n, r = b.shape[1], b.shape[2]
     if tokens == 0:
         return
     br = triton.next_power_of_2(r)
     # NOTE: tiles of A (R x BLOCK_K) and B (BLOCK_N x R) of 4096 and 8192 floats at any rank.
-    bn, bk = min(512, 8192 // br), min(256, max(16, 4096 // br))
+    bn, bk = block_n or min(512, 8192 // br), min(256, max(16, 4096 // br))
     e1, e2, c1, c2, blocks = _slice_blocks(bounds, n, bn)
     _fused_rows_kernel[(tokens, blocks)](
         x, a, b, out, token_slots, k, r, n, e1, e2, c1, c2,
@@ -396,10 +397,11 @@ def fused_slots(
     slot_starts: torch.Tensor,
     out: torch.Tensor,
     bounds: tuple[int, ...] = (),
+    block_n: int | None = None,
 ) -> None:
     """``fused-slots``: :func:`pagoda.ops.lora.add_lora` in one launch over the rows grouped
     by slot (:func:`pagoda.ops.lora.sort_rows`), a program 16 rows of one slot and a block of
-    128 output columns of one slice."""
+    output columns of one slice (``block_n``; None: 128)."""
     tokens, k = x.shape
     slots, n, r = b.shape
     if tokens == 0:
@@ -407,7 +409,7 @@ def fused_slots(
     br = max(16, triton.next_power_of_2(r))
     # NOTE: a tile of A (BLOCK_K x R) of 4096 elements at any rank: rank 64 in float32 still
     # fits the pipelined stages in shared memory.
-    bm, bn, bk = 16, 128, min(256, 4096 // br)
+    bm, bn, bk = 16, block_n or 128, min(256, 4096 // br)
     e1, e2, c1, c2, blocks = _slice_blocks(bounds, n, bn)
     _fused_slots_kernel[(slots, triton.cdiv(tokens, bm), blocks)](
         x, a, b, out, sorted_rows, slot_starts, k, r, n, e1, e2, c1, c2,
