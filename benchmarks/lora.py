@@ -6,7 +6,8 @@ tokens/s against the base model alone; one JSON.
 
 Every case runs the same workload (``--requests`` requests of ``--prompt-len`` random prompt
 tokens and ``--output-len`` output tokens, greedy, ``max_num_seqs`` 64), each engine in a
-process of its own, one after the other:
+process of its own, one after the other (``PAGODA_LORA_DECODE_KERNEL``, passed on to each, picks
+the LoRA decode kernel; ``benchmarks/lora_kernels.py`` compares them):
 
 - ``base``: no LoRA (``enable_lora`` off): the reference figure.
 - ``lora-8``: 8 adapters in 8 slots, request i on adapter i mod 8: every step runs rows of up to
@@ -34,7 +35,6 @@ RANK = 16
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: case -> (adapters, device slots); 0 adapters: LoRA off
 CASES = {"base": (0, 0), "lora-8": (8, 8), "lora-32-slots-8": (32, 8)}
-
 
 
 def _adapters(tmp: Path, count: int) -> list[Path]:
@@ -80,6 +80,7 @@ def run_case(case: str, folder: Path, adapters: list[Path], args: argparse.Names
 
     from pagoda import LLM, SamplingParams
     from pagoda.lora_request import LoRARequest
+    from pagoda.ops import lora as lora_ops
 
     count, slots = CASES[case]
     lora = {"enable_lora": True, "max_loras": slots, "max_cpu_loras": max(count, slots),
@@ -109,6 +110,8 @@ def run_case(case: str, folder: Path, adapters: list[Path], args: argparse.Names
         out["graph_replays"] = graphs.replays if graphs is not None else 0
         if runner.lora is not None:
             out["slot_loads"] = runner.lora.slots.loads  # adapters written into a slot
+            # The decode kernel (PAGODA_LORA_DECODE_KERNEL picks another without an edit).
+            out["decode_kernel"] = lora_ops.DECODE_KERNEL
     finally:
         llm.engine.shutdown()
     return out
@@ -139,8 +142,12 @@ def main() -> int:
         "commit": commit(),
         "model": "qwen3-0.6b (random weights, bfloat16)",
         "adapters": f"random, rank {RANK}, on {', '.join(TARGETS)}",
-        "workload": {"requests": args.requests, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "max_num_seqs": 64},  # fmt: skip
+        "workload": {
+            "requests": args.requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "max_num_seqs": 64,
+        },  # fmt: skip
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = config_folder(CONFIG, Path(tmp))
