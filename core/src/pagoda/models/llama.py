@@ -234,7 +234,8 @@ class LlamaModel(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             if intermediate is None:  # a dry run (profiling, warm-up): zeros stand in
-                dtype = next(self.parameters()).dtype
+                # (the first parameter of a quantized stage may be an FP8 weight)
+                dtype = next(p.dtype for p in self.parameters() if p.dtype.itemsize > 1)
                 intermediate = torch.zeros(
                     (2, input_ids.shape[0], self.hidden_size), dtype=dtype, device=input_ids.device
                 )

@@ -131,6 +131,12 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
         )
+        if layer.weight.is_cuda and (in_features % 16 or out_features % 16):
+            raise ValueError(
+                f"fp8 needs a linear's sizes to be multiples of 16 on a GPU (cuBLASLt's FP8 "
+                f"GEMM); this model has one of {in_features} inputs and {out_features} outputs "
+                "on this tensor-parallel rank"
+            )
         layer.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
         # Projections whose FP8 weight came without its scale yet, and those with a scale.
         layer.fp8_unscaled = set()
