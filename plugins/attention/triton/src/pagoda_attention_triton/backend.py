@@ -6,7 +6,13 @@ chunks, and bidirectional attention (encoders; with a window or chunks too)
 flag of the kernels, so a plain layer runs the same code as before they existed. So is an FP8
 KV cache (``cache.kv_cache_dtype: fp8``): the cache write quantizes with the layer's scales, and
 the attention kernels read FP8 keys and values, their scales folded into the logits' scale and
-the output."""
+the output.
+
+A step of new prompts only (no request has cached context) of a plain layer, causal or
+bidirectional, attends over the step's own keys and values instead of the cache
+(:mod:`~pagoda_attention_triton.ragged_prefill`, a flash-attention forward); the setting
+``plugins.triton.ragged_prefill: false`` (``PAGODA_PLUGINS__TRITON__RAGGED_PREFILL=false``) keeps
+such steps on the paged kernel."""
 
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from pagoda.attention.backend import (
     write_kv_cache,
 )
 from pagoda.attention.spec import AttentionSpec
+from pagoda.config import AttentionConfig
 
 # Below this many keys per split, splitting the context costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
@@ -59,6 +66,8 @@ class TritonMetadata:
     num_splits: int
     # The requests by descending context (device, int32), or None: the kernel's `order`.
     order: torch.Tensor | None = None
+    # New prompts only: every request's context is its own query tokens (`_fresh`).
+    fresh: bool = False
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -68,6 +77,12 @@ class TritonAttentionBackend(AttentionBackend):
     # Launch parameters depend only on the batch size and worst-case length the runner captures
     # with; lengths and block tables are read from device buffers at replay.
     supports_cuda_graph = True
+    # Steps of new prompts only attend over their own keys (`plugins.triton.ragged_prefill`).
+    ragged_prefill = True
+
+    @classmethod
+    def configure(cls, config: AttentionConfig) -> None:
+        cls.ragged_prefill = config.plugin_settings("triton").ragged_prefill
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
@@ -93,7 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
     @classmethod
     def build_metadata(cls, common: CommonAttentionMetadata) -> TritonMetadata:
         md = TritonMetadata(common, _choose_splits(common))
-        if _ordered(common):
+        md.fresh = cls.ragged_prefill and _fresh(common)
+        if _ordered(common) and not md.fresh:
             md.order = _host_to_device(_order(common), common.block_table.device)
         return md
 
@@ -127,6 +143,34 @@ def _ordered(common: CommonAttentionMetadata) -> bool:
         and common.num_reqs >= _ORDER_MIN_REQS
         and common.block_table.device.type == "cuda"
         and len(common.seq_lens_cpu) >= common.num_reqs  # the order must cover every request
+    )
+
+
+def _fresh(common: CommonAttentionMetadata) -> bool:
+    """Whether every request of the step is a new prompt: its context (``seq_len``) is its own
+    query tokens, read from the host copies (no device sync)."""
+    n = common.num_reqs
+    qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+    if n == 0 or len(qsl) < n + 1 or len(seq_lens) < n:
+        return False
+    return bool(np.array_equal(np.diff(qsl[: n + 1]), seq_lens[:n]))
+
+
+def _ragged(
+    spec: AttentionSpec, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> bool:
+    """Whether a fresh step of this layer takes the ragged kernel: plain attention (causal or
+    not; no window, chunks, soft-cap or sinks), a cache in the model's dtype (an FP8 one is read
+    back as stored, so every read of a token sees the same values), keys and values with unit
+    stride in the head dim."""
+    return (
+        spec.sliding_window is None
+        and spec.chunk_size is None
+        and spec.logit_softcap is None
+        and not spec.sinks
+        and kv_cache.dtype == key.dtype
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
     )
 
 
@@ -213,6 +257,7 @@ class TritonAttentionImpl(AttentionImpl):
         attn_metadata: TritonMetadata,
     ) -> torch.Tensor:
         from pagoda_attention_triton.kernels import paged_attention, write_kv_cache_fused
+        from pagoda_attention_triton.ragged_prefill import ragged_prefill_attention
 
         c = attn_metadata.common
         n = c.num_actual_tokens
@@ -224,6 +269,10 @@ class TritonAttentionImpl(AttentionImpl):
             key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
         )
         out = torch.empty_like(query)
+        if attn_metadata.fresh and _ragged(spec, kv_cache, key, value):
+            return ragged_prefill_attention(
+                query, key, value, out, c.query_start_loc, c.num_reqs, n, self.scale, spec.causal
+            )
         paged_attention(
             query,
             key_cache,
