@@ -258,6 +258,36 @@ def test_bad_adapters_are_refused_in_one_line_naming_them(llm, lora_model, tmp_p
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+def test_an_adapter_gone_before_its_first_step_fails_its_requests_alone(
+    llm, lora_model, tmp_path
+) -> None:
+    """Checked when its request came in, the adapter's folder is gone when the worker first
+    loads it: that request ends with an error naming the adapter; a base-model request and a
+    request on a loaded adapter in the same steps finish; the engine serves on, KV blocks back."""
+    gone = _bad(tmp_path, "vanished", lora_model)
+    good = LoRARequest("lora-a", 1, str(lora_model["paths"]["lora-a"]))
+    engine = llm.engine
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_processed("v", None, PROMPTS[0], sp, lora_request=gone)
+    engine.add_processed("b", None, PROMPTS[1], sp)
+    engine.add_processed("a", None, PROMPTS[2], sp, lora_request=good)
+    shutil.rmtree(tmp_path / "vanished")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    failed = done["v"].outputs[0]
+    assert failed.finish_reason == "error", failed
+    assert "'vanished'" in str(failed.stop_reason) and "could not be loaded" in str(
+        failed.stop_reason
+    )
+    assert len(done["b"].outputs[0].token_ids) == 3 and len(done["a"].outputs[0].token_ids) == 3
+    assert engine.engine_core.kv_cache_manager.usage == 0.0
+    again = llm.generate({"prompt_token_ids": PROMPTS[3]}, sp, lora_request=good, use_tqdm=False)
+    assert len(again[0].outputs[0].token_ids) == 3
+
+
 def test_an_adapter_tensor_for_a_module_the_model_lacks_is_refused(llm, lora_model, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -158,6 +158,9 @@ class ModelRunnerOutput:
     # Pooling requests whose prompt this step finished: req_id -> the pooler's output (float32;
     # [dims], [labels], or [prompt tokens, dims] for token embeddings).
     pooler_output: dict[str, np.ndarray] = field(default_factory=dict)
+    # Requests the runner could not serve this step, and why (an adapter whose files are gone
+    # since the request came in): the scheduler ends them with an error, nothing else.
+    failed_requests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

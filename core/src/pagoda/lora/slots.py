@@ -35,6 +35,9 @@ class AdapterSlots:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora id -> device slot
         self.loads = 0  # adapters written into a slot since start (a test reads it)
         self.version = 0  # changes whenever an adapter's slot does (the runner's inputs cache)
+        # The last ``activate``'s adapters that could not be read (lora id -> why): they got no
+        # slot, and their requests fail alone.
+        self.failures: dict[int, str] = {}
 
     def _host_copy(self, lora: LoRARequest) -> AdapterWeights:
         held = self.host.get(lora.lora_int_id)
@@ -48,7 +51,8 @@ class AdapterSlots:
         return weights
 
     def activate(self, loras: dict[int, LoRARequest]) -> dict[int, int]:
-        """Make every adapter of ``loras`` (by id) resident; their slots by id."""
+        """Make every adapter of ``loras`` (by id) resident; their slots by id. An adapter that
+        cannot be read gets none: it is in ``failures``."""
         if len(loras) > self.num_slots:
             raise RuntimeError(
                 f"a step with {len(loras)} adapters and {self.num_slots} slots (lora.max_loras):"
@@ -57,10 +61,19 @@ class AdapterSlots:
         for lid in loras:
             if lid in self.slot_of:
                 self.slot_of.move_to_end(lid)
+        self.failures = {}
         for lid, lora in loras.items():
             if lid in self.slot_of:
                 continue
-            weights = self._host_copy(lora)
+            try:
+                weights = self._host_copy(lora)
+            except (OSError, ValueError, KeyError, RuntimeError) as e:
+                # NOTE: checked when the request came in, its files can still change or vanish
+                # before its first step here: its requests fail, the step goes on.
+                self.failures[lid] = (
+                    f"LoRA adapter {lora.lora_name!r} ({lora.lora_path}) could not be loaded: {e}"
+                )
+                continue
             used = set(self.slot_of.values())
             free = [s for s in range(self.num_slots) if s not in used]
             if free:
@@ -73,7 +86,7 @@ class AdapterSlots:
             self.slot_of[lid] = slot
             self.loads += 1
             self.version += 1
-        return {lid: self.slot_of[lid] for lid in loras}
+        return {lid: self.slot_of[lid] for lid in loras if lid not in self.failures}
 
     def remove(self, lora_id: int) -> None:
         """Forget adapter ``lora_id`` (unloaded): its slot and host copy are free."""

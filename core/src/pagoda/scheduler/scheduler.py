@@ -668,10 +668,18 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         accepted = 0  # draft tokens accepted this step (for the speculation governor)
+        failed = model_runner_output.failed_requests
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # ended or preempted since it was scheduled: its token is dropped
+            if failed and req_id in failed:  # the runner could not serve it: it ends alone
+                req.status = RequestStatus.FINISHED_ERROR
+                req.stop_reason = failed[req_id]
+                any_finished = True
+                self._release(req)
+                outputs.append(EngineCoreOutput(req_id, [], "error", req.stop_reason))
+                continue
             if req.is_pooling:
                 pooled = model_runner_output.pooler_output.get(req_id)
                 if pooled is not None:  # its prompt is computed: it ends with its output

@@ -55,6 +55,8 @@ class LoRAInputs:
         self._changes = 0  # requests added or removed
         self._id_of: dict[str, int] = {}  # request -> its adapter's id (ids start at 1)
         self._by_id: dict[int, LoRARequest] = {}
+        # Requests whose adapter could not be loaded, and why: the step's output reports them.
+        self.failed: dict[str, str] = {}
 
     def add(self, req_id: str, lora: LoRARequest | None) -> None:
         self._changes += 1
@@ -65,6 +67,11 @@ class LoRAInputs:
             self.of_req[req_id] = lora
             self._id_of[req_id] = lora.lora_int_id
             self._by_id[lora.lora_int_id] = lora
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests failed since the last call (request -> why)."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def remove(self, req_id: str) -> None:
         self._changes += 1
@@ -95,6 +102,11 @@ class LoRAInputs:
         loras = dict.fromkeys(ids)  # in the order the step first uses them
         loras.pop(0, None)
         slot_of = self.slots.activate({i: self._by_id[i] for i in loras}) if loras else {}
+        failures = self.slots.failures if loras else {}
+        if failures:  # their rows run without an adapter this once; the requests fail
+            self.failed.update((r, failures[i]) for r, i in zip(req_ids, ids) if i in failures)
+            slot_of.update(dict.fromkeys(failures, -1))
+            loras = {i: None for i in loras if i not in failures}
         slot_of[0] = -1
         req_slots = np.array(list(map(slot_of.__getitem__, ids)), dtype=np.int32)
         total = int(qsl[-1])
@@ -118,6 +130,8 @@ class LoRAInputs:
                 int(counts.max()), segments,
             )  # fmt: skip
             return
+        if failures:
+            return  # (not kept for the next step: the adapter is tried again there)
         state = (self._changes, self.slots.version)
         self._last = (graph_tokens, state, list(req_ids), counts.copy(), self.context.batch)
 

@@ -644,6 +644,8 @@ class ModelRunner:
                     hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
 
         out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
+        if self.lora is not None and self.lora.failed:
+            out.failed = self.lora.take_failures()
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
         if self.pooling is not None:

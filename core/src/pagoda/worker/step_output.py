@@ -74,6 +74,7 @@ class StepOutput:
     verified: tuple[torch.Tensor, torch.Tensor] | None = None
     # Pooling requests whose prompt ended this step: their outputs, copied to the host.
     pooled: PooledStep | None = None
+    failed: dict[str, str] | None = None  # requests the step could not serve, and why
     _output: ModelRunnerOutput | None = None
 
     @property
@@ -104,6 +105,8 @@ class StepOutput:
         out.draft_counts = self.draft_counts
         if self.pooled is not None:
             out.pooler_output = self.pooled.split()
+        if self.failed:
+            out.failed_requests = self.failed
         if self.sampled is not None:
             tokens = self.sampled.numpy()
             if tokens.ndim == 1:
