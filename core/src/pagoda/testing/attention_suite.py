@@ -86,7 +86,7 @@ class AttentionBackendConformance:
         if cache_dtypes is None:
             cache_dtypes = tuple(d for d in (FP8_DTYPE,) if cls.supports_kv_cache_dtype(d))
         if not cache_dtypes:
-            pytest.skip(f"{cls.__name__} reads no KV cache but the model's dtype")
+            pytest.skip(f"no KV cache dtype besides the model's to check {cls.__name__} with here")
         missing = cls.unsupported(case.spec)
         if missing is not None:
             pytest.skip(f"{cls.__name__} does not support {missing}")
