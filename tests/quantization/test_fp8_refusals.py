@@ -153,3 +153,13 @@ def test_the_attention_kit_fails_a_backend_that_ignores_the_kv_scales() -> None:
     check_attention_backend(TorchNativeBackend, case, kv_cache_dtype=FP8)
     with pytest.raises(AssertionError, match="fp8 KV"):
         check_attention_backend(ScalesIgnoredBackend, case, kv_cache_dtype=FP8)
+
+
+def test_lora_over_quantized_linears_is_refused_in_one_line() -> None:
+    from pagoda import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM(model=None, load_format="dummy", quantization="fp8", enable_lora=True,
+            max_model_len=64)  # fmt: skip
+    assert "LoRA adapters do not run over quantized linears" in str(e.value)
+    assert "\n" not in str(e.value)
