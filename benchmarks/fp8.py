@@ -115,9 +115,13 @@ def run_accuracy_case(case: str, context: int, positions: int | None, result: Pa
     wins = _windows(ids, context, positions)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     out_rows, targets = [], []
+    # One attention backend for every case (FlashInfer reads no FP8 cache): the cases then
+    # differ by their FP8 arithmetic alone.
+    backend = "triton" if torch.cuda.is_available() else "torch_native"
     with plugin_registered(recorder, "fp8-accuracy-recorder"):
         llm = LLM(model=None, dtype="bfloat16", max_model_len=context + 8,
-                  enable_prefix_caching=True, **ACCURACY_CASES[case])  # fmt: skip
+                  enable_prefix_caching=True, attention_backend=backend,
+                  **ACCURACY_CASES[case])  # fmt: skip
         try:
             for w in wins:
                 # The whole window first: its blocks are cached (and an FP8 cache's scales are
@@ -191,6 +195,9 @@ def run_speed_case(case: str, folder: Path, result: Path) -> None:
                   max_model_len=wl["prompt_len"] + wl["output_len"],
                   max_num_batched_tokens=8192, **SPEED_CASES[case])  # fmt: skip
         out["startup_s"] = round(time.perf_counter() - t0, 1)
+        out["attention_backend"] = (
+            llm.engine.engine_core.executor.worker.model_runner.attn_backend.name
+        )
         try:
             warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
             llm.generate([{"prompt_token_ids": list(range(100, 228))}] * 8, warm, use_tqdm=False)
