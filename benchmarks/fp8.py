@@ -200,7 +200,8 @@ def run_speed_case(case: str, folder: Path, result: Path) -> None:
         )
         try:
             warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-            llm.generate([{"prompt_token_ids": list(range(100, 228))}] * 8, warm, use_tqdm=False)
+            first = list(range(100, 100 + wl["prompt_len"]))
+            llm.generate([{"prompt_token_ids": first}] * 8, warm, use_tqdm=False)
             vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
             prompts = make_prompts(
                 wl["requests"], wl["prompt_len"], wl["prompt_len"], vocab, 0, avoid=set()
