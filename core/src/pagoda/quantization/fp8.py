@@ -15,6 +15,11 @@ Weights come from either source:
 
 Layers the checkpoint leaves in full precision (compressed-tensors ``ignore``, FBGEMM
 ``modules_to_not_convert``) stay so; the LM head and the embedding always do.
+
+On a CPU the product is emulated (:func:`pagoda.ops.fp8.fp8_linear`): each layer keeps its
+weights dequantized in float32 beside the FP8 ones, four times their bytes, so that a step does
+not dequantize them again. It is the path tests check the GPU's against, not a way to save
+memory.
 """
 
 from __future__ import annotations
