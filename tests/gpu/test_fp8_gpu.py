@@ -64,9 +64,9 @@ def test_fp8_linear_matches_float64_of_its_quantized_values(m: int, k: int, n: i
     # bf16 output (2^-8 relative) and float32 accumulation in cuBLASLt's order
     assert _rel(got, want) < 4e-3
     torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2e-2)
-    # the CPU emulation computes the same
-    emulated = fp8_linear(x.cpu(), wq.cpu(), ws.cpu(), bias.cpu())
-    assert _rel(emulated, want.cpu()) < 4e-3
+    if m == 37:  # the CPU emulation computes the same (once a shape: it takes a while)
+        emulated = fp8_linear(x.cpu(), wq.cpu(), ws.cpu(), bias.cpu())
+        assert _rel(emulated, want.cpu()) < 4e-3
 
 
 def test_adas_tensorwise_path_computes_the_same(monkeypatch) -> None:
