@@ -111,12 +111,13 @@ def _scaled_mm(
     # NOTE: cuBLASLt wants the second operand column-major: the [N, K] row-major weight's
     # transpose is exactly that, with no copy.
     wt = weight.t()
-    if _rowwise(x.device):
+    # NOTE: cuBLASLt's per-row and per-column scales give bf16 results only.
+    if dtype == torch.bfloat16 and _rowwise(x.device):
         return torch._scaled_mm(
             q, wt, scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype
         )
-    # Ada: tensor-wise scales only; the per-token and per-channel scales are applied to the
-    # float32 product.
+    # Ada (or a float16 or float32 model): tensor-wise scales only; the per-token and
+    # per-channel scales are applied to the float32 product.
     one = torch.ones((), dtype=torch.float32, device=x.device)
     out = torch._scaled_mm(q, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
     return (out * scale * weight_scale.view(1, -1)).to(dtype)
