@@ -79,6 +79,14 @@ def test_adas_tensorwise_path_computes_the_same(monkeypatch) -> None:
     assert _rel(rowwise, want) < 4e-3 and _rel(tensorwise, want) < 4e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp8_linear_of_a_float16_or_float32_model(dtype: torch.dtype) -> None:
+    x, wq, ws = _operands(37, 4096, 6144)
+    got = fp8_linear(x.to(dtype), wq, ws)
+    assert got.dtype == dtype
+    assert _rel(got, _reference(x.to(dtype), wq, ws)) < 4e-3
+
+
 def test_per_token_quantization_kernel_matches_the_torch_code() -> None:
     from pagoda.ops.triton_fp8 import quantize_tokens_triton
 
