@@ -87,8 +87,11 @@ def test_an_unknown_quantization_method_names_the_known_ones() -> None:
 def test_checkpoints_fp8_cannot_read_are_refused_in_one_line() -> None:
     _, block = fp8_checkpoint({})
     block["config_groups"]["group_0"]["weights"]["strategy"] = "block"
+    hf_blocks = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                 "weight_block_size": [128, 128]}  # fmt: skip
     for cfg, words in (
         (block, "block scales are not supported"),
+        (hf_blocks, "FP8 in blocks of [128, 128] (quant_method fp8), which fp8 does not read"),
         ({"quant_method": "gptq", "bits": 4}, "no quantization method reads it"),
     ):
         with pytest.raises(ValueError) as e:

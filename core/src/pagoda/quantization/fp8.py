@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 COMPRESSED_TENSORS = "compressed-tensors"
 FBGEMM = "fbgemm_fp8"
+HF_FP8 = "fp8"  # transformers' fine-grained FP8: block scales (weight_scale_inv)
 # Checkpoint tensors of a linear that dynamic per-token activations make unused.
 _IGNORED_TENSORS = frozenset({"input_scale", "input_scale_ub", "input_zero_point"})
 
@@ -58,6 +59,12 @@ def checkpoint_layout(cfg: dict[str, Any]) -> str | None:
     method = cfg.get("quant_method")
     if method == FBGEMM:
         return None
+    if method == HF_FP8:
+        return (
+            f"its weights are FP8 in blocks of {cfg.get('weight_block_size') or [128, 128]} "
+            "(quant_method fp8), which fp8 does not read yet: load the model's bf16 checkpoint "
+            "with quantization: fp8, or a compressed-tensors or FBGEMM FP8 export"
+        )
     if method != COMPRESSED_TENSORS:
         return f"its quant_method {method!r} is not one fp8 reads ({COMPRESSED_TENSORS}, {FBGEMM})"
     groups = cfg.get("config_groups") or {}
@@ -95,7 +102,9 @@ class Fp8Method(QuantizationMethod):
     """FP8 W8A8 (see the module's docstring)."""
 
     name = "fp8"
-    checkpoint_formats: ClassVar[tuple[str, ...]] = (COMPRESSED_TENSORS, FBGEMM)
+    # NOTE: transformers' block-scaled "fp8" is listed so that such a checkpoint is refused
+    # by this method, saying why, rather than by no method at all.
+    checkpoint_formats: ClassVar[tuple[str, ...]] = (COMPRESSED_TENSORS, FBGEMM, HF_FP8)
     quantizes_online = True
 
     @classmethod
