@@ -83,6 +83,11 @@ class ModelInfo:
         if budget is None:
             # A GPU runs 8192 tokens about as fast per token as 2048; a CPU is slower per step.
             base = 8192 if device.type == "cuda" else 2048
+            if device.type == "cuda" and ("generate" not in tasks or mc.task not in _GENERATE):
+                # An engine for pooling: no decode latency to keep short, and a step's host work
+                # (some 40 ms of launches for Qwen3-0.6B on an H200's host) outran the device's
+                # 30 ms at 16,384 tokens: at 32,768 the device sets the pace.
+                base = 32768
             budget = base if chunked else max(base, max_model_len)
         if not chunked and budget < max_model_len:
             why = "chunked prefill off" if causal else "a bidirectional encoder (prompts run whole)"
@@ -151,3 +156,7 @@ def load_model_tokenizer(info: ModelInfo, trust_remote_code: bool) -> Any:
             raise
         eos = info.shape.eos_token_id
         return synthetic_tokenizer(info.shape.vocab_size, eos if isinstance(eos, int) else None)
+
+
+#: ``model.task`` values that ask for generation (``auto``: whatever the model serves).
+_GENERATE = ("auto", "generate")

@@ -186,8 +186,9 @@ class SchedulerConfig(_Section):
     max_num_batched_tokens: int | None = Field(
         None,
         ge=1,
-        description="token budget per step; default 8192 on a GPU, 2048 on a CPU (or"
-        " max_model_len if larger and chunked prefill is off)",
+        description="token budget per step; default 8192 on a GPU (32768 for an engine whose"
+        " task is pooling), 2048 on a CPU (or max_model_len if larger and chunked prefill is"
+        " off)",
     )
     enable_chunked_prefill: bool = Field(True, description="split long prompts over steps")
     policy: Literal["fcfs", "priority"] = Field(
@@ -420,6 +421,7 @@ class StructuredOutputConfig(_Section):
                 f"structured_output.any_whitespace={data['any_whitespace']}; give one of them"
             )
         return {**data, "any_whitespace": not disable}
+
     matcher_process: bool | Literal["auto"] = Field(
         "auto",
         description="advance the grammar matchers and fill the bitmasks in a process of their"
@@ -542,8 +544,10 @@ class LoRAConfig(_Section):
         False, description="serve LoRA adapters (LoRARequest, --lora-modules) on the base model"
     )
     max_loras: int = Field(
-        1, ge=1, description="adapters resident on the device at once (slots, least recently used"
-        " evicted); no step runs more distinct adapters"
+        1,
+        ge=1,
+        description="adapters resident on the device at once (slots, least recently used"
+        " evicted); no step runs more distinct adapters",
     )
     max_lora_rank: int = Field(
         16, ge=1, le=64, description="the highest adapter rank served (slots are this wide)"

@@ -49,14 +49,17 @@ class RaggedLaunch:
 
 
 # NOTE: the defaults, in one place: (largest padded head dim, float32 inputs) -> launch. 16-bit
-# inputs take the tutorial's forward for a head dim of 128 (128 rows, 64-key tiles, 8 warps, 3
-# stages: 128 KiB of shared memory, 204 registers a thread, no spills when compiled for sm_90a);
-# float32 inputs, whose IEEE dots hold their operands in registers, the largest tiles that do
+# inputs at a head dim of 128 take the launch an H200 measured fastest (below; the tutorial's
+# 128 rows, 64-key tiles, 8 warps and 3 stages were slower on both workloads); float32
+# inputs, whose IEEE dots hold their operands in registers, the largest tiles that do
 # not spill there (64 rows and 32 keys at 4 warps spill 4.6 KB a thread at head dim 128).
 # `benchmarks/attention_kernels.py --ragged-prefill` measures the alternatives.
 DEFAULT_LAUNCHES: dict[tuple[int, bool], RaggedLaunch] = {
     (64, False): RaggedLaunch(128, 64, 4, 3),
-    (128, False): RaggedLaunch(128, 64, 8, 3),
+    # H200, Qwen3-0.6B's heads, bf16 (benchmarks/attention_kernels.py --ragged-prefill, at
+    # e749d94): 140 us for 32 prompts of 512 tokens (245 TFLOP/s) and 193 us for 28 of 100 -
+    # 1024 (270), against 177 and 238 at (128, 64, 8, 3) and the paged kernel's 219 and 325.
+    (128, False): RaggedLaunch(64, 32, 4, 3, 2),
     (256, False): RaggedLaunch(64, 32, 8, 2),
     (64, True): RaggedLaunch(64, 32, 8, 2),
     (128, True): RaggedLaunch(32, 16, 8, 2),
