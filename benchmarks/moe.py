@@ -41,7 +41,6 @@ CASES = {
 DECODE_BATCHES = (64, 256)
 
 
-
 def _expert_bytes(cfg: dict) -> int:
     return 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * 2
 
@@ -91,6 +90,8 @@ def run_engine(case: str, folder: Path) -> dict:
         llm = LLM(model=str(folder), load_format="dummy", dtype="bfloat16", model_impl=impl,
                   max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=16384)  # fmt: skip
         out["startup_s"] = round(time.perf_counter() - t0, 1)
+        # (each phase as it ends: a run stopped by a time limit still says where its time went)
+        print(f"  {case}: engine up in {out['startup_s']} s", flush=True)
         try:
             warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
             llm.generate([{"prompt_token_ids": list(range(100, 164))}] * 4, warm, use_tqdm=False)
@@ -104,6 +105,7 @@ def run_engine(case: str, folder: Path) -> dict:
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             out["nano"] = {"output_tokens": tokens, "elapsed_s": round(elapsed, 2),
                            "output_tokens_per_s": round(tokens / elapsed, 1)}  # fmt: skip
+            print(f"  {case}: nano {out['nano']}", flush=True)
             out["decode"] = []
             for b in DECODE_BATCHES:
                 recorder.steps.clear()
