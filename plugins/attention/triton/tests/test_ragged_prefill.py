@@ -23,6 +23,7 @@ from pagoda_attention_triton.backend import (  # noqa: E402
 )
 from pagoda_attention_triton.ragged_prefill import (  # noqa: E402
     RaggedLaunch,
+    default_launch,
     ragged_prefill_attention,
 )
 
@@ -123,6 +124,14 @@ def test_strided_views_of_a_fused_projection_are_read_in_place() -> None:
     out = torch.full((n, heads, d), float("nan"), device=DEVICE)
     ragged_prefill_attention(q_d, k_d, v_d, out, qsl.to(DEVICE), 2, n, d**-0.5)
     torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("group,heads", [(1, 1), (2, 2), (3, 1), (4, 2), (8, 2)])
+def test_the_default_launch_stacks_heads_only_where_they_divide_the_group(group, heads) -> None:
+    """The bf16 default at head dim 128 stacks two heads a program; a model with one head a KV
+    head (or three) gets one head a program instead of a launch the kernel refuses."""
+    launch = default_launch(128, torch.bfloat16, torch.device("cpu"), group)
+    assert launch.heads_per_program == heads
 
 
 def test_a_launch_whose_stacked_heads_do_not_divide_the_group_is_refused() -> None:

@@ -71,12 +71,17 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def default_launch(head_dim: int, dtype: torch.dtype, device: torch.device) -> RaggedLaunch:
+def default_launch(
+    head_dim: int, dtype: torch.dtype, device: torch.device, group: int = 1
+) -> RaggedLaunch:
     """The launch :data:`DEFAULT_LAUNCHES` gives inputs of ``dtype`` and ``head_dim``, made to
-    fit ``device``'s shared memory (:func:`_fit`)."""
+    fit ``device``'s shared memory (:func:`_fit`), with one query head a program where its heads
+    a program do not divide ``group`` (the query heads of a KV head: odd groups, or one)."""
     pad = _head_dim_pad(head_dim)
     bound = next(b for b in (64, 128, 256) if pad <= b)
     launch = DEFAULT_LAUNCHES[(bound, dtype == torch.float32)]
+    if group % launch.heads_per_program:
+        launch = replace(launch, heads_per_program=1)
     return _fit(launch, pad, dtype.itemsize, device)
 
 
@@ -331,7 +336,7 @@ def ragged_prefill_attention(
     g = num_heads // num_kv_heads
     head_dim_pad = _head_dim_pad(head_dim)
     if launch is None:
-        launch = default_launch(head_dim, query.dtype, query.device)
+        launch = default_launch(head_dim, query.dtype, query.device, g)
     hpp = launch.heads_per_program
     if g % hpp or launch.block_m % hpp:
         raise ValueError(
