@@ -221,7 +221,7 @@ def _ragged_prefill(args: argparse.Namespace, device: torch.device) -> None:
 
     began = time.perf_counter()
     works = {name: _Ragged(lens, device) for name, lens in _ragged_workloads().items()}
-    default = default_launch(HEAD_DIM, DTYPE, device)
+    default = default_launch(HEAD_DIM, DTYPE, device, QWEN_HEADS // QWEN_KV_HEADS)
     rows: list[dict] = []
 
     def ragged(w: _Ragged, launch: RaggedLaunch | None) -> Callable[[], torch.Tensor]:
