@@ -3,10 +3,11 @@
 The format and its casts are :mod:`pagoda.ops.fp8_format` (re-exported here).
 
 The W8A8 linear quantizes each token (row) of the activations with its own scale (dynamic,
-``amax / 448``) and multiplies by weights quantized per output channel: on a GPU with FP8 tensor
-cores (compute capability 8.9 and up) one cuBLASLt call (``torch._scaled_mm``) with both scales
-applied to its float32 accumulators; elsewhere an emulation that quantizes the same way and
-multiplies the dequantized values in float32 (what the tests compare with).
+``amax * (1 / 448)``: :func:`scale_of`) and multiplies by weights quantized per output channel:
+on a GPU with FP8 tensor cores (compute capability 8.9 and up) one cuBLASLt call
+(``torch._scaled_mm``) with both scales applied to its float32 accumulators; elsewhere an
+emulation that quantizes the same way and multiplies the dequantized values in float32 (what the
+tests compare with).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagoda.ops.fp8_format import (
     from_fp8,
     quantize_rows,
     quantize_tensor,
+    scale_of,
     to_fp8,
 )
 
@@ -38,6 +40,7 @@ __all__ = [
     "quantize_rows",
     "quantize_tensor",
     "quantize_tokens",
+    "scale_of",
     "to_fp8",
 ]
 

@@ -1,5 +1,6 @@
-"""Per-token FP8 quantization in one Triton kernel: each row's ``amax``, its scale (``amax /
-448``, at least ``MIN_SCALE``) and the clamped cast, where the torch code
+"""Per-token FP8 quantization in one Triton kernel: each row's ``amax``, its scale (``amax *
+(1 / 448)``, at least ``MIN_SCALE``: :func:`pagoda.ops.fp8_format.scale_of`'s float32 product,
+the same bits) and the clamped cast, where the torch code
 (:func:`pagoda.ops.fp8_format.quantize_rows`) takes five kernels and two float32 copies of a row.
 
 A program holds one row whole (rows up to 16384 values: every hidden and intermediate size of
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.ops.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows
+from pagoda.ops.fp8_format import FP8_DTYPE, FP8_INV_MAX, FP8_MAX, MIN_SCALE, quantize_rows
 
 _MAX_ROW = 16384
 
@@ -25,6 +26,7 @@ def _quantize_rows(
     cols,
     stride_x,
     fp8_max,
+    inv_max,
     min_scale,
     BLOCK: tl.constexpr,
 ):
@@ -32,7 +34,7 @@ def _quantize_rows(
     offs = tl.arange(0, BLOCK)
     mask = offs < cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) * inv_max, min_scale)
     q = tl.clamp(x / scale, -fp8_max, fp8_max)
     tl.store(q_ptr + row * cols + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
@@ -48,7 +50,7 @@ def quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if m:
         block = triton.next_power_of_2(k)
         _quantize_rows[(m,)](
-            x, q, scale, k, x.stride(0), FP8_MAX, MIN_SCALE,
+            x, q, scale, k, x.stride(0), FP8_MAX, FP8_INV_MAX, MIN_SCALE,
             BLOCK=block, num_warps=4 if block <= 4096 else 8,
         )  # fmt: skip
     return q, scale
