@@ -39,6 +39,16 @@ def near_tie(logits: torch.Tensor) -> bool:
     return gap <= BF16_STEPS * 2.0 ** (math.floor(math.log2(abs(top) or 1e-30)) - 7)
 
 
+def near_tie_between(logits: torch.Tensor, a: int, b: int, steps: int = BF16_STEPS) -> bool:
+    """Whether tokens ``a`` and ``b`` both lie within ``steps`` bf16 steps of the top logit's
+    magnitude of the top one: a tie between the two that summation order (or, with an FP8 KV
+    cache, each backend's rounding of what it reads) decides."""
+    logits = logits.float()
+    top = float(logits.max())
+    margin = steps * 2.0 ** (math.floor(math.log2(abs(top) or 1e-30)) - 7)
+    return top - float(logits[a]) <= margin and top - float(logits[b]) <= margin
+
+
 def last_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """The engine's logits for the token after ``tokens``, caught at the LM head."""
     model = llm.engine.engine_core.executor.worker.model_runner.model
