@@ -24,7 +24,9 @@ real weights, and speed on a Llama-3.1-8B shape; one JSON.
   ``max(bytes / copy bandwidth, FLOPs / FP8 peak)``: measured over floor per kernel and for the
   layer (the bar: 1.3).
 
-Each part stays under about four minutes on an H200.
+Each part stays under about four minutes on an H200. The JSON is written as each part (and
+each engine) ends: a part that fails leaves its ``error`` there beside the figures before it,
+and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pagoda.bench.random_weights import config_folder
@@ -137,7 +140,8 @@ def run_accuracy_case(case: str, context: int, positions: int | None, result: Pa
     torch.save({"logprobs": torch.stack(out_rows), "targets": torch.tensor(targets)}, result)
 
 
-def accuracy(args: argparse.Namespace, tmp: Path) -> dict:
+def accuracy(args: argparse.Namespace, tmp: Path, rows: dict, save: Callable[[], None]) -> None:
+    """Fills ``rows`` (the report's ``accuracy``) once every case has run."""
     import torch
 
     parts = {}
@@ -154,7 +158,7 @@ def accuracy(args: argparse.Namespace, tmp: Path) -> dict:
         parts[case]["seconds"] = round(time.perf_counter() - t0, 1)
     ref = parts["bf16"]["logprobs"]
     targets = parts["bf16"]["targets"]
-    rows = {"positions": int(ref.shape[0]), "context": args.context, "text": TEXT.name}
+    rows.update({"positions": int(ref.shape[0]), "context": args.context, "text": TEXT.name})
     rows["bf16_next_token_accuracy"] = round((ref.argmax(-1) == targets).float().mean().item(), 4)
     for case, part in parts.items():
         if case == "bf16":
@@ -173,7 +177,6 @@ def accuracy(args: argparse.Namespace, tmp: Path) -> dict:
     rows["passes"] = (
         rows["fp8"]["top1_agreement_with_bf16"] >= 0.97 and rows["fp8"]["mean_kl_from_bf16"] < 0.02
     )
-    return rows
 
 
 # ---- speed --------------------------------------------------------------------------------------
@@ -227,71 +230,50 @@ def run_speed_case(case: str, folder: Path, result: Path) -> None:
     result.write_text(json.dumps(out))
 
 
-def run_kernels(result: Path, peak_tflops: float | None) -> None:
-    """The FP8 decode kernels of one Llama-3.1-8B layer at batch 256, each against its floor."""
+def head_dim(cfg: dict) -> int:
+    """A config's ``head_dim``; Llama's configs leave it out when it is ``hidden_size //
+    num_attention_heads`` (Llama-3.1-8B's: 128)."""
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def linear_steps(cfg: dict, batch: int, device, layers: int = 8) -> list[dict]:
+    """The linears of a layer at ``batch`` decode tokens: for each, its label, shape ``[m, k,
+    n]`` and a ``step`` that runs it ``layers`` times over weights of its own (with its
+    activation quantization), what a decode step reads: 8 layers' weights are past the L2
+    cache."""
     import torch
 
-    from pagoda.bench.device import copy_bandwidth, graph_time
     from pagoda.ops.fp8 import fp8_linear, quantize_rows
 
-    cfg = json.loads((LLAMA_8B / "config.json").read_text())
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
-    peak = (
-        peak_tflops * 1e12
-        if peak_tflops
-        else next((v for k, v in FP8_PEAKS.items() if k in name), None)
-    )
-    if peak is None:
-        raise SystemExit(f"no FP8 peak known for {name!r}: pass --fp8-peak-tflops")
-    bandwidth = copy_bandwidth(device)
-    h, inter, head = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    h, inter, head = cfg["hidden_size"], cfg["intermediate_size"], head_dim(cfg)
     q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
-    m = DECODE_BATCH
     g = torch.Generator(device=device).manual_seed(0)
-    rows = []
-    # NOTE: 8 layers' weights (past the L2 cache), as a decode step reads them.
-    layers = 8
     shapes = {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * inter, h),
               "down_proj": (h, inter)}  # fmt: skip
+    out = []
     for label, (n, k) in shapes.items():
         ws = [quantize_rows(torch.randn(n, k, generator=g, device=device) / k**0.5)
               for _ in range(layers)]  # fmt: skip
-        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+        x = torch.randn(batch, k, generator=g, device=device).to(torch.bfloat16)
 
         def step(ws=ws, x=x) -> None:
             for wq, sc in ws:
                 fp8_linear(x, wq, sc.view(-1))
 
-        seconds = graph_time(step, device, iters=20) / layers
-        moved = n * k + m * k * 2 + m * n * 2 + n * 4  # FP8 weight, bf16 in and out, scales
-        floor = max(moved / bandwidth, 2 * m * n * k / peak)
-        rows.append({"kernel": label, "shape": [m, k, n], "us": round(seconds * 1e6, 2),
-                     "floor_us": round(floor * 1e6, 2),
-                     "over_floor": round(seconds / floor, 3)})  # fmt: skip
-    rows.append(_attention_row(cfg, m, device, bandwidth))
-    total = sum(r["us"] for r in rows)
-    total_floor = sum(r["floor_us"] for r in rows)
-    result.write_text(json.dumps({
-        "gpu": name, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
-        "fp8_peak_tflops": round(peak / 1e12, 1), "batch": m, "kernels": rows,
-        "layer_us": round(total, 2), "layer_floor_us": round(total_floor, 2),
-        "layer_over_floor": round(total / total_floor, 3), "bar": 1.3,
-    }))  # fmt: skip
+        out.append({"kernel": label, "shape": [batch, k, n], "step": step, "layers": layers})
+    return out
 
 
-def _attention_row(cfg: dict, batch: int, device, bandwidth: float) -> dict:
+def attention_step(cfg: dict, batch: int, ctx: int, device) -> dict:
     """The Triton backend's decode over an FP8 cache at batch ``batch``, every request at
-    workload c's mean context (prompt plus half the output), in a CUDA graph."""
+    context ``ctx``: its ``step`` and the bytes it must move (``moved``)."""
     import numpy as np
     import torch
     from pagoda_attention_triton.backend import TritonAttentionBackend
 
     from pagoda.attention.backend import CommonAttentionMetadata
-    from pagoda.bench.device import graph_time
 
-    heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    ctx = WORKLOAD_C["prompt_len"] + WORKLOAD_C["output_len"] // 2
+    heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
     bs = 16
     per_req = -(-ctx // bs)
     num_blocks = batch * per_req + 1
@@ -316,16 +298,65 @@ def _attention_row(cfg: dict, batch: int, device, bandwidth: float) -> dict:
     g = torch.Generator(device=device).manual_seed(1)
     qkv = [torch.randn(batch, n, d, generator=g, device=device).to(torch.bfloat16)
            for n in (heads, kv_heads, kv_heads)]  # fmt: skip
-    seconds = graph_time(lambda: impl.forward(*qkv, cache, md), device, iters=20)
     moved = batch * ctx * kv_heads * d * 2 + batch * (heads + 2 * kv_heads + heads) * d * 2
-    floor = moved / bandwidth
-    return {"kernel": "attention (triton, fp8 KV)", "context": ctx, "us": round(seconds * 1e6, 2),
-            "floor_us": round(floor * 1e6, 2), "over_floor": round(seconds / floor, 3)}  # fmt: skip
+    return {
+        "kernel": "attention (triton, fp8 KV)",
+        "context": ctx,
+        "step": lambda: impl.forward(*qkv, cache, md),
+        "moved": moved,
+    }
 
 
-def speed(args: argparse.Namespace, tmp: Path) -> dict:
+def run_kernels(result: Path, peak_tflops: float | None) -> None:
+    """The FP8 decode kernels of one Llama-3.1-8B layer at batch 256, each against its floor."""
+    import torch
+
+    from pagoda.bench.device import copy_bandwidth, graph_time
+
+    cfg = json.loads((LLAMA_8B / "config.json").read_text())
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    peak = (
+        peak_tflops * 1e12
+        if peak_tflops
+        else next((v for k, v in FP8_PEAKS.items() if k in name), None)
+    )
+    if peak is None:
+        raise SystemExit(f"no FP8 peak known for {name!r}: pass --fp8-peak-tflops")
+    bandwidth = copy_bandwidth(device)
+    m = DECODE_BATCH
+    rows = []
+    for lin in linear_steps(cfg, m, device):
+        _, k, n = lin["shape"]
+        seconds = graph_time(lin["step"], device, iters=20) / lin["layers"]
+        moved = n * k + m * k * 2 + m * n * 2 + n * 4  # FP8 weight, bf16 in and out, scales
+        floor = max(moved / bandwidth, 2 * m * n * k / peak)
+        rows.append({"kernel": lin["kernel"], "shape": lin["shape"],
+                     "us": round(seconds * 1e6, 2), "floor_us": round(floor * 1e6, 2),
+                     "over_floor": round(seconds / floor, 3)})  # fmt: skip
+    # Workload c's mean context: prompt plus half the output.
+    att = attention_step(cfg, m, WORKLOAD_C["prompt_len"] + WORKLOAD_C["output_len"] // 2, device)
+    seconds = graph_time(att["step"], device, iters=20)
+    floor = att["moved"] / bandwidth
+    rows.append({"kernel": att["kernel"], "context": att["context"],
+                 "us": round(seconds * 1e6, 2), "floor_us": round(floor * 1e6, 2),
+                 "over_floor": round(seconds / floor, 3)})  # fmt: skip
+    total = sum(r["us"] for r in rows)
+    total_floor = sum(r["floor_us"] for r in rows)
+    result.write_text(json.dumps({
+        "gpu": name, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "fp8_peak_tflops": round(peak / 1e12, 1), "batch": m, "kernels": rows,
+        "layer_us": round(total, 2), "layer_floor_us": round(total_floor, 2),
+        "layer_over_floor": round(total / total_floor, 3), "bar": 1.3,
+    }))  # fmt: skip
+
+
+def speed(args: argparse.Namespace, tmp: Path, report: dict, save: Callable[[], None]) -> None:
+    """Fills ``report`` (the report's ``speed``) as each part ends, saving it each time: the
+    engines' figures stay in the JSON when the kernels part fails after them (it then holds
+    ``kernels_b256: {"error": ...}``)."""
     folder = config_folder(LLAMA_8B, tmp)
-    report: dict = {"model": "llama-3.1-8b (random weights)", "workload": "c", **WORKLOAD_C}
+    report.update({"model": "llama-3.1-8b (random weights)", "workload": "c", **WORKLOAD_C})
     for case in SPEED_CASES:
         out = tmp / f"{case}.json"
         print(f"fp8 speed: {case}", flush=True)
@@ -333,17 +364,54 @@ def speed(args: argparse.Namespace, tmp: Path) -> dict:
                         "--result", str(out)], check=True)  # fmt: skip
         report[case] = json.loads(out.read_text())
         print(json.dumps({case: report[case]}), flush=True)
+        save()
     tps = {c: report[c]["workload_c"]["output_tokens_per_s"] for c in SPEED_CASES}
     report["fp8_over_bf16"] = round(tps["fp8"] / tps["bf16"], 3)
     report["bar_fp8_over_bf16"] = 1.6
+    save()
     out = tmp / "kernels.json"
     print("fp8 speed: decode kernels at batch 256", flush=True)
     cmd = [sys.executable, __file__, "--one-kernels", "--result", str(out)]
     if args.fp8_peak_tflops:
         cmd += ["--fp8-peak-tflops", str(args.fp8_peak_tflops)]
-    subprocess.run(cmd, check=True)
-    report["kernels_b256"] = json.loads(out.read_text())
-    return report
+    rc = subprocess.run(cmd).returncode
+    if rc != 0 or not out.exists():
+        report["kernels_b256"] = {
+            "error": f"the kernels part exited with status {rc} (its traceback is in the log)"
+        }
+    else:
+        report["kernels_b256"] = json.loads(out.read_text())
+    save()
+
+
+def _summary(report: dict) -> dict:
+    summary: dict = {}
+    a = report.get("accuracy") or {}
+    if "passes" in a:
+        summary["accuracy"] = {c: a[c] for c in ACCURACY_CASES if c != "bf16"}
+        summary["accuracy"]["passes"] = a["passes"]
+    s = report.get("speed") or {}
+    if all(c in s for c in SPEED_CASES):
+        summary["speed"] = {
+            "output_tokens_per_s": {
+                c: s[c]["workload_c"]["output_tokens_per_s"] for c in SPEED_CASES
+            },  # fmt: skip
+            "fp8_over_bf16": s.get("fp8_over_bf16"),
+        }
+        k = s.get("kernels_b256") or {}
+        if "kernels" in k:
+            summary["speed"]["kernels_over_floor"] = {
+                r["kernel"]: r["over_floor"] for r in k["kernels"]
+            }
+            summary["speed"]["layer_over_floor"] = k["layer_over_floor"]
+    errors = {
+        part: r["error"]
+        for part, r in (("accuracy", a), ("speed", s), ("kernels", s.get("kernels_b256") or {}))
+        if "error" in r
+    }
+    if errors:
+        summary["errors"] = errors
+    return summary
 
 
 def main() -> int:
@@ -379,30 +447,26 @@ def main() -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": commit(),
     }
+
+    def save() -> None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+
+    # Each part's figures are saved as they come; a part that fails records its error and the
+    # next part still runs.
     with tempfile.TemporaryDirectory() as tmp:
         for part, run in (("accuracy", accuracy), ("speed", speed)):
             if getattr(args, part):
-                report[part] = run(args, Path(tmp))
-                args.output_json.parent.mkdir(parents=True, exist_ok=True)
-                args.output_json.write_text(json.dumps(report, indent=2) + "\n")
-    summary: dict = {}
-    if "accuracy" in report:
-        a = report["accuracy"]
-        summary["accuracy"] = {c: a[c] for c in ACCURACY_CASES if c != "bf16"}
-        summary["accuracy"]["passes"] = a["passes"]
-    if "speed" in report:
-        s = report["speed"]
-        k = s["kernels_b256"]
-        summary["speed"] = {
-            "output_tokens_per_s": {
-                c: s[c]["workload_c"]["output_tokens_per_s"] for c in SPEED_CASES
-            },  # fmt: skip
-            "fp8_over_bf16": s["fp8_over_bf16"],
-            "kernels_over_floor": {r["kernel"]: r["over_floor"] for r in k["kernels"]},
-            "layer_over_floor": k["layer_over_floor"],
-        }
+                report[part] = {}
+                try:
+                    run(args, Path(tmp), report[part], save)
+                except Exception as e:  # noqa: BLE001 (recorded; the exit status says so)
+                    report[part]["error"] = f"{type(e).__name__}: {e}"
+                    print(f"fp8 {part} failed: {report[part]['error']}", file=sys.stderr)
+                save()
+    summary = _summary(report)
     print(json.dumps(summary, indent=2))
-    return 0
+    return 1 if "errors" in summary else 0
 
 
 if __name__ == "__main__":
