@@ -24,9 +24,16 @@ def _normalize_rows(x, w, n, eps):
     share, so that a row normalises to the same bits in each of them when the tile has the same
     shape and warps (:mod:`pagoda.ops.triton_qk_norm_rotary` relies on it)."""
     xf = x.to(tl.float32)
-    inv = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)
+    inv = _inv_rms(xf, n, eps)
     y = (xf * inv[:, None]).to(x.dtype).to(tl.float32)
     return w[None, :] * y
+
+
+@triton.jit
+def _inv_rms(xf, n, eps):
+    """``1 / rms`` of each row of the float32 tile ``xf`` (rows of ``n`` values, padding zero): the
+    sum of squares of :func:`_normalize_rows`, in its order for a tile of its shape and warps."""
+    return tl.math.rsqrt(tl.sum(xf * xf, axis=1) / n + eps)
 
 
 def launch_shape(n: int, num_rows: int, fixed_tiling: bool = False) -> tuple[int, int, int]:
