@@ -11,8 +11,11 @@ slot i mod 8) through ``pagoda.ops.lora.add_lora``. Printed: microseconds a step
 linears alone, then of the base and each kernel (and what LoRA adds), also with every row on
 no adapter (what a base-model batch costs an engine with LoRA on); each kernel's output is
 first checked against the torch reference; ``--sweep`` also times the fused kernels at other
-blocks of output columns (``block_n``). The last line names the fastest kernel: the value
-of ``DECODE_KERNEL`` in ``core/src/pagoda/ops/lora.py`` it would take
+blocks of output columns (``block_n``). Then where ``bgmv``'s time goes (its shrinks alone, its
+expands alone) and a candidate that is no engine kernel yet: ``folded``, every slot's A stacked
+under the base weight as extra output rows, so that the base GEMM also computes every slot's
+shrink (in the weights' dtype) and only the expand launches. The last line names the fastest
+kernel: the value of ``DECODE_KERNEL`` in ``core/src/pagoda/ops/lora.py`` it would take
 (``PAGODA_LORA_DECODE_KERNEL`` selects one without an edit).
 """
 
@@ -100,6 +103,27 @@ def _check(layers, inputs, batch, kernel: str) -> float:
     return worst
 
 
+def _check_folded(layers, folded, inputs, batch) -> float:
+    """The folded shrink's largest error against the torch reference over layer 0, relative to
+    the largest delta (as :func:`_check`)."""
+    worst = 0.0
+    for (k, w, a, b, bounds), wf in zip(layers[0], folded[0]):
+        x, n = inputs[k], w.shape[0]
+        y = linear(x, wf)
+        base = y[:, :n].float()
+        triton_lora.bgmv_expand(y[:, n:], b, batch.token_slots, y[:, :n], bounds,
+                                slot_stride=a.shape[1])  # fmt: skip
+        want = base.clone()
+        ys = ops.bgmv_shrink_reference(x, a, batch.token_slots)
+        edges = (0, *bounds, b.shape[1])
+        r = b.shape[2]
+        for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+            ops.bgmv_expand_reference(ys, b[:, lo:hi], batch.token_slots, want[:, lo:hi], j * r)
+        delta = (want - base).abs().max().item()
+        worst = max(worst, (y[:, :n].float() - want).abs().max().item() / max(delta, 1e-6))
+    return worst
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--output-json")
@@ -125,11 +149,30 @@ def main() -> int:
     none = np.full(args.tokens, -1, dtype=np.int32)
     batch = _batch(spread, args.slots, device)
 
+    # The shrink folded into the base GEMM (a candidate, not an engine kernel yet): every slot's
+    # A stacked under W as extra output rows, so that one GEMM gives the base output and every
+    # slot's shrink; the expand reads each row's own slot's columns (``slot_stride``).
+    folded = [[torch.cat([w, a.reshape(-1, k)]) for k, w, a, b, bounds in p] for p in layers]
+    shrunk = {k: torch.randn(args.tokens, a.shape[1], generator=g, device=device)
+              for k, w, a, b, bounds in layers[0]}  # fmt: skip
+
     def step(kernel: str | None, block_n: int | None) -> None:
-        for projections in layers:
-            for k, w, a, b, bounds in projections:
+        for li, projections in enumerate(layers):
+            for pi, (k, w, a, b, bounds) in enumerate(projections):
+                if kernel == "folded":
+                    n = w.shape[0]
+                    y = linear(inputs[k], folded[li][pi])
+                    triton_lora.bgmv_expand(y[:, n:], b, batch.token_slots, y[:, :n], bounds,
+                                            slot_stride=a.shape[1])  # fmt: skip
+                    continue
                 y = linear(inputs[k], w)
                 if kernel is None:
+                    continue
+                if kernel == "shrink-only":
+                    triton_lora.bgmv_shrink(inputs[k], a, batch.token_slots)
+                    continue
+                if kernel == "expand-only":
+                    triton_lora.bgmv_expand(shrunk[k], b, batch.token_slots, y, bounds)
                     continue
                 if block_n is None:
                     ops.add_lora(inputs[k], a, b, batch, y, bounds, kernel=kernel)
@@ -160,6 +203,17 @@ def main() -> int:
                            "max_rel_error": round(error, 4)}  # fmt: skip
         print(f"base + {kernel:<12} {t:8.1f} us a step (LoRA {t - base:6.1f} us; "
               f"rows without adapters: {idle - base:6.1f} us)")  # fmt: skip
+    # Where bgmv's time goes, and the folded shrink (bf16 shrink outputs, checked like the rest).
+    _set_slots(batch, spread, args.slots)
+    error = _check_folded(layers, folded, inputs, batch)
+    if error > 0.05:
+        raise SystemExit(f"folded: off the torch reference by {error:.3f} of the delta")
+    candidates: dict = {}
+    for name in ("shrink-only", "expand-only", "folded"):
+        t = us(name)
+        candidates[name] = {"us_per_step": round(t, 1), "lora_us": round(t - base, 1)}
+        print(f"base + {name:<12} {t:8.1f} us a step (LoRA {t - base:6.1f} us)")
+    candidates["folded"]["max_rel_error"] = round(error, 4)
     sweep: dict = {}
     _set_slots(batch, spread, args.slots)
     for kernel in [k for k in ("fused-rows", "fused-slots") if args.sweep and k in results]:
@@ -181,6 +235,7 @@ def main() -> int:
         "tokens": args.tokens, "rank": args.rank, "slots": args.slots,
         "base_us_per_step": round(base, 1),
         "kernels": results,
+        "candidates": candidates,
         "sweep_lora_us": sweep,
         "fastest": best,
         "wall_s": round(time.perf_counter() - t_start, 1),

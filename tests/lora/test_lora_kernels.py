@@ -74,6 +74,27 @@ def test_bgmv_expands_three_slices_in_one_launch_like_the_reference() -> None:
     torch.testing.assert_close(got[3, 20:27], lo, atol=1e-4, rtol=1e-4)
 
 
+def test_bgmv_expand_reads_each_rows_slot_columns_of_a_folded_shrink() -> None:
+    """The shrink folded into the base GEMM: one output row holds the base columns, then every
+    slot's shrink; the expand adds each row's own slot's product into the base columns."""
+    g = torch.Generator().manual_seed(4)
+    r, sizes = 8, (12, 6, 6)
+    n, rt = sum(sizes), 3 * r
+    k = 16
+    a = torch.randn(SLOTS, rt, k, generator=g)
+    b = torch.randn(SLOTS, n, r, generator=g)
+    w = torch.randn(n, k, generator=g)
+    x = torch.randn(5, k, generator=g)
+    rows = torch.tensor([2, -1, 0, 1, 2], dtype=torch.int32)
+    y = x @ torch.cat([w, a.reshape(-1, k)]).T  # [rows, n + SLOTS * rt]
+    triton_lora.bgmv_expand(y[:, n:], b, rows, y[:, :n], (12, 18), slot_stride=rt)
+    want = x @ w.T
+    batch = ref.LoRABatch(rows, torch.zeros(1), torch.zeros(1), 1, [], use_rows=True)
+    ref.expand(ref.bgmv_shrink_reference(x, a, rows), b, batch, want, (12, 18))
+    torch.testing.assert_close(y[:, :n], want, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(want[0], x[0] @ w.T)  # (the adapter changed the row)
+
+
 @pytest.mark.parametrize("kernel", ["bgmv-wide", "fused-rows", "fused-slots"])
 @pytest.mark.parametrize("rank", [8, 16, 64])
 def test_decode_kernel_variants_match_the_torch_reference(kernel: str, rank: int) -> None:

@@ -181,7 +181,7 @@ def _bgmv_shrink_kernel(
 @triton.jit
 def _bgmv_expand_kernel(
     y_ptr, b_ptr, out_ptr, token_slots, N, R, B1, B2,
-    sy0, sb0, sb1, sb2, so0, so1,
+    sy0, sy_slot, sb0, sb1, sb2, so0, so1,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
@@ -193,7 +193,8 @@ def _bgmv_expand_kernel(
     part = (cols >= B1).to(tl.int32) + (cols >= B2).to(tl.int32)
     rs = tl.arange(0, BLOCK_R)
     mask = (cols[:, None] < N) & (rs[None, :] < R)
-    y = tl.load(y_ptr + t * sy0 + part[:, None] * R + rs[None, :], mask=mask, other=0.0)
+    y_row = y_ptr + t * sy0 + slot * sy_slot  # (sy_slot: each slot's own columns of y)
+    y = tl.load(y_row + part[:, None] * R + rs[None, :], mask=mask, other=0.0).to(tl.float32)
     b = tl.load(
         b_ptr + slot * sb0 + cols[:, None] * sb1 + rs[None, :] * sb2, mask=mask, other=0.0
     ).to(tl.float32)
@@ -230,9 +231,12 @@ def bgmv_expand(
     out: torch.Tensor,
     bounds: tuple[int, ...] = (),
     wide: bool = False,
+    slot_stride: int = 0,
 ) -> None:
     """Every slice of :func:`pagoda.ops.lora.expand` in one launch (at most three); ``wide``
-    (``bgmv-wide``): blocks of 512 output columns, not 128."""
+    (``bgmv-wide``): blocks of 512 output columns, not 128. ``slot_stride``: a row of ``y``
+    holds every slot's shrink, slot ``s``'s from column ``s * slot_stride`` (the shrink folded
+    into the base GEMM as extra output columns: ``benchmarks/lora_kernels.py``'s ``folded``)."""
     n, r = b.shape[1], b.shape[2]
     if y.shape[0] == 0:
         return
@@ -241,8 +245,8 @@ def bgmv_expand(
     bn = min(512, 16384 // br) if wide else 128  # (rank 64: a tile of B as big as at 16)
     _bgmv_expand_kernel[(y.shape[0], triton.cdiv(n, bn))](
         y, b, out, token_slots, n, r, b1, b2,
-        y.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        BLOCK_N=bn, BLOCK_R=br, num_warps=8 if wide else 4,
+        y.stride(0), slot_stride * y.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), BLOCK_N=bn, BLOCK_R=br, num_warps=8 if wide else 4,
     )  # fmt: skip
 
 
