@@ -11,6 +11,14 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton reads TRITON_INTERPRET when it is first imported. Without CUDA every kernel test runs
+# under its interpreter, so ask for it here, before any test module is collected: a GPU module
+# collected first that imports triton would otherwise leave the CPU kernel tests without it
+# (each fails with "Cannot call @triton.jit'd outside of the scope of a kernel"). The engine's
+# ops still take the torch path on a CPU unless PAGODA_TRITON_ON_CPU asks too.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
