@@ -83,6 +83,23 @@ def _set_slots(batch: ops.LoRABatch, token_slots: np.ndarray, slots: int) -> Non
     batch.slot_starts.copy_(torch.from_numpy(starts))
 
 
+def _reference(x, a, b, bounds, batch, base: torch.Tensor) -> torch.Tensor:
+    """``base`` (float32) plus every row's adapter product, by the torch reference."""
+    want = base.float().clone()
+    y = ops.bgmv_shrink_reference(x, a, batch.token_slots)
+    edges = (0, *bounds, b.shape[1])
+    r = b.shape[2]
+    for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        ops.bgmv_expand_reference(y, b[:, lo:hi], batch.token_slots, want[:, lo:hi], j * r)
+    return want
+
+
+def _error(got: torch.Tensor, want: torch.Tensor, base: torch.Tensor) -> float:
+    """The largest error of ``got`` against ``want``, relative to the largest adapter delta."""
+    delta = (want - base.float()).abs().max().item()
+    return (got.float() - want).abs().max().item() / max(delta, 1e-6)
+
+
 def _check(layers, inputs, batch, kernel: str) -> float:
     """The largest error of ``kernel`` against the torch reference over layer 0's projections,
     relative to the largest delta."""
@@ -92,14 +109,7 @@ def _check(layers, inputs, batch, kernel: str) -> float:
         base = linear(x, w)
         got = base.clone()
         ops.add_lora(x, a, b, batch, got, bounds, kernel=kernel)
-        want = base.float()
-        y = ops.bgmv_shrink_reference(x, a, batch.token_slots)
-        edges = (0, *bounds, b.shape[1])
-        r = b.shape[2]
-        for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
-            ops.bgmv_expand_reference(y, b[:, lo:hi], batch.token_slots, want[:, lo:hi], j * r)
-        delta = (want - base.float()).abs().max().item()
-        worst = max(worst, (got.float() - want).abs().max().item() / max(delta, 1e-6))
+        worst = max(worst, _error(got, _reference(x, a, b, bounds, batch, base), base))
     return worst
 
 
@@ -113,14 +123,7 @@ def _check_folded(layers, folded, inputs, batch) -> float:
         base = y[:, :n].float()
         triton_lora.bgmv_expand(y[:, n:], b, batch.token_slots, y[:, :n], bounds,
                                 slot_stride=a.shape[1])  # fmt: skip
-        want = base.clone()
-        ys = ops.bgmv_shrink_reference(x, a, batch.token_slots)
-        edges = (0, *bounds, b.shape[1])
-        r = b.shape[2]
-        for j, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
-            ops.bgmv_expand_reference(ys, b[:, lo:hi], batch.token_slots, want[:, lo:hi], j * r)
-        delta = (want - base).abs().max().item()
-        worst = max(worst, (y[:, :n].float() - want).abs().max().item() / max(delta, 1e-6))
+        worst = max(worst, _error(y[:, :n], _reference(x, a, b, bounds, batch, base), base))
     return worst
 
 
