@@ -12,11 +12,11 @@ tests compare with).
 
 from __future__ import annotations
 
-import importlib.util
 from functools import cache
 
 import torch
 
+from pagoda.ops import _use_triton
 from pagoda.ops.fp8_format import (
     FP8_DTYPE,
     FP8_MAX,
@@ -121,14 +121,14 @@ def _scaled_mm(
         )
     # Ada (or a float16 or float32 model): tensor-wise scales only; the per-token and
     # per-channel scales are applied to the float32 product.
-    one = torch.ones((), dtype=torch.float32, device=x.device)
+    one = _unit_scale(x.device)
     out = torch._scaled_mm(q, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
     return (out * scale * weight_scale.view(1, -1)).to(dtype)
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` of a [M, K] activation, in one Triton kernel where it runs."""
-    if x.is_cuda and _have_triton_kernel():
+    if _use_triton(x):
         # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_fp8 import quantize_tokens_triton
 
@@ -148,5 +148,6 @@ def _rowwise(device: torch.device) -> bool:
 
 
 @cache
-def _have_triton_kernel() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 scale of one on ``device``, made once (not a fill kernel every linear)."""
+    return torch.ones((), dtype=torch.float32, device=device)

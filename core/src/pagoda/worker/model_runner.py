@@ -607,9 +607,14 @@ class ModelRunner:
         # An embedding step that reads each request's last token alone runs the last layer
         # past attention for those rows (``keeps_rows``): 1/num_layers of the MLP and output
         # projection's work on most rows saved.
-        keep = None
+        keep = pooled = None
+        if self.pooling is not None:
+            # The step's pooling requests, and which of them end their prompt here.
+            pooled = ib.pooling[rows]
+            num_prompt = ib.num_prompt[rows]
+            prompt_done = seq_lens >= num_prompt
         if (
-            self.pooling is not None
+            pooled is not None
             and bucket is None
             and verified is None
             and spec is None
@@ -617,9 +622,9 @@ class ModelRunner:
             and mm is None
             and not self.pipeline
             and getattr(self.model, "keeps_rows", False)
-            and ib.pooling[rows].all()
+            and pooled.all()
         ):
-            keep = self.pooling.last_rows(req_ids, qsl, seq_lens >= ib.num_prompt[rows])
+            keep = self.pooling.last_rows(req_ids, qsl, prompt_done)
         if bucket is not None:
             hidden = graphs.run(common, bucket)
         elif verified is not None:
@@ -637,31 +642,29 @@ class ModelRunner:
                 if eager:
                     pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
                     hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)
-                elif keep is not None:
-                    ids, pos = buffers.input_ids[:total], buffers.positions[:total]
-                    hidden = self.model(ids, pos, keep=buffers.as_device(keep))
                 else:
-                    hidden = self.model(buffers.input_ids[:total], buffers.positions[:total])
+                    rows_read = {} if keep is None else {"keep": buffers.as_device(keep)}
+                    hidden = self.model(
+                        buffers.input_ids[:total], buffers.positions[:total], **rows_read
+                    )
 
         out = StepOutput(ib, req_ids, kv_offload=self.kv_offload)
         if self.lora is not None and self.lora.failed:
             out.failed = self.lora.take_failures()
         # Requests whose known tokens are all computed after this step sample one more.
         sample_idx = np.flatnonzero(seq_lens >= ib.num_tokens[rows])
-        if self.pooling is not None:
-            # Pooling requests are pooled, never sampled: a step of only those samples nothing.
-            pooled = ib.pooling[rows]
-            if pooled.any():
-                out.pooled = self.pooling.pool(
-                    hidden,
-                    req_ids,
-                    np.flatnonzero(pooled),
-                    qsl if keep is None else np.arange(num_reqs + 1),  # (kept: a row each)
-                    seq_lens >= ib.num_prompt[rows],
-                    ib.num_prompt[rows],
-                    buffers.as_device,
-                )
-                sample_idx = sample_idx[~pooled[sample_idx]]
+        # Pooling requests are pooled, never sampled: a step of only those samples nothing.
+        if pooled is not None and pooled.any():
+            out.pooled = self.pooling.pool(
+                hidden,
+                req_ids,
+                np.flatnonzero(pooled),
+                qsl if keep is None else np.arange(num_reqs + 1),  # (kept: a row each)
+                prompt_done,
+                num_prompt,
+                buffers.as_device,
+            )
+            sample_idx = sample_idx[~pooled[sample_idx]]
         if spec is not None and spec.hidden_feed is not None:
             q = verify_graphs.query_len if verified is not None else None
             spec.hidden_feed.record(out, hidden, req_ids, starts, qsl, sample_idx, q)

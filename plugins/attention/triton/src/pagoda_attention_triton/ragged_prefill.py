@@ -71,6 +71,7 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+@cache  # (asked for by every layer of every fresh step)
 def default_launch(
     head_dim: int, dtype: torch.dtype, device: torch.device, group: int = 1
 ) -> RaggedLaunch:
