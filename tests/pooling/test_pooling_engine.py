@@ -130,3 +130,23 @@ def test_async_llm_encode_streams_one_final_output(st_dirs) -> None:
     assert len(outs) == 1 and outs[0].finished and outs[0].outputs.data.shape == (32,)
     want = LLM(model=str(folder), **ENGINE).embed(["hello world"])[0].outputs.embedding
     assert np.abs(outs[0].outputs.data - np.array(want)).max() < 1e-5
+
+
+def test_one_step_of_differently_finished_embeddings_matches_each_alone(qwen3_dir) -> None:
+    # One step holds requests whose embeddings are finished differently (truncated, normalised
+    # or not): each group is picked out of the step's rows and finished apart. Picking the
+    # wrong rows (or one group's finish for all) changes what a request gets.
+    llm = LLM(model=str(qwen3_dir), task="embed", **ENGINE)
+    kinds = [PoolingParams(), PoolingParams(dimensions=8), PoolingParams(normalize=False)]
+    params = [kinds[i % 3] for i in range(6)]
+    mixed = llm.embed(TEXTS[:6], params, use_tqdm=False)
+    for i, p in enumerate(params):
+        alone = llm.embed([TEXTS[i]], p, use_tqdm=False)[0].outputs.embedding
+        got = mixed[i].outputs.embedding
+        assert len(got) == len(alone)
+        assert np.abs(np.asarray(got) - np.asarray(alone)).max() < 1e-5
+    dims = {len(o.outputs.embedding) for o in mixed}
+    assert dims == {8, 64}
+    norms = [np.linalg.norm(o.outputs.embedding) for o in mixed]
+    assert all(abs(norms[i] - 1) < 1e-5 for i in (0, 1, 3, 4))
+    assert all(abs(norms[i] - 1) > 1e-3 for i in (2, 5))

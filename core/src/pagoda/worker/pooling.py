@@ -128,13 +128,22 @@ class PoolingRunner:
         outs: dict[str, torch.Tensor] = {}
         vectors = [(rid, p) for rid, p, pooled in finished if p.pooling_type != "ALL"]
         if vectors:
-            stacked = torch.stack(rows)
+            stacked = gathered if len(rows) == len(gather_rows) else torch.stack(rows)
             groups: dict[tuple, list[int]] = {}
             for j, (_, p) in enumerate(vectors):
                 key = (p.task in ("classify", "score"), p.dimensions, p.normalize, p.activation)
                 groups.setdefault(key, []).append(j)
+            if len(groups) == 1 and len(vectors) == len(finished):
+                # Every request of the step pooled alike (an embedding batch): one finish, and
+                # the flat output is its rows, in order.
+                part = self._finish(vectors[0][1], stacked)
+                return self._to_host([rid for rid, _ in vectors], part)
             for members in groups.values():
-                part = self._finish(vectors[members[0]][1], stacked[members])
+                # NOTE: the rows picked by a device index: indexing by a host list copies it
+                # to the device in a copy that waits for the step (the host would then prepare
+                # the next step with the device idle).
+                picked = stacked[as_device(np.asarray(members, dtype=np.int64))]
+                part = self._finish(vectors[members[0]][1], picked)
                 for j, row in zip(members, part):
                     outs[vectors[j][0]] = row
         for rid, params, pooled in finished:
@@ -143,13 +152,22 @@ class PoolingRunner:
         ids = [f[0] for f in finished]
         shapes = [tuple(outs[r].shape) for r in ids]
         flat = torch.cat([outs[r].reshape(-1) for r in ids])
+        return PooledStep(ids, shapes, self._copy_to_host(flat))
+
+    def _to_host(self, ids: list[str], part: torch.Tensor) -> PooledStep:
+        """The step's outputs when they are the rows of ``part`` ([len(ids), d]), in order."""
+        shape = tuple(part.shape[1:])
+        return PooledStep(ids, [shape] * len(ids), self._copy_to_host(part.reshape(-1)))
+
+    @staticmethod
+    def _copy_to_host(flat: torch.Tensor) -> torch.Tensor:
         if flat.is_cuda:
             # NOTE: into page-locked memory, or the copy is not asynchronous: ``to("cpu",
             # non_blocking=True)`` into pageable memory waits for the step, and the host then
             # prepares the next step while the device idles (5 ms a step of 16,384 tokens).
             host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            flat = host.copy_(flat, non_blocking=True)
-        return PooledStep(ids, shapes, flat)
+            return host.copy_(flat, non_blocking=True)
+        return flat
 
     def _finish(self, params: PoolingParams, pooled: torch.Tensor) -> torch.Tensor:
         """Rows pooled alike (``[n, hidden]``): through the classifier head, or truncated and
