@@ -3,7 +3,8 @@ float32, Qwen3-0.6B's q/k/v projection, ranks 8 to 64, prompt segments and decod
 without adapters); a LoRA layer's BGMV captured in a CUDA graph replays with other slots; an
 engine's decode graphs, captured with the LoRA path, replay a batch of base-model and adapter
 requests with transformers' merged tokens and the eager engine's. Each decode kernel of
-``pagoda.ops.lora.DECODE_KERNELS`` runs every decode case."""
+``pagoda.ops.lora.DECODE_KERNELS`` runs every decode case (``folded``: its expand over a shrink
+computed apart, as the stacked GEMM gives it; in the engine, the wrapped layers' own GEMM)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,14 @@ def _reference(x, a, b, batch, out) -> torch.Tensor:
 
 
 def _run(x, a, b, batch, out, kernel: str = "bgmv") -> torch.Tensor:
+    if kernel == "folded":
+        # The stacked GEMM's output, as ``LoRALinear`` gets it: the base columns (``out``),
+        # then every slot's shrink in the weights' dtype; the engine's expand adds into the
+        # base columns.
+        n = out.shape[1]
+        y = torch.cat([out, x @ a.reshape(-1, x.shape[1]).T], dim=1)
+        ops.expand_folded(y, n, b, batch, BOUNDS, a.shape[1])
+        return y[:, :n]
     got = out.clone()
     ops.add_lora(x, a, b, batch, got, BOUNDS, kernel=kernel)
     return got

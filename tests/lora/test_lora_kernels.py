@@ -74,7 +74,7 @@ def test_bgmv_expands_three_slices_in_one_launch_like_the_reference() -> None:
     torch.testing.assert_close(got[3, 20:27], lo, atol=1e-4, rtol=1e-4)
 
 
-def test_bgmv_expand_reads_each_rows_slot_columns_of_a_folded_shrink() -> None:
+def test_bgmv_expand_reads_each_rows_slot_columns_of_a_folded_shrink(monkeypatch) -> None:
     """The shrink folded into the base GEMM: one output row holds the base columns, then every
     slot's shrink; the expand adds each row's own slot's product into the base columns."""
     g = torch.Generator().manual_seed(4)
@@ -93,6 +93,16 @@ def test_bgmv_expand_reads_each_rows_slot_columns_of_a_folded_shrink() -> None:
     ref.expand(ref.bgmv_shrink_reference(x, a, rows), b, batch, want, (12, 18))
     torch.testing.assert_close(y[:, :n], want, atol=1e-4, rtol=1e-4)
     assert not torch.equal(want[0], x[0] @ w.T)  # (the adapter changed the row)
+    # The engine's op: its torch reference (a CPU's path), and its dispatch to the kernel.
+    graph_rows = torch.cat([rows, torch.tensor([-1, -1], dtype=torch.int32)])  # (padding)
+    batch = ref.LoRABatch(graph_rows, torch.zeros(1), torch.zeros(1), 1, [], use_rows=True)
+    for use_triton in (False, True):
+        y = x @ torch.cat([w, a.reshape(-1, k)]).T
+        before = y.clone()
+        monkeypatch.setattr(ref, "_use_triton", lambda t, on=use_triton: on)
+        ref.expand_folded(y, n, b, batch, (12, 18), rt)
+        torch.testing.assert_close(y[:, :n], want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(y[1], before[1]) and torch.equal(y[:, n:], before[:, n:])
 
 
 @pytest.mark.parametrize("kernel", ["bgmv-wide", "fused-rows", "fused-slots"])

@@ -7,6 +7,12 @@ layer (q/k/v, gate/up) keeps A whole and this rank's rows of each projection's B
 layer (o, down) keeps this rank's columns of A and B whole, and its partial product joins the
 base's before the one all-reduce (the sum over ranks of ``B (A_r x_r)`` is ``B (A x)``).
 
+A layer stacks every slot's A under its base weight in one buffer (``folded``; the base weight
+and ``lora_a`` are views of it, so nothing is held twice): a rows step of the ``folded`` decode
+kernel (:mod:`pagoda.ops.lora`) runs one GEMM for the base output and every slot's shrink, then
+the expand alone. A row-parallel layer's stacked A is this rank's columns, so its GEMM gives the
+partial shrink, and ``B (A_r x_r)`` still joins the base before the all-reduce.
+
 The step's slots come from a shared ``LoRAContext``, set by the runner before each forward
 (``batch`` None: no adapter in the step, the base path alone).
 """
@@ -19,10 +25,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pagoda.distributed import all_reduce
+from pagoda.distributed import all_reduce, get_tp_size
 from pagoda.lora.peft import AdapterWeights
 from pagoda.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from pagoda.ops import linear
+from pagoda.ops import lora as lora_ops
 from pagoda.ops.lora import LoRABatch, add_lora
 
 #: A wrapped layer's name (the last part of its module path) -> the checkpoint projections it
@@ -84,18 +91,87 @@ class LoRALinear(nn.Module):
         # Where each slice after the first starts in the output (``pagoda.ops.lora.expand``).
         self.bounds = tuple(s.offset for s in self.slices[1:])
         kw = {"dtype": w.dtype, "device": w.device}
-        # NOTE: buffers, not parameters: the checkpoint loader never sees them.
-        self.register_buffer("lora_a", torch.zeros(num_slots, n * max_rank, w.shape[1], **kw))
-        self.register_buffer("lora_b", torch.zeros(num_slots, w.shape[0], max_rank, **kw))
+        out_rows, in_cols = w.shape
+        # The rows a slot's A takes in the stacked weight: its slices' ranks in turn.
+        self.slot_stride = n * max_rank
+        # A quantized base (FP8 weights and their scales) or any weight that is not a plain
+        # float matrix cannot take float rows of A under it: such a layer keeps A apart and
+        # runs ``bgmv`` (``add_lora``'s answer to ``folded``).
+        # NOTE: the engine refuses LoRA over quantized linears today; this keeps the layer
+        # right if that changes.
+        self.can_fold = getattr(base, "quant_method", None) is None and w.dtype.is_floating_point
+        # NOTE: buffers, not parameters: the checkpoint loader never sees them. The layer is
+        # wrapped after loading, so the stacked buffer starts from the loaded weight.
+        if self.can_fold:
+            folded = torch.empty(out_rows + num_slots * self.slot_stride, in_cols, **kw)
+            with torch.no_grad():
+                folded[:out_rows].copy_(w)
+                folded[out_rows:].zero_()
+            # NOTE: not in the state dict (it holds the base weight again); the views below
+            # share its storage only while no ``.to()`` moves the module, done before wrapping.
+            self.register_buffer("folded", folded, persistent=False)
+            # The base weight becomes a view of the stacked buffer's first rows, freeing its
+            # own storage: the model holds the weight once, and every path (the segments', a
+            # step without adapters, the other kernels) reads the same bytes.
+            base.weight.data = folded[:out_rows]
+            if not base.weight.is_contiguous():  # (a view of whole leading rows: always)
+                raise RuntimeError("the base weight's view of the stacked weight is strided")
+            self.register_buffer(
+                "lora_a", folded[out_rows:].view(num_slots, self.slot_stride, in_cols)
+            )
+            # A column-parallel bias (row-parallel layers add theirs after the all-reduce),
+            # zeros for the shrink columns: the folded GEMM adds it as the base GEMM does.
+            bias = None
+            if base.bias is not None and not self.row_parallel:
+                bias = torch.zeros(folded.shape[0], dtype=base.bias.dtype, device=w.device)
+                bias[:out_rows].copy_(base.bias.detach())
+            self.register_buffer("folded_bias", bias, persistent=False)
+        else:
+            self.register_buffer("folded", None)
+            self.register_buffer("folded_bias", None)
+            self.register_buffer("lora_a", torch.zeros(num_slots, self.slot_stride, in_cols, **kw))
+        self.register_buffer("lora_b", torch.zeros(num_slots, out_rows, max_rank, **kw))
+
+    def _folds(self, batch: LoRABatch | None) -> bool:
+        """Whether this step runs the ``folded`` kernel here (read at each call, so that the
+        kernel a CUDA graph captures is the one selected then)."""
+        return (
+            batch is not None
+            and batch.use_rows
+            and self.can_fold
+            and lora_ops.DECODE_KERNEL == "folded"
+        )
+
+    def _folded(self, x: torch.Tensor, batch: LoRABatch, bias: torch.Tensor | None) -> torch.Tensor:
+        """One GEMM over the stacked weight (the base output, then every slot's shrink), the
+        expand added into the base columns; returns those columns, a view whose rows are
+        strided by the stacked width (its last dimension stays unit-stride). No copy: the
+        consumers take a row stride as they took the split of q | k | v, which was strided
+        already (the split and the heads' reshape are views; the rotary, norm and attention
+        kernels read strides), ``silu_and_mul`` reads the row stride of gate | up, ``rms_norm``
+        (with the residual's sum, after o and down) too. Only the all-reduce of a row-parallel
+        layer over several ranks wants a dense tensor (``forward``)."""
+        n = self.base.weight.shape[0]
+        y = linear(x, self.folded, bias)
+        lora_ops.expand_folded(y, n, self.lora_b, batch, self.bounds, self.slot_stride)
+        return y[:, :n]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base, batch = self.base, self.context.batch
         if self.row_parallel:
-            y = linear(x, base.weight)
-            if batch is not None:
-                add_lora(x, self.lora_a, self.lora_b, batch, y)
+            if self._folds(batch):
+                y = self._folded(x, batch, None)
+                # NOTE: the collective reduces dense tensors only; a single rank's is a no-op.
+                if get_tp_size() > 1:
+                    y = y.contiguous()
+            else:
+                y = linear(x, base.weight)
+                if batch is not None:
+                    add_lora(x, self.lora_a, self.lora_b, batch, y)
             y = all_reduce(y)
             return y if base.bias is None else y + base.bias
+        if self._folds(batch):
+            return self._folded(x, batch, self.folded_bias)
         y = linear(x, base.weight, base.bias)
         if batch is not None:
             add_lora(x, self.lora_a, self.lora_b, batch, y, self.bounds)

@@ -14,13 +14,25 @@ expand reads); ``expand`` adds ``y[:, off:off + R] @ b[slot].T`` into ``out`` in
 be a column slice of a wider output (q, k and v of one projection). The kernels read no device
 memory on the host, so a BGMV step replays in a CUDA graph with the slots as inputs.
 
-A rows step runs one of the ``DECODE_KERNELS`` (``add_lora`` dispatches; the CPU's torch
-reference is the same for all): ``bgmv`` (a shrink and an expand launch a projection),
-``bgmv-wide`` (the same two kernels, a slice's ranks a shrink program and wider expand blocks),
-``fused-rows`` (one launch: a program a token and block of output columns, which recomputes its
-slice's rank-R shrink) and ``fused-slots`` (one launch over the rows sorted by slot, the batch's
-``sorted_rows`` and ``slot_starts``: a program a slot's block of rows and of output columns,
-which reads the slot's A and B once for all its rows, by ``tl.dot``).
+A rows step runs one of the ``DECODE_KERNELS`` (``add_lora`` dispatches, but for ``folded``,
+which the wrapped layer runs itself; the CPU's torch reference is the same for all): ``folded``
+(the default: every slot's A stacked under the base weight as extra output rows, so that the
+base GEMM also gives every slot's shrink, then one expand launch a projection,
+:func:`expand_folded`, each row reading its own slot's columns), ``bgmv`` (a shrink and an
+expand launch a projection), ``bgmv-wide`` (the same two kernels, a slice's ranks a shrink
+program and wider expand blocks), ``fused-rows`` (one launch: a program a token and block of
+output columns, which recomputes its slice's rank-R shrink) and ``fused-slots`` (one launch over
+the rows sorted by slot, the batch's ``sorted_rows`` and ``slot_starts``: a program a slot's
+block of rows and of output columns, which reads the slot's A and B once for all its rows, by
+``tl.dot``).
+
+``folded`` is the default because it was the fastest (``benchmarks/lora_kernels.py`` on an H200,
+a decode step of Qwen3-0.6B's projections at 64 rows over 8 slots of rank 16: the base linears
+alone 673 us, with ``bgmv`` 1503 us, ``folded`` 1034 us): the shrink launches are gone and the
+GEMM reads the slots' A on its way through the base weight. Its shrink is rounded to the
+weights' dtype (the others keep it in float32). It needs the layer's stacked weight
+(``pagoda.lora.layers.LoRALinear``): ``add_lora`` asked for it runs ``bgmv``, as a layer that
+cannot stack its weight (a quantized one) does.
 """
 
 from __future__ import annotations
@@ -33,10 +45,10 @@ import torch
 
 from pagoda.ops import _use_triton
 
-DECODE_KERNELS = ("bgmv", "bgmv-wide", "fused-rows", "fused-slots")
+DECODE_KERNELS = ("folded", "bgmv", "bgmv-wide", "fused-rows", "fused-slots")
 #: The kernel a rows (decode, CUDA graph) step runs, read once (``benchmarks/lora_kernels.py``
 #: times each; ``benchmarks/README.md`` says why this one).
-DECODE_KERNEL = os.environ.get("PAGODA_LORA_DECODE_KERNEL", "bgmv")
+DECODE_KERNEL = os.environ.get("PAGODA_LORA_DECODE_KERNEL", "folded")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(
         f"PAGODA_LORA_DECODE_KERNEL={DECODE_KERNEL!r}: expected one of {', '.join(DECODE_KERNELS)}"
@@ -82,9 +94,10 @@ def add_lora(
     kernel: str | None = None,
 ) -> None:
     """``out += (x @ a[slot].T) @ b[slot].T`` by slices (:func:`expand`), a rows step by the
-    decode kernel ``kernel`` (None: ``DECODE_KERNEL``)."""
+    decode kernel ``kernel`` (None: ``DECODE_KERNEL``; ``folded``, which needs the stacked
+    weight this call has not got: ``bgmv``)."""
     kernel = kernel or DECODE_KERNEL
-    if batch.use_rows and kernel != "bgmv" and _use_triton(x):
+    if batch.use_rows and kernel not in ("bgmv", "folded") and _use_triton(x):
         # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops import triton_lora
 
@@ -102,6 +115,36 @@ def add_lora(
             raise ValueError(f"unknown LoRA decode kernel {kernel!r}: one of {DECODE_KERNELS}")
         return
     expand(shrink(x, a, batch), b, batch, out, bounds)
+
+
+def expand_folded(
+    y: torch.Tensor,
+    n: int,
+    b: torch.Tensor,
+    batch: LoRABatch,
+    bounds: tuple[int, ...],
+    slot_stride: int,
+) -> None:
+    """The ``folded`` rows step's expand: ``y`` [tokens, n + slots * slot_stride] is the output
+    of the base weight with every slot's A stacked under it (columns ``n + s * slot_stride`` on:
+    slot ``s``'s shrink, its slices' ranks in turn); adds each token's own slot's product into
+    ``y[:, :n]`` by slices (:func:`expand`), in place. Rows without a slot are left as they
+    are."""
+    slots = batch.token_slots[: y.shape[0]]
+    if _use_triton(y):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
+        from pagoda.ops import triton_lora
+
+        triton_lora.bgmv_expand(y[:, n:], b, slots, y[:, :n], bounds, slot_stride=slot_stride)
+        return
+    # The reference: each row's own slot's shrink columns gathered, then BGMV's expand.
+    width = (len(bounds) + 1) * b.shape[2]
+    cols = n + slots.clamp(min=0).long().unsqueeze(1) * slot_stride
+    own = y.gather(1, cols + torch.arange(width, device=y.device)).float()
+    r = b.shape[2]
+    edges = (0, *bounds, n)
+    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        bgmv_expand_reference(own, b[:, lo:hi], slots, y[:, lo:hi], i * r)
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:

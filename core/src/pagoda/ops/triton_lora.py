@@ -236,7 +236,8 @@ def bgmv_expand(
     """Every slice of :func:`pagoda.ops.lora.expand` in one launch (at most three); ``wide``
     (``bgmv-wide``): blocks of 512 output columns, not 128. ``slot_stride``: a row of ``y``
     holds every slot's shrink, slot ``s``'s from column ``s * slot_stride`` (the shrink folded
-    into the base GEMM as extra output columns: ``benchmarks/lora_kernels.py``'s ``folded``)."""
+    into the base GEMM as extra output columns: the ``folded`` decode kernel,
+    :func:`pagoda.ops.lora.expand_folded`)."""
     n, r = b.shape[1], b.shape[2]
     if y.shape[0] == 0:
         return
