@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,23 +110,20 @@ class LLM:
             self.engine.check_lora(lora)
         # Validate everything first, so a bad prompt leaves no half-submitted batch behind.
         processed = [self.engine.input_processor.process(p) for p in prompts]
-        ids = []
-        try:
-            for i, (p, sp) in enumerate(zip(processed, params)):
-                rid = self.engine.new_request_id()
-                prio = 0 if priority is None else priority[i]
-                lr = loras[i]
-                # ``_run`` reads only finished outputs: none is built before.
-                self.engine.add_processed(
-                    rid, p.prompt, p.prompt_token_ids, sp, prio, final_only=True, lora_request=lr,
-                    mm_inputs=p.mm_inputs,
-                )  # fmt: skip
-                ids.append(rid)
-        except BaseException:
-            # A request the engine refused (an admission rule, say) takes the batch with it.
-            self.engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
+
+        def add(i: int, rid: str) -> int:
+            p = processed[i]
+            # ``_run`` reads only finished outputs: none is built before.
+            self.engine.add_processed(
+                rid, p.prompt, p.prompt_token_ids, params[i],
+                0 if priority is None else priority[i], final_only=True,
+                lora_request=loras[i], mm_inputs=p.mm_inputs,
+            )  # fmt: skip
+            return len(p.prompt_token_ids)
+
+        # NOTE: priorities order the waiting queue: all of them are in it from the start.
+        admission = _Admission(self.engine, len(processed), add, at_once=priority is not None)
+        return self._run(admission.ids, use_tqdm and len(processed) > 1, admission)
 
     def chat(
         self,
@@ -140,9 +137,7 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self._chat_prompt(c, template_kwargs) for c in conversations]
-        return self.generate(
-            prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
-        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _chat_prompt(
         self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any]
@@ -193,16 +188,16 @@ class LLM:
             engine.input_processor.process_pooling(p, r.truncate_prompt_tokens)
             for p, r in zip(prompts, resolved)
         ]
-        ids = []
-        try:
-            for p, r in zip(processed, resolved):
-                rid = engine.new_request_id()
-                engine.add_pooling(rid, p.prompt, p.prompt_token_ids, r)
-                ids.append(rid)
-        except BaseException:
-            engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm and len(ids) > 1)  # type: ignore[return-value]
+
+        def add(i: int, rid: str) -> int:
+            p = processed[i]
+            engine.add_pooling(rid, p.prompt, p.prompt_token_ids, resolved[i])
+            return len(p.prompt_token_ids)
+
+        admission = _Admission(engine, len(processed), add)
+        return self._run(  # type: ignore[return-value]
+            admission.ids, use_tqdm and len(processed) > 1, admission
+        )
 
     def embed(
         self,
@@ -287,11 +282,20 @@ class LLM:
                                                 ScoringOutput(value), ids))  # fmt: skip
         return results
 
-    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+    def _run(
+        self,
+        request_ids: list[str],
+        show_progress: bool,
+        admission: _Admission | None = None,
+    ) -> list[RequestOutput]:
+        """Step the engine until every request of ``request_ids`` has finished; ``admission``
+        adds them as the steps need them (its ``ids``: all of them, added or not)."""
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not show_progress)
         try:
             while len(finished) < len(request_ids):
+                if admission is not None:
+                    admission.top_up()
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests unfinished")
                 for out in self.engine.step():
@@ -299,11 +303,51 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            self.engine.abort_request([r for r in request_ids if r not in finished])
+            added = request_ids if admission is None else admission.added
+            self.engine.abort_request([r for r in added if r not in finished])
             raise
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+class _Admission:
+    """A batch's requests, validated, handed to the engine a step's worth at a time.
+
+    Adding a request costs the host tens of microseconds (its ids checked and copied, its
+    request built): for thousands of prompts, the first step would wait for all of them while the
+    device idles. Each ``top_up`` adds requests until those added by the call fill a step, its
+    token budget or its ``max_num_seqs`` requests (or none is left): the engine's waiting queue
+    never holds less than a full step, so the steps are the ones adding the whole batch at once
+    would give (first come, first served), and the first one starts as soon as it is full.
+    """
+
+    def __init__(
+        self, engine: Any, count: int, add: Callable[[int, str], int], at_once: bool = False
+    ) -> None:
+        self.engine = engine
+        self.add = add
+        self.ids = [engine.new_request_id() for _ in range(count)]
+        self.next = 0
+        # The step's budgets as the engine runs them (a pooling model's token budget is its own).
+        self.tokens = 1 << 62 if at_once else engine.info.max_num_batched_tokens
+        self.reqs = count if at_once else engine.config.scheduler.max_num_seqs
+
+    @property
+    def added(self) -> list[str]:
+        return self.ids[: self.next]
+
+    def top_up(self) -> None:
+        tokens = reqs = 0
+        try:
+            while self.next < len(self.ids) and tokens < self.tokens and reqs < self.reqs:
+                tokens += self.add(self.next, self.ids[self.next])
+                self.next += 1
+                reqs += 1
+        except BaseException:
+            # A request the engine refused (an admission rule, say) takes the batch with it.
+            self.engine.abort_request(self.added)
+            raise
 
 
 def _tensor(data: Any) -> Any:
