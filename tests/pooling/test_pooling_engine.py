@@ -150,3 +150,18 @@ def test_one_step_of_differently_finished_embeddings_matches_each_alone(qwen3_di
     norms = [np.linalg.norm(o.outputs.embedding) for o in mixed]
     assert all(abs(norms[i] - 1) < 1e-5 for i in (0, 1, 3, 4))
     assert all(abs(norms[i] - 1) > 1e-3 for i in (2, 5))
+
+
+def test_a_bad_prompt_late_in_a_batch_fails_it_whole_and_leaves_nothing(qwen3_dir) -> None:
+    # Prompts are checked as they are added, a step's worth at a time: a bad one found after
+    # steps have run aborts every request added before it; the engine is left as it was.
+    llm = LLM(model=str(qwen3_dir), task="embed", max_num_batched_tokens=64, **ENGINE)
+    core = llm.engine.engine_core
+    good = [{"prompt_token_ids": [5 + i] * 30} for i in range(12)]
+    bad = {"prompt_token_ids": [5, 10**9]}
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        llm.embed([*good, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
+    again = llm.embed(good[:2], use_tqdm=False)
+    assert len(again) == 2

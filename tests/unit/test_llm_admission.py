@@ -1,4 +1,4 @@
-"""``LLM``'s batches reach the engine a step's worth at a time (``_Admission``): the first step
+"""``LLM``'s batches reach the engine a step's worth at a time (``StepAdmission``): the first step
 starts once it is full, the waiting queue never runs short of a step, and a refused request
 takes the requests added before it with it."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.entrypoints.llm import _Admission
+from pagoda.engine.admission import StepAdmission
 
 
 class _Engine:
@@ -27,14 +27,14 @@ class _Engine:
         self.aborted += ids
 
 
-def _admission(engine: _Engine, lens: list[int], refuse: int | None = None, **kw) -> _Admission:
+def _admission(engine: _Engine, lens: list[int], refuse: int | None = None, **kw) -> StepAdmission:
     def add(i: int, rid: str) -> int:
         if i == refuse:
             raise ValueError(f"request {i} refused")
         engine.added.append(rid)
         return lens[i]
 
-    return _Admission(engine, len(lens), add, **kw)
+    return StepAdmission(engine, len(lens), add, **kw)
 
 
 def test_each_top_up_adds_one_step_of_tokens_then_of_requests() -> None:

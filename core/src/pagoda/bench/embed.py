@@ -109,22 +109,25 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
 
 def _embed(engine: Any, ids: list[list[int]]) -> Any:
     """Embeddings of every prompt of token ids, as ``LLM.embed`` runs them (one pooling request
-    each, the engine stepped until all are done)."""
+    each, added a step's worth at a time, the engine stepped until all are done)."""
     import numpy as np
 
+    from pagoda.engine.admission import StepAdmission
     from pagoda.pooling_params import PoolingParams
 
     params = PoolingParams(task="embed")
-    names = []
-    for row in ids:
-        rid = engine.new_request_id()
-        engine.add_pooling(rid, None, row, params)
-        names.append(rid)
+
+    def add(i: int, rid: str) -> int:
+        engine.add_pooling(rid, None, ids[i], params)
+        return len(ids[i])
+
+    admission = StepAdmission(engine, len(ids), add)
     done: dict[str, Any] = {}
-    while len(done) < len(names):
+    while len(done) < len(ids):
+        admission.top_up()
         for out in engine.step():
             done[out.request_id] = out.outputs.data
-    return np.stack([done[r] for r in names]).astype(np.float32)
+    return np.stack([done[r] for r in admission.ids]).astype(np.float32)
 
 
 def _rates(n: int, tokens: int, seconds: float) -> dict[str, float]:

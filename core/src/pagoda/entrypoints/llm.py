@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from pagoda.config import EngineConfig
+from pagoda.engine.admission import StepAdmission
 from pagoda.engine.input_processor import PromptType
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.lora_request import LoRARequest
@@ -108,11 +109,12 @@ class LLM:
                 raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         for lora in dict.fromkeys(lr for lr in loras if lr is not None):
             self.engine.check_lora(lora)
-        # Validate everything first, so a bad prompt leaves no half-submitted batch behind.
-        processed = [self.engine.input_processor.process(p) for p in prompts]
 
+        # NOTE: each prompt is processed (tokenized, checked) as it is added, a step's worth at a
+        # time while the device runs the steps before; a bad one aborts the requests added
+        # before it (``StepAdmission``), so the batch fails whole, as if checked first.
         def add(i: int, rid: str) -> int:
-            p = processed[i]
+            p = self.engine.input_processor.process(prompts[i])
             # ``_run`` reads only finished outputs: none is built before.
             self.engine.add_processed(
                 rid, p.prompt, p.prompt_token_ids, params[i],
@@ -122,8 +124,8 @@ class LLM:
             return len(p.prompt_token_ids)
 
         # NOTE: priorities order the waiting queue: all of them are in it from the start.
-        admission = _Admission(self.engine, len(processed), add, at_once=priority is not None)
-        return self._run(admission.ids, use_tqdm and len(processed) > 1, admission)
+        admission = StepAdmission(self.engine, len(prompts), add, at_once=priority is not None)
+        return self._run(admission.ids, use_tqdm and len(prompts) > 1, admission)
 
     def chat(
         self,
@@ -182,21 +184,19 @@ class LLM:
         if pooling_task is not None:
             params = [p.with_task(pooling_task) for p in params]
         engine = self.engine
-        # Validate everything first, so a bad prompt leaves no half-submitted batch behind.
+        # The parameters are checked first (a wrong task or field fails before any step); each
+        # prompt as it is added (``generate`` says why).
         resolved = [engine.resolve_pooling(p) for p in params]
-        processed = [
-            engine.input_processor.process_pooling(p, r.truncate_prompt_tokens)
-            for p, r in zip(prompts, resolved)
-        ]
 
         def add(i: int, rid: str) -> int:
-            p = processed[i]
-            engine.add_pooling(rid, p.prompt, p.prompt_token_ids, resolved[i])
+            r = resolved[i]
+            p = engine.input_processor.process_pooling(prompts[i], r.truncate_prompt_tokens)
+            engine.add_pooling(rid, p.prompt, p.prompt_token_ids, r)
             return len(p.prompt_token_ids)
 
-        admission = _Admission(engine, len(processed), add)
+        admission = StepAdmission(engine, len(prompts), add)
         return self._run(  # type: ignore[return-value]
-            admission.ids, use_tqdm and len(processed) > 1, admission
+            admission.ids, use_tqdm and len(prompts) > 1, admission
         )
 
     def embed(
@@ -286,7 +286,7 @@ class LLM:
         self,
         request_ids: list[str],
         show_progress: bool,
-        admission: _Admission | None = None,
+        admission: StepAdmission | None = None,
     ) -> list[RequestOutput]:
         """Step the engine until every request of ``request_ids`` has finished; ``admission``
         adds them as the steps need them (its ``ids``: all of them, added or not)."""
@@ -309,45 +309,6 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
-
-
-class _Admission:
-    """A batch's requests, validated, handed to the engine a step's worth at a time.
-
-    Adding a request costs the host tens of microseconds (its ids checked and copied, its
-    request built): for thousands of prompts, the first step would wait for all of them while the
-    device idles. Each ``top_up`` adds requests until those added by the call fill a step, its
-    token budget or its ``max_num_seqs`` requests (or none is left): the engine's waiting queue
-    never holds less than a full step, so the steps are the ones adding the whole batch at once
-    would give (first come, first served), and the first one starts as soon as it is full.
-    """
-
-    def __init__(
-        self, engine: Any, count: int, add: Callable[[int, str], int], at_once: bool = False
-    ) -> None:
-        self.engine = engine
-        self.add = add
-        self.ids = [engine.new_request_id() for _ in range(count)]
-        self.next = 0
-        # The step's budgets as the engine runs them (a pooling model's token budget is its own).
-        self.tokens = 1 << 62 if at_once else engine.info.max_num_batched_tokens
-        self.reqs = count if at_once else engine.config.scheduler.max_num_seqs
-
-    @property
-    def added(self) -> list[str]:
-        return self.ids[: self.next]
-
-    def top_up(self) -> None:
-        tokens = reqs = 0
-        try:
-            while self.next < len(self.ids) and tokens < self.tokens and reqs < self.reqs:
-                tokens += self.add(self.next, self.ids[self.next])
-                self.next += 1
-                reqs += 1
-        except BaseException:
-            # A request the engine refused (an admission rule, say) takes the batch with it.
-            self.engine.abort_request(self.added)
-            raise
 
 
 def _tensor(data: Any) -> Any:
