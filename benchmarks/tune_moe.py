@@ -107,9 +107,10 @@ def main() -> int:
             by_m[str(m)] = found["config"]
             print(f"{key} tokens={m}: {found['config']} {found['ms'] * 1e3:.1f} us "
                   f"(searched in {time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
-        table[key] = dict(sorted(by_m.items(), key=lambda kv: int(kv[0])))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            # Written after each token count: a run stopped part way keeps what it found.
+            table[key] = dict(sorted(by_m.items(), key=lambda kv: int(kv[0])))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {path}")
     return 0
 
