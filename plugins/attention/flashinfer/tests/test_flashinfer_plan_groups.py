@@ -299,6 +299,92 @@ class FakeDecode(_Wrapper):
         return self._attend(q, paged_kv_cache, self.plans[-1]["sm_scale"])
 
 
+class FakeRagged(_Wrapper):
+    """``BatchPrefillWithRaggedKVCacheWrapper``: each request's keys and values are rows of the
+    ``k`` and ``v`` given to ``run`` (``kv_indptr``), not pages of a cache."""
+
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        qo_indptr_buf=None,
+        kv_indptr_buf=None,
+        custom_mask_buf=None,
+        mask_indptr_buf=None,
+        backend="auto",
+        jit_args=None,
+        jit_kwargs=None,
+    ) -> None:
+        assert not use_cuda_graph, "the backend never graphs the ragged wrapper"
+        self._init(float_workspace_buffer, kv_layout, False, ())
+
+    def plan(
+        self,
+        qo_indptr,
+        kv_indptr,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo=None,
+        custom_mask=None,
+        packed_custom_mask=None,
+        causal=False,
+        pos_encoding_mode="NONE",
+        use_fp16_qk_reduction=False,
+        window_left=-1,
+        logits_soft_cap=None,
+        sm_scale=None,
+        rope_scale=None,
+        rope_theta=None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        non_blocking=True,
+    ) -> None:
+        self.plans.append(
+            dict(
+                qo=qo_indptr.tolist(),
+                kv=kv_indptr.tolist(),
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim_qk,
+                causal=causal,
+                sm_scale=sm_scale,
+                window_left=window_left,
+                logits_soft_cap=logits_soft_cap,
+                q_data_type=q_data_type,
+                kv_data_type=kv_data_type or q_data_type,
+            )
+        )
+
+    def run(self, q, k, v, *args, **kwargs) -> torch.Tensor:
+        assert not args, "the plain kernels take no extra arguments"
+        p = self.plans[-1]
+        assert q.dtype == p["q_data_type"] and k.dtype == v.dtype == p["kv_data_type"]
+        h, h_kv = p["num_qo_heads"], p["num_kv_heads"]
+        qo, kv = p["qo"], p["kv"]
+        assert q.shape[0] == qo[-1] and k.shape[0] == v.shape[0] == kv[-1]
+        out = torch.empty_like(q)
+        for i in range(len(qo) - 1):
+            rows = q[qo[i] : qo[i + 1]].float()
+            keys = k[kv[i] : kv[i + 1]].float().repeat_interleave(h // h_kv, 1)
+            vals = v[kv[i] : kv[i + 1]].float().repeat_interleave(h // h_kv, 1)
+            n = len(keys)
+            logits = torch.einsum("qhd,khd->hqk", rows, keys) * p["sm_scale"]
+            if p["logits_soft_cap"]:
+                cap = p["logits_soft_cap"]
+                logits = cap * torch.tanh(logits / cap)
+            pos = torch.arange(n - len(rows), n, device=q.device)[:, None]
+            j = torch.arange(n, device=q.device)[None, :]
+            seen = j <= pos if p["causal"] else torch.ones_like(pos - j, dtype=torch.bool)
+            if p["window_left"] >= 0:
+                seen &= pos - j <= p["window_left"]
+            probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+            out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
+        return out
+
+
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> list[_Wrapper]:
     """The stand-in as ``flashinfer``, the backend's wrappers and workspaces reset around it;
@@ -307,6 +393,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> list[_Wrapper]:
     fi.BatchPrefillWithPagedKVCacheWrapper = FakePrefill
     fi.BatchDecodeWithPagedKVCacheWrapper = FakeDecode
     fi.BatchAttentionWithAttentionSinkWrapper = FakeSinkPrefill
+    fi.BatchPrefillWithRaggedKVCacheWrapper = FakeRagged
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
     monkeypatch.setattr(backend, "_wrappers", {})
     monkeypatch.setattr(backend, "_workspaces", {})
@@ -557,6 +644,43 @@ def test_a_mix_of_layers_plans_each_group_once_a_step(where, mix: str) -> None:
                 out = impl.forward(q, k, v, cache, md)
                 _check(out, model.reference(layer, step), dtype, f"{mix} step {i} layer {layer}")
         assert set(md.plans) == _groups(specs)
+
+
+@pytest.mark.parametrize("mix", [*MIXES, "plain"])
+def test_steps_of_new_prompts_take_the_ragged_wrapper_when_asked(
+    where, mix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``plugins.flashinfer.ragged_prefill``: a step of new prompts only attends over the step's
+    # own keys (every plain group; sink groups keep their wrapper); a step with cached context
+    # does not; every layer's output stays the reference's, and the cache is still written.
+    device, dtype = where
+    monkeypatch.setattr(FlashInferBackend, "ragged_prefill", True)
+    specs = MIXES.get(mix, [PLAIN, PLAIN])
+    model = Model(specs, [7, 31, 41, 10], device, dtype, width=8)
+    kinds = []
+    for i, step in enumerate(EAGER_STEPS[:2]):
+        md = FlashInferBackend.build_metadata(model.common(step))
+        assert md.fresh == (i == 0)
+        with torch.inference_mode():
+            for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
+                q, k, v = model.inputs(layer, step)
+                out = impl.forward(q, k, v, cache, md)
+                _check(out, model.reference(layer, step), dtype, f"{mix} step {i} layer {layer}")
+        kinds.append({g.sinks: p.ragged for g, p in md.plans.items()})
+    # The first step's plain groups ragged, sink groups not; the second step's none.
+    assert kinds[0] == {s.sinks: not s.sinks for s in specs}
+    assert not any(kinds[1].values())
+    # The second step (a decode and a chunk after cached context, and a new prompt) read the
+    # first step's keys from the cache: a ragged step that skipped the write fails above.
+
+
+def test_the_ragged_path_is_off_unless_asked(stand_in) -> None:
+    model = Model([PLAIN], [7, 31, 41, 10], torch.device("cpu"), torch.float32, width=8)
+    md = FlashInferBackend.build_metadata(model.common(EAGER_STEPS[0]))
+    assert not md.fresh
+    impl, cache = model.impls[0], model.caches[0]
+    impl.forward(*model.inputs(0, EAGER_STEPS[0]), cache, md)
+    assert [type(w) for w in stand_in] == [FakePrefill]
 
 
 @pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "verification"])
