@@ -94,7 +94,9 @@ def test_pagoda_config_shows_each_plugin_setting_with_its_source(knobs, capsys) 
     }
     assert main(["config", "--config", str(knobs), "--format", "yaml"]) == 0
     out = capsys.readouterr().out
-    assert "plugins:\n  knobs:\n    greeting: \"hi\"  # file " in out
+    # (under ``plugins:``, beside the installed plugins' own sections, in name order)
+    assert "\n  knobs:\n    greeting: \"hi\"  # file " in out
+    assert out.index("plugins:\n") < out.index("\n  knobs:\n")
 
 
 def test_a_misspelled_plugin_key_is_refused_by_name_with_its_source(knobs, capsys) -> None:
