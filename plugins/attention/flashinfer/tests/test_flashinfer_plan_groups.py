@@ -80,7 +80,6 @@ class _Wrapper:
         assert q.shape[1:] == (h, d) and k_cache.shape[1:] == (p["page_size"], h_kv, d)
         qo, kv_indptr, kv_indices, last = self._tables()
         assert q.shape[0] == qo[-1], (q.shape, qo)
-        window, cap = p["window_left"], p["logits_soft_cap"]
         out = torch.empty_like(q)
         for i in range(len(last)):
             pages = kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long()
@@ -88,22 +87,29 @@ class _Wrapper:
             k = k_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(h // h_kv, 1)
             v = v_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(h // h_kv, 1)
             rows = q[qo[i] : qo[i + 1]].float()
-            logits = torch.einsum("qhd,khd->hqk", rows, k) * scale
-            if cap:
-                logits = cap * torch.tanh(logits / cap)
-            pos = torch.arange(kv_len - len(rows), kv_len, device=q.device)[:, None]
-            j = torch.arange(kv_len, device=q.device)[None, :]
-            seen = j <= pos if p["causal"] else torch.ones_like(pos - j, dtype=torch.bool)
-            if window >= 0:
-                seen &= pos - j <= window
-            logits = logits.masked_fill(~seen, float("-inf"))
-            if sinks is not None:
-                sink = sinks[:, None, None].expand(-1, len(rows), 1)
-                probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
-            else:
-                probs = logits.softmax(-1)
+            probs = _probs(torch.einsum("qhd,khd->hqk", rows, k) * scale, p, sinks)
             out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         return out
+
+
+def _probs(logits: torch.Tensor, p: dict[str, Any], sinks=None) -> torch.Tensor:
+    """Attention probabilities from scaled ``logits`` [heads, rows, keys] as the plan ``p``
+    asks (soft-cap, causal, inclusive left window; a query's row is its place among the last
+    rows of the keys), with ``sinks`` in each denominator when given."""
+    cap, window = p["logits_soft_cap"], p["window_left"]
+    rows, keys = logits.shape[1], logits.shape[2]
+    if cap:
+        logits = cap * torch.tanh(logits / cap)
+    pos = torch.arange(keys - rows, keys, device=logits.device)[:, None]
+    j = torch.arange(keys, device=logits.device)[None, :]
+    seen = j <= pos if p["causal"] else torch.ones_like(pos - j, dtype=torch.bool)
+    if window >= 0:
+        seen &= pos - j <= window
+    logits = logits.masked_fill(~seen, float("-inf"))
+    if sinks is None:
+        return logits.softmax(-1)
+    sink = sinks[:, None, None].expand(-1, rows, 1)
+    return torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
 
 
 class FakePrefill(_Wrapper):
@@ -303,19 +309,7 @@ class FakeRagged(_Wrapper):
     """``BatchPrefillWithRaggedKVCacheWrapper``: each request's keys and values are rows of the
     ``k`` and ``v`` given to ``run`` (``kv_indptr``), not pages of a cache."""
 
-    def __init__(
-        self,
-        float_workspace_buffer,
-        kv_layout="NHD",
-        use_cuda_graph=False,
-        qo_indptr_buf=None,
-        kv_indptr_buf=None,
-        custom_mask_buf=None,
-        mask_indptr_buf=None,
-        backend="auto",
-        jit_args=None,
-        jit_kwargs=None,
-    ) -> None:
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, **kw):
         assert not use_cuda_graph, "the backend never graphs the ragged wrapper"
         self._init(float_workspace_buffer, kv_layout, False, ())
 
@@ -370,17 +364,7 @@ class FakeRagged(_Wrapper):
             rows = q[qo[i] : qo[i + 1]].float()
             keys = k[kv[i] : kv[i + 1]].float().repeat_interleave(h // h_kv, 1)
             vals = v[kv[i] : kv[i + 1]].float().repeat_interleave(h // h_kv, 1)
-            n = len(keys)
-            logits = torch.einsum("qhd,khd->hqk", rows, keys) * p["sm_scale"]
-            if p["logits_soft_cap"]:
-                cap = p["logits_soft_cap"]
-                logits = cap * torch.tanh(logits / cap)
-            pos = torch.arange(n - len(rows), n, device=q.device)[:, None]
-            j = torch.arange(n, device=q.device)[None, :]
-            seen = j <= pos if p["causal"] else torch.ones_like(pos - j, dtype=torch.bool)
-            if p["window_left"] >= 0:
-                seen &= pos - j <= p["window_left"]
-            probs = logits.masked_fill(~seen, float("-inf")).softmax(-1)
+            probs = _probs(torch.einsum("qhd,khd->hqk", rows, keys) * p["sm_scale"], p)
             out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
         return out
 
