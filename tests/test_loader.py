@@ -405,6 +405,100 @@ def test_init_dummy_is_deterministic_small_and_keeps_norms_at_one() -> None:
     assert torch.equal(a.input_layernorm.weight, torch.ones(8))
 
 
+def _one_param(name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A module whose only parameter is ``name`` (dotted names nest submodules)."""
+    root = nn.Module()
+    *path, leaf = name.split(".")
+    m = root
+    for part in path:
+        m.add_module(part, nn.Module())
+        m = getattr(m, part)
+    m.register_parameter(leaf, nn.Parameter(torch.zeros(shape, dtype=dtype)))
+    return root
+
+
+def _dummy(
+    name: str,
+    shape: tuple[int, ...],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    module = _one_param(name, shape, dtype)
+    init_dummy_(module, seed=seed, chunk=chunk)
+    return module.get_parameter(name).detach()
+
+
+def test_init_dummy_is_splitmix64_of_the_element_index() -> None:
+    # The values, derived here with Python's exact integers: element i is the top 24 bits k of
+    # splitmix64's output at state key + (i + 1) * golden ratio, as (2k + 1 - 2**24) / 2**24
+    # times DUMMY_RANGE (as float32). Integer arithmetic and one rounding are what make the
+    # values the same on every device.
+    from pagoda.loader import weights
+
+    got = _dummy("layers.0.proj.weight", (7, 13), seed=5).view(-1)
+    key = weights._dummy_key("layers.0.proj.weight", 5)
+    r32 = float(torch.tensor(weights.DUMMY_RANGE, dtype=torch.float32))
+    want = []
+    for i in range(got.numel()):
+        k = weights._splitmix64(key + (i + 1) * 0x9E3779B97F4A7C15) >> 40
+        want.append((2 * k + 1 - 2**24) * r32 / 2**24)
+    assert torch.equal(got, torch.tensor(want, dtype=torch.float64).float())
+
+
+def test_init_dummy_values_do_not_depend_on_the_chunking() -> None:
+    # A device draws in chunks of its own size (a GPU's differ from the CPU's): each chunk must
+    # continue the parameter's element indices, not restart them.
+    shape = (37, 2711)  # 100_307 elements: chunks that do not divide it
+    whole = _dummy("w", shape, seed=3, chunk=2**20)
+    for chunk in (1000, 4096, 65_536, 100_306):
+        assert torch.equal(_dummy("w", shape, seed=3, chunk=chunk), whole), chunk
+    assert torch.equal(_dummy("w", (5, 7), seed=3, chunk=1), _dummy("w", (5, 7), seed=3))
+
+
+def test_init_dummy_depends_on_seed_and_name_only() -> None:
+    a = _dummy("layers.0.mlp.up.weight", (64, 32), seed=1)
+    assert torch.equal(a, _dummy("layers.0.mlp.up.weight", (64, 32), seed=1))
+    assert not torch.equal(a, _dummy("layers.0.mlp.up.weight", (64, 32), seed=2))
+    assert not torch.equal(a, _dummy("layers.1.mlp.up.weight", (64, 32), seed=1))
+    # A parameter's values are its own: other parameters, before or after it, change nothing.
+    model = _one_param("layers.0.mlp.up.weight", (64, 32))
+    model.register_parameter("embed", nn.Parameter(torch.zeros(100, 32)))
+    init_dummy_(model, seed=1)
+    assert torch.equal(model.get_parameter("layers.0.mlp.up.weight"), a)
+    # A larger parameter of the same name starts with the smaller's values (row-major order).
+    assert torch.equal(_dummy("layers.0.mlp.up.weight", (65, 32), seed=1)[:64], a)
+
+
+def test_init_dummy_in_lower_precision_rounds_the_float32_values() -> None:
+    full = _dummy("proj.weight", (128, 96), seed=4)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(_dummy("proj.weight", (128, 96), seed=4, dtype=dtype), full.to(dtype))
+
+
+def test_init_dummy_is_uniform_over_the_range() -> None:
+    from pagoda.loader.weights import DUMMY_RANGE
+
+    r = DUMMY_RANGE
+    x = _dummy("big.weight", (2**22,), seed=0).double()
+    r32 = float(torch.tensor(r, dtype=torch.float32))
+    assert x.abs().max() <= r32
+    assert x.min() < -r * (1 - 1e-4) and x.max() > r * (1 - 1e-4)
+    # The mean's own spread is r / sqrt(3 * 2**22), about 3e-4 r.
+    assert abs(float(x.mean())) < 2e-3 * r
+    assert float(x.std()) == pytest.approx(r / 3**0.5, rel=2e-3)
+    # Sixteen equal bins each hold a sixteenth (each count's spread is about 0.1% of it).
+    counts = torch.histc(x, bins=16, min=-r32, max=r32)
+    assert torch.allclose(counts / x.numel(), torch.full((16,), 1 / 16, dtype=x.dtype), rtol=2e-2)
+
+
+def test_init_dummy_fills_a_non_contiguous_parameter_in_row_major_order() -> None:
+    module = nn.Module()
+    module.w = nn.Parameter(torch.zeros(13, 5).t())  # [5, 13], not contiguous
+    init_dummy_(module, seed=9)
+    assert torch.equal(module.w.detach(), _dummy("w", (5, 13), seed=9))
+
+
 def _forbidden(*args: object, **kwargs: object) -> None:
     raise AssertionError("this path must not run: the cache should have answered")
 
