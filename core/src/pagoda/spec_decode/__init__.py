@@ -13,6 +13,7 @@ from __future__ import annotations
 from pagoda.sample.rejection import rejection_sample
 from pagoda.spec_decode.cost import DraftCost
 from pagoda.spec_decode.metrics import SpecDecodingStats
+from pagoda.spec_decode.pause import DraftPause
 from pagoda.spec_decode.proposer import (
     Drafts,
     ProposalBatch,
@@ -25,6 +26,7 @@ from pagoda.spec_decode.proposer import (
 
 __all__ = [
     "DraftCost",
+    "DraftPause",
     "Drafts",
     "ProposalBatch",
     "ProposerContext",

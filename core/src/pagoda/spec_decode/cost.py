@@ -61,13 +61,22 @@ class DraftCost:
         self._last: tuple[float, int, int] | None = None  # (time, bucket, drafts given)
         self.emitted = 1.0  # tokens a request gains per step (decayed mean)
 
-    def step(self, num_requests: int, num_drafts: int, tokens_gained: float | None = None) -> None:
+    def step(
+        self,
+        num_requests: int,
+        num_drafts: int,
+        tokens_gained: float | None = None,
+        *,
+        contiguous: bool = True,
+    ) -> None:
         """A call for ``num_requests`` requests that gives ``num_drafts`` draft tokens;
         ``tokens_gained``: the tokens a request gained since the last call, on average (None:
-        not known)."""
+        not known). ``contiguous=False``: steps may have run since the last call without one
+        (paused requests, :class:`pagoda.spec_decode.DraftPause`): the time since is not
+        counted as a step."""
         now = self.clock()
         bucket = max(num_requests, 1).bit_length()
-        if self._last is not None:
+        if self._last is not None and contiguous:
             t, b, given = self._last
             if b == bucket and now - t < _IDLE_S:
                 self._fit(num_requests).add(float(given), now - t)

@@ -135,13 +135,19 @@ class DraftLengths:
         return out.astype(np.int64)
 
     def gave(
-        self, rows: np.ndarray, drafts: np.ndarray, match: np.ndarray, num_tokens: np.ndarray
+        self,
+        rows: np.ndarray,
+        drafts: np.ndarray,
+        match: np.ndarray,
+        num_tokens: np.ndarray,
+        contiguous: bool = True,
     ) -> None:
-        """Record the drafts given (to score at the next call) and time the step before."""
+        """Record the drafts given (to score at the next call) and time the step before (not
+        when steps may have run without a call since the last, ``contiguous=False``)."""
         self.given[rows] = drafts
         self.at[rows] = num_tokens
         self.match[rows] = np.minimum(match, self.max_match)
-        self.cost.step(len(rows), int((drafts >= 0).sum()), self._gained)
+        self.cost.step(len(rows), int((drafts >= 0).sum()), self._gained, contiguous=contiguous)
         self._gained = None
 
     def remove(self, req_id: str) -> None:

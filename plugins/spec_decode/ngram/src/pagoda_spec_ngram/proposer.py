@@ -11,7 +11,9 @@ only; no Python loop over requests or tokens.
 At the defaults (none of ``num_speculative_tokens``, ``prompt_lookup_min`` and
 ``prompt_lookup_max`` given) suffixes of 1 to 8 tokens are matched and each request's draft
 length, up to 8, is chosen from the acceptance measured per position and per match length and
-from the measured cost of a draft token at the batch size (``pagoda_spec_ngram.adapt``).
+from the measured cost of a draft token at the batch size (``pagoda_spec_ngram.adapt``), and a
+request whose history keeps giving no draft pauses between probes (``pagoda.spec_decode.pause``:
+its steps then launch without waiting for the step in flight).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from collections.abc import Iterable
 import numpy as np
 
 from pagoda.config import SpeculativeConfig
-from pagoda.spec_decode import Drafts, ProposalBatch, ProposerContext, SpeculativeProposer
+from pagoda.spec_decode import (
+    DraftPause,
+    Drafts,
+    ProposalBatch,
+    ProposerContext,
+    SpeculativeProposer,
+)
 from pagoda_spec_ngram.adapt import DraftLengths
 
 _DEFAULT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor prompt_lookup_max is set
@@ -153,12 +161,13 @@ class NgramProposer(SpeculativeProposer):
         self.adapt: DraftLengths | None = None
         if not (ctx.draft_length_given and window_given):
             self.adapt = DraftLengths(self.k, self.max_n, ctx.max_num_reqs)
+        # Pauses where it paces itself (the draft length not given); with it given, every
+        # request is asked every step, as vLLM asks.
+        self.pause = None if ctx.draft_length_given else DraftPause(self.resume_at)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         rows, num_tokens, caps = batch.rows, batch.num_tokens, batch.max_num_drafts
-        end, match = ngram_match(
-            batch.token_ids, rows, num_tokens, self.min_n, self.max_n, self.k
-        )
+        end, match = ngram_match(batch.token_ids, rows, num_tokens, self.min_n, self.max_n, self.k)
         adapt = self.adapt
         if adapt is None:
             return Drafts(drafts_after(batch.token_ids, rows, num_tokens, end, caps, self.k))
@@ -168,10 +177,17 @@ class NgramProposer(SpeculativeProposer):
         if self.ctx.draft_length_given:  # the window adapts; every match drafts k
             lengths = np.where(lengths > 0, np.minimum(caps, self.k), 0)
         ids = drafts_after(batch.token_ids, rows, num_tokens, end, lengths, self.k)
-        adapt.gave(rows, ids, match, num_tokens)
+        pause = self.pause
+        # NOTE: with a request paused at the last call, steps may have run since without one.
+        adapt.gave(rows, ids, match, num_tokens, contiguous=pause is None or not pause.paused)
+        if pause is not None:
+            pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0)
         return Drafts(ids)
 
     def remove(self, req_ids: Iterable[str]) -> None:
+        req_ids = list(req_ids)
         if self.adapt is not None:
             for req_id in req_ids:
                 self.adapt.remove(req_id)
+        if self.pause is not None:
+            self.pause.forget(req_ids)

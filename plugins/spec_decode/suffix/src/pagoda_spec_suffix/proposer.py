@@ -11,7 +11,9 @@ frequent continuation of the longest suffix matched while its estimated probabil
 :class:`pagoda.spec_decode.DraftCost`) and for at most ``max_spec_factor`` times the match's
 length: the draft length adapts to how often, and how consistently, the context was seen
 before. With
-``num_speculative_tokens`` unset drafts are at most 8 tokens long.
+``num_speculative_tokens`` unset drafts are at most 8 tokens long. A request that keeps getting
+no draft pauses between probes (``pagoda.spec_decode.pause``: its steps then launch without
+waiting for the step in flight); its tokens are caught up on at the next call.
 
 The work per call is a few dictionary steps per new token and per tree level (``max_tree_depth``)
 in Python, for each request of the batch.
@@ -28,6 +30,7 @@ import numpy as np
 from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode import (
     DraftCost,
+    DraftPause,
     Drafts,
     ProposalBatch,
     ProposerContext,
@@ -64,6 +67,7 @@ class SuffixProposer(SpeculativeProposer):
         self.cached: OrderedDict[str, list[int]] = OrderedDict()
         self.cached_tokens = 0
         self.cost = DraftCost()
+        self.pause = DraftPause(self.resume_at)
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         n, k = len(batch), self.k
@@ -89,7 +93,11 @@ class SuffixProposer(SpeculativeProposer):
                     best = got
             out[i, : len(best)] = best
             given += len(best)
-        self.cost.step(n, given, gained / known if known else None)
+        # NOTE: with a request paused at the last call, steps may have run since without one.
+        self.cost.step(
+            n, given, gained / known if known else None, contiguous=not self.pause.paused
+        )
+        self.pause.update(batch.req_ids, batch.num_tokens, out[:, 0] >= 0)
         return Drafts(out)
 
     def _catch_up(
@@ -118,6 +126,8 @@ class SuffixProposer(SpeculativeProposer):
     def remove(self, req_ids: Iterable[str]) -> None:
         """Forget the requests; their outputs join the global tree (a request that comes back
         after preemption replaces its earlier entry when it leaves again)."""
+        req_ids = list(req_ids)
+        self.pause.forget(req_ids)
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:

@@ -1,0 +1,74 @@
+"""``DraftPause``: a request the proposer keeps finding no draft for pauses between probes
+(1, 2, 4 ... up to ``max_pause`` steps, through ``resume_at``), a draft found ends the pause;
+and the n-gram proposer at its defaults pauses so, on the engine too: its steps with slots then
+launch without waiting for the step in flight, and greedy output is unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.spec_decode import DraftPause
+from pagoda.worker import draft_slots
+
+
+def test_pauses_double_after_the_patience_and_end_at_a_draft() -> None:
+    resume: dict[str, int] = {}
+    pause = DraftPause(resume, patience=2, max_pause=4)  # (the defaults: 3 and 8)
+    ids = ["a", "b"]
+
+    def call(n: int, found: list[bool]) -> None:
+        pause.update(ids, np.array([n, n]), np.array(found))
+
+    call(10, [False, True])
+    assert resume == {} and not pause.paused  # one miss: still asked every step
+    call(11, [False, True])
+    assert resume == {"a": 13}  # asked again once it knows 13 tokens: 1 step skipped
+    call(13, [False, True])
+    assert resume == {"a": 16}  # 2 skipped
+    call(16, [False, False])
+    assert resume == {"a": 21}  # 4 skipped (the most), "b" missed once only
+    call(21, [False, False])
+    assert resume == {"a": 26, "b": 23}
+    call(26, [True, False])  # a draft ends "a"'s pause and its count
+    assert resume == {"b": 29}
+    call(27, [False, True])
+    assert resume == {}  # "a" missed once again: not paused; "b" found one
+    pause.forget(["a", "b"])
+    assert pause._misses == {} and not pause.paused
+
+
+def test_ngram_at_its_defaults_pauses_and_its_slot_steps_stop_waiting(monkeypatch) -> None:
+    # Random weights, greedy, a prompt without repeats: the n-gram proposer seldom finds a
+    # draft. At batch 1 every step has draft slots; paused, they no longer wait for the step in
+    # flight (``draft_slots._paused``), and the output is the one without speculation.
+    from test_verify_graph_layout import TINY
+
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    engine = {"device": "cpu", "max_model_len": 256, "max_num_seqs": 1}
+    prompt = [{"prompt_token_ids": list(range(20, 60))}]
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    want = LLM(model=str(folder), **engine).generate(prompt, params, use_tqdm=False)
+    llm = LLM(model=str(folder), **engine, speculative_config={"method": "ngram"})
+    proposer = llm.engine.engine_core.executor.worker.model_runner.spec.proposer
+    assert proposer.pause is not None  # the draft length is the proposer's own
+    skipped: list[bool] = []
+    paused = draft_slots._paused
+
+    def spy(*args) -> bool:
+        skipped.append(paused(*args))
+        return skipped[-1]
+
+    monkeypatch.setattr(draft_slots, "_paused", spy)
+    got = llm.generate(prompt, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert sum(skipped) > 20, skipped  # launches with slots that did not wait
+    # With the draft length given, every request is asked every step (vLLM's way).
+    fixed = LLM(
+        model=str(folder),
+        **engine,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    assert fixed.engine.engine_core.executor.worker.model_runner.spec.proposer.pause is None
