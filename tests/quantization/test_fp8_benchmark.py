@@ -67,6 +67,18 @@ def test_the_attention_step_runs(fp8_bench, small_cfg, monkeypatch) -> None:
     assert att["context"] == 40 and att["moved"] > 0
 
 
+def _speed_report(fp8_bench, tmp_path, monkeypatch, run) -> dict:
+    """The JSON ``fp8.py --speed`` writes with ``run`` standing in for ``subprocess.run`` (a
+    part fails in every caller: the exit status is 1)."""
+    monkeypatch.setattr(fp8_bench.subprocess, "run", run)
+    monkeypatch.setattr(fp8_bench, "config_folder", lambda cfg, tmp: tmp)
+    monkeypatch.setattr(fp8_bench, "commit", lambda: "0000000")
+    out = tmp_path / "fp8.json"
+    monkeypatch.setattr(sys, "argv", ["fp8.py", "--speed", "--output-json", str(out)])
+    assert fp8_bench.main() == 1
+    return json.loads(out.read_text())
+
+
 def test_speed_keeps_the_engines_figures_when_the_kernels_part_fails(
     fp8_bench, tmp_path, monkeypatch
 ) -> None:
@@ -81,13 +93,7 @@ def test_speed_keeps_the_engines_figures_when_the_kernels_part_fails(
         assert "--one-kernels" in cmd
         return SimpleNamespace(returncode=1)  # the H200 run's KeyError
 
-    monkeypatch.setattr(fp8_bench.subprocess, "run", run)
-    monkeypatch.setattr(fp8_bench, "config_folder", lambda cfg, tmp: tmp)
-    monkeypatch.setattr(fp8_bench, "commit", lambda: "0000000")
-    out = tmp_path / "fp8.json"
-    monkeypatch.setattr(sys, "argv", ["fp8.py", "--speed", "--output-json", str(out)])
-    assert fp8_bench.main() == 1
-    speed = json.loads(out.read_text())["speed"]
+    speed = _speed_report(fp8_bench, tmp_path, monkeypatch, run)["speed"]
     assert speed["bf16"]["workload_c"]["output_tokens_per_s"] == 100.0
     assert speed["fp8_over_bf16"] == 1.21
     assert "status 1" in speed["kernels_b256"]["error"]
@@ -97,12 +103,6 @@ def test_a_failing_engine_leaves_its_error_in_the_json(fp8_bench, tmp_path, monk
     def run(cmd, check=False):
         raise subprocess.CalledProcessError(1, cmd)
 
-    monkeypatch.setattr(fp8_bench.subprocess, "run", run)
-    monkeypatch.setattr(fp8_bench, "config_folder", lambda cfg, tmp: tmp)
-    monkeypatch.setattr(fp8_bench, "commit", lambda: "0000000")
-    out = tmp_path / "fp8.json"
-    monkeypatch.setattr(sys, "argv", ["fp8.py", "--speed", "--output-json", str(out)])
-    assert fp8_bench.main() == 1
-    report = json.loads(out.read_text())
+    report = _speed_report(fp8_bench, tmp_path, monkeypatch, run)
     assert report["speed"]["error"].startswith("CalledProcessError")
     assert report["speed"]["model"].startswith("llama-3.1-8b")

@@ -12,8 +12,6 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-import numpy as np
-
 from pagoda.request import Request
 
 ExtraKey = str | int | bytes
@@ -51,16 +49,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
     hashes = request.block_hashes
     num_full = request.num_tokens // block_size
     parent = hashes[-1] if hashes else None
-    start = len(hashes)
-    if request.mm_inputs is None:
-        # The prompt's blocks, packed in one call: a long prompt has thousands of blocks, and
-        # packing each block's ids apart cost more than hashing them (the first step of a batch
-        # of new prompts waits for every one of its blocks' hashes).
-        prompt_full = min(num_full, len(request.prompt_token_ids) // block_size)
-        if start < prompt_full:
-            parent = _hash_prompt_blocks(request, block_size, start, prompt_full, parent)
-            start = prompt_full
-    for i in range(start, num_full):
+    for i in range(len(hashes), num_full):
         tokens = request.token_slice(i * block_size, (i + 1) * block_size)
         extra = _first_block_keys(request) if i == 0 else ()
         if request.mm_inputs is not None:  # the images whose placeholders the block holds
@@ -68,35 +57,6 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
         parent = hash_block_tokens(parent, tokens, extra)
         hashes.append(parent)
     return hashes
-
-
-def _hash_prompt_blocks(
-    request: Request, block_size: int, first: int, end: int, parent: bytes | None
-) -> bytes | None:
-    """:func:`hash_block_tokens` of the prompt's blocks ``first..end`` (no images), appended to
-    ``request.block_hashes``: the same bytes hashed, the ids packed once for all of them."""
-    hashes = request.block_hashes
-    if first == 0:
-        parent = hash_block_tokens(None, request.prompt_token_ids[:block_size],
-                                   _first_block_keys(request))  # fmt: skip
-        hashes.append(parent)
-        first = 1
-        if first >= end:
-            return parent
-    ids = np.asarray(request.prompt_token_ids[first * block_size : end * block_size], dtype="<i8")
-    data = memoryview(ids.tobytes())
-    head = struct.pack("<Q", block_size)
-    tail = struct.pack("<Q", 0)  # no extra keys past the first block
-    step = block_size * 8
-    sha256 = hashlib.sha256
-    for off in range(0, len(data), step):
-        h = sha256(b"\x01" + parent)  # type: ignore[operator]  # (a parent: not the first block)
-        h.update(head)
-        h.update(data[off : off + step])
-        h.update(tail)
-        parent = h.digest()
-        hashes.append(parent)
-    return parent
 
 
 def _first_block_keys(request: Request) -> tuple[ExtraKey, ...]:

@@ -137,14 +137,11 @@ def expand_folded(
 
         triton_lora.bgmv_expand(y[:, n:], b, slots, y[:, :n], bounds, slot_stride=slot_stride)
         return
-    # The reference: each row's own slot's shrink columns gathered, then BGMV's expand.
+    # The reference: each row's own slot's shrink columns gathered, then the rows expand.
     width = (len(bounds) + 1) * b.shape[2]
     cols = n + slots.clamp(min=0).long().unsqueeze(1) * slot_stride
     own = y.gather(1, cols + torch.arange(width, device=y.device)).float()
-    r = b.shape[2]
-    edges = (0, *bounds, n)
-    for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
-        bgmv_expand_reference(own, b[:, lo:hi], slots, y[:, lo:hi], i * r)
+    expand(own, b, batch, y[:, :n], bounds)
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
