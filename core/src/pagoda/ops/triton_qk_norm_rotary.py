@@ -44,37 +44,101 @@ def _mul(a, b, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _norm_rotate_heads(src, stride_h, dst, heads, w1, w2, cols, col_ok, d, d_ok, n, half, eps,
-                       cos, sin, ROWS: tl.constexpr, HEADS_PAD: tl.constexpr,
+def _norm_rotate_heads(src, stride_t, stride_h, dst, heads, w_ptr, tok0, tokens, pos_ptr,
+                       stride_pos, cos_ptr, sin_ptr, stride_cos, n, half, eps,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       HEADS_PAD: tl.constexpr, TOKENS: tl.constexpr, HALVES: tl.constexpr,
                        EXACT: tl.constexpr):  # fmt: skip
-    """Normalise then rotate ``heads`` rows at ``src`` (head stride ``stride_h``) into the dense
-    ``dst``, ``ROWS`` rows a tile: each row's sum of squares from the whole row, loaded as the
-    norm kernel tiles it (the same reduction, so the same bits), then its two halves normalised,
-    rounded as the norm kernel's output is, and rotated in registers (one write a head)."""
+    """Normalise then rotate the ``TOKENS * heads`` rows of tokens ``tok0`` on (below ``tokens``)
+    at ``src`` (token and head strides ``stride_t``, ``stride_h``) into the dense ``dst``, ``ROWS``
+    rows a tile, a row after another as the norm kernel tiles them: each row's sum of squares from
+    the whole row as loaded (the same reduction, so the same bits), then the row normalised,
+    rounded as the norm kernel's output is, and rotated in registers (one write a head).
+
+    ``HALVES`` says where the rotation's halves come from: 0 loads them again, 1 exchanges the
+    two halves of the normalised row across lanes (``tl.flip``: bits moved, no arithmetic), 2 takes
+    them apart with ``tl.reshape``/``tl.permute``/``tl.split`` and joins the outputs back; 1 and 2
+    need ``n == BLOCK_N``."""
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < half
+    if HALVES == 1:
+        w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)[None, :]
+        # cos and sin of each column's pair; sin negated where the partner is subtracted.
+        trig = cols % half
+        sign = tl.where(cols < half, -1.0, 1.0)[None, :]
+    else:
+        w1 = tl.load(w_ptr + d, mask=d_ok).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + half + d, mask=d_ok).to(tl.float32)[None, :]
+    if TOKENS == 1:
+        # One token's heads, its cos/sin row loaded once and broadcast to every row.
+        pos = tl.load(pos_ptr + tok0 * stride_pos).to(tl.int64)
+        if HALVES == 1:
+            cos = tl.load(cos_ptr + pos * stride_cos + trig, mask=col_ok)[None, :]
+            sin = tl.load(sin_ptr + pos * stride_cos + trig, mask=col_ok)[None, :] * sign
+        else:
+            cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_ok)[None, :]
+            sin = tl.load(sin_ptr + pos * stride_cos + d, mask=d_ok)[None, :]
     for first in tl.static_range(0, HEADS_PAD, ROWS):
-        h = first + tl.arange(0, ROWS)
-        h_ok = h < heads
-        row = src + h[:, None] * stride_h
+        r = first + tl.arange(0, ROWS)
+        if TOKENS == 1:
+            h_ok = r < heads
+            row = src + tok0 * stride_t + r[:, None] * stride_h
+        else:
+            # Rows of several tokens in a tile, as in the norm kernel: row r is (r // heads,
+            # r % heads); each row's cos/sin is its own token's.
+            t = tok0 + r // heads
+            h_ok = (r < TOKENS * heads) & (t < tokens)
+            row = src + (t * stride_t + (r % heads) * stride_h)[:, None]
+            pos = tl.load(pos_ptr + t * stride_pos, mask=h_ok, other=0).to(tl.int64)[:, None]
+            if HALVES == 1:
+                cos = tl.load(cos_ptr + pos * stride_cos + trig[None, :])
+                sin = tl.load(sin_ptr + pos * stride_cos + trig[None, :]) * sign
+            else:
+                cos = tl.load(cos_ptr + pos * stride_cos + d[None, :], mask=d_ok[None, :])
+                sin = tl.load(sin_ptr + pos * stride_cos + d[None, :], mask=d_ok[None, :])
         x = tl.load(row + cols[None, :], mask=h_ok[:, None] & col_ok[None, :])
         xf = x.to(tl.float32)
         inv = _inv_rms(xf, n, eps)
-        mask = h_ok[:, None] & d_ok[None, :]
-        x1 = tl.load(row + d[None, :], mask=mask).to(tl.float32)
-        x2 = tl.load(row + half + d[None, :], mask=mask).to(tl.float32)
-        # The rest of the norm's arithmetic (``triton_norm._normalize_rows``), then its output's
-        # rounding to ``dst``.
-        y1 = (w1 * (x1 * inv[:, None]).to(x.dtype).to(tl.float32)).to(dst.dtype.element_ty)
-        y2 = (w2 * (x2 * inv[:, None]).to(x.dtype).to(tl.float32)).to(dst.dtype.element_ty)
-        y1 = y1.to(tl.float32)
-        y2 = y2.to(tl.float32)
-        out1 = _mul(y1, cos, EXACT) - _mul(y2, sin, EXACT)
-        out2 = _mul(y2, cos, EXACT) + _mul(y1, sin, EXACT)
-        p1 = dst + h[:, None] * n + d[None, :]
-        tl.store(p1, out1.to(dst.dtype.element_ty), mask=mask)
-        tl.store(p1 + half, out2.to(dst.dtype.element_ty), mask=mask)
+        out_row = dst + (tok0 * heads + r)[:, None] * n
+        if HALVES == 1:
+            # The rest of the norm's arithmetic (``triton_norm._normalize_rows``), then its
+            # output's rounding to ``dst``.
+            y = (w * (xf * inv[:, None]).to(x.dtype).to(tl.float32)).to(dst.dtype.element_ty)
+            y = y.to(tl.float32)
+            # Each value's partner (the other half's value in its column), moved bit for bit.
+            p = tl.reshape(tl.flip(tl.reshape(y, [ROWS, 2, BLOCK_N // 2]), 1), [ROWS, BLOCK_N])
+            # First half y1 * cos + y2 * -sin: the bits of y1 * cos - y2 * sin; second half
+            # y2 * cos + y1 * sin.
+            out = _mul(y, cos, EXACT) + _mul(p, sin, EXACT)
+            tl.store(out_row + cols[None, :], out.to(dst.dtype.element_ty),
+                     mask=h_ok[:, None] & col_ok[None, :])  # fmt: skip
+        else:
+            mask = h_ok[:, None] & d_ok[None, :]
+            if HALVES == 2:
+                x1, x2 = tl.split(tl.permute(tl.reshape(xf, [ROWS, 2, BLOCK_D]), (0, 2, 1)))
+            else:
+                x1 = tl.load(row + d[None, :], mask=mask).to(tl.float32)
+                x2 = tl.load(row + half + d[None, :], mask=mask).to(tl.float32)
+            y1 = (w1 * (x1 * inv[:, None]).to(x.dtype).to(tl.float32)).to(dst.dtype.element_ty)
+            y2 = (w2 * (x2 * inv[:, None]).to(x.dtype).to(tl.float32)).to(dst.dtype.element_ty)
+            y1 = y1.to(tl.float32)
+            y2 = y2.to(tl.float32)
+            out1 = _mul(y1, cos, EXACT) - _mul(y2, sin, EXACT)
+            out2 = _mul(y2, cos, EXACT) + _mul(y1, sin, EXACT)
+            if HALVES == 2:
+                out = tl.reshape(tl.permute(tl.join(out1, out2), (0, 2, 1)), [ROWS, BLOCK_N])
+                tl.store(out_row + cols[None, :], out.to(dst.dtype.element_ty),
+                         mask=h_ok[:, None] & col_ok[None, :])  # fmt: skip
+            else:
+                p1 = out_row + d[None, :]
+                tl.store(p1, out1.to(dst.dtype.element_ty), mask=mask)
+                tl.store(p1 + half, out2.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# NOTE: the token count changes with every step: one variant for all of them.
+@triton.jit(do_not_specialize=["tokens"])
 def _qk_norm_rotary_kernel(
     pos_ptr,
     q_ptr,
@@ -91,6 +155,7 @@ def _qk_norm_rotary_kernel(
     stride_kh,
     stride_pos,
     stride_cos,
+    tokens,
     q_heads,
     k_heads,
     n,
@@ -101,26 +166,29 @@ def _qk_norm_rotary_kernel(
     Q_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HALVES: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < half
-    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_ok)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=d_ok)[None, :]
-    wq1 = tl.load(wq_ptr + d, mask=d_ok).to(tl.float32)[None, :]
-    wq2 = tl.load(wq_ptr + half + d, mask=d_ok).to(tl.float32)[None, :]
-    _norm_rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * q_heads * n, q_heads,
-                       wq1, wq2, cols, col_ok, d, d_ok, n, half, eps, cos, sin, ROWS, Q_PAD,
-                       EXACT)  # fmt: skip
-    wk1 = tl.load(wk_ptr + d, mask=d_ok).to(tl.float32)[None, :]
-    wk2 = tl.load(wk_ptr + half + d, mask=d_ok).to(tl.float32)[None, :]
-    _norm_rotate_heads(k_ptr + t * stride_kt, stride_kh, k_out_ptr + t * k_heads * n, k_heads,
-                       wk1, wk2, cols, col_ok, d, d_ok, n, half, eps, cos, sin, ROWS, K_PAD,
-                       EXACT)  # fmt: skip
+    tok0 = tl.program_id(0).to(tl.int64) * TOKENS
+    _norm_rotate_heads(q_ptr, stride_qt, stride_qh, q_out_ptr, q_heads, wq_ptr, tok0, tokens,
+                       pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_cos, n, half, eps, ROWS,
+                       BLOCK_N, BLOCK_D, Q_PAD, TOKENS, HALVES, EXACT)  # fmt: skip
+    _norm_rotate_heads(k_ptr, stride_kt, stride_kh, k_out_ptr, k_heads, wk_ptr, tok0, tokens,
+                       pos_ptr, stride_pos, cos_ptr, sin_ptr, stride_cos, n, half, eps, ROWS,
+                       BLOCK_N, BLOCK_D, K_PAD, TOKENS, HALVES, EXACT)  # fmt: skip
+
+
+# Where the rotation's halves come from (``_norm_rotate_heads``'s ``HALVES``).
+HALVES = {"reload": 0, "swap": 1, "split": 2}
+
+
+def halves_used(dim: int, halves: str) -> str:
+    """The ``halves`` variant that runs for heads of ``dim``: "swap" and "split" take a row apart
+    in registers, which needs a row without padding (``dim`` a power of two); else "reload"."""
+    if halves not in HALVES:
+        raise ValueError(f"halves must be one of {sorted(HALVES)}, got {halves!r}")
+    return halves if dim == triton.next_power_of_2(dim) else "reload"
 
 
 def qk_norm_rotary_triton(
@@ -132,11 +200,30 @@ def qk_norm_rotary_triton(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    *,
+    halves: str = "reload",
+    tokens_per_program: int = 1,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """New dense q [tokens, heads, dim] and k [tokens, kv_heads, dim]: each head normalised with
     its weight (``q_weight`` or ``k_weight``, [dim]) then rotated at ``positions``; ``q`` and ``k``
     may be strided views (unit stride in the last dimension) and are left as they were. The same
-    bits as ``rms_norm_triton`` on each and ``rotary_embedding_triton`` on the results."""
+    bits as ``rms_norm_triton`` on each and ``rotary_embedding_triton`` on the results.
+
+    Variants, the same bits in each (``benchmarks/qk_norm_rotary.py`` times them):
+
+    - ``halves``: "reload" loads each head's two halves again after its sum of squares; "swap"
+      normalises the whole row as loaded and moves each value's partner across lanes; "split"
+      takes the loaded row apart with reshape/permute/split. "swap" and "split" fall back to
+      "reload" where ``dim`` is not a power of two (:func:`halves_used`).
+    - ``tokens_per_program``: a program normalises the rows of that many tokens, tiled a row after
+      another as the norm kernel tiles them (2 tokens fill a tile of 16 rows with 8 KV heads).
+    - ``num_warps``: the norm kernel's (``launch_shape``) when None. Fewer keep the tile's
+      columns on the same lanes and registers, so its sums in the same order (a warp holds whole
+      rows); more than the norm kernel's could split a row across warps and change its sum.
+    """
+    if tokens_per_program < 1:
+        raise ValueError(f"tokens_per_program must be at least 1, got {tokens_per_program}")
     if q.dim() != 3 or k.dim() != 3 or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(
             f"qk_norm_rotary takes q [tokens, heads, dim] and k [tokens, kv_heads, dim], got "
@@ -145,6 +232,7 @@ def qk_norm_rotary_triton(
     tokens, q_heads, dim = q.shape
     k_heads = k.shape[1]
     half = dim // 2
+    halves = halves_used(dim, halves)
     if cos.shape[-1] != half or cos.stride() != sin.stride() or cos.stride(-1) != 1:
         raise ValueError(f"cos/sin tables must be [max_position, {half}] with the same layout")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
@@ -163,7 +251,8 @@ def qk_norm_rotary_triton(
     k_out = torch.empty(
         k.shape, dtype=torch.promote_types(k_weight.dtype, k.dtype), device=k.device
     )
-    _qk_norm_rotary_kernel[(tokens,)](
+    per = tokens_per_program
+    _qk_norm_rotary_kernel[(triton.cdiv(tokens, per),)](
         positions,
         q,
         k,
@@ -179,6 +268,7 @@ def qk_norm_rotary_triton(
         k.stride(1),
         positions.stride(0),
         cos.stride(0),
+        tokens,
         q_heads,
         k_heads,
         dim,
@@ -186,11 +276,13 @@ def qk_norm_rotary_triton(
         eps,
         ROWS=rows,
         BLOCK_N=block_n,
-        Q_PAD=triton.cdiv(q_heads, rows) * rows,
-        K_PAD=triton.cdiv(k_heads, rows) * rows,
+        Q_PAD=triton.cdiv(per * q_heads, rows) * rows,
+        K_PAD=triton.cdiv(per * k_heads, rows) * rows,
         BLOCK_D=triton.next_power_of_2(half),
+        TOKENS=per,
+        HALVES=HALVES[halves],
         # NOTE: mul_rn is the device's; the interpreter's products are never fused anyway.
         EXACT=os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=warps,
+        num_warps=warps if num_warps is None else num_warps,
     )
     return q_out, k_out
