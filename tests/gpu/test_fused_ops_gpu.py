@@ -139,6 +139,36 @@ def test_qk_norm_rotary_is_bit_identical_to_the_norms_then_the_rotation(
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [{"halves": h, "tokens_per_program": t} for h in ("reload", "swap", "split") for t in (1, 2, 4)]
+    + [{"halves": h, "tokens_per_program": 2, "num_warps": 4} for h in ("reload", "swap")],
+    ids=lambda v: "-".join(str(x) for x in v.values()),
+)
+def test_qk_norm_rotary_variants_are_bit_identical_at_32768_tokens(variant: dict) -> None:
+    # Each variant that benchmarks/qk_norm_rotary.py times, at its size, against the separate
+    # kernels: the interpreter cannot tell the order of a sum or a fused multiply-add, a GPU can.
+    from pagoda.ops.triton_norm import rms_norm_triton
+    from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
+    from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+    a, tokens = _arch("qwen3-0.6b"), 32768
+    rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+    rope = rope.cuda()
+    q, k, _ = _qkv_views(tokens, a)
+    wq = (1 + 0.3 * _rand(a.head_dim, seed=7).float()).to(BF16)
+    wk = (1 + 0.3 * _rand(a.head_dim, seed=8).float()).to(BF16)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    positions = torch.randint(0, a.max_position_embeddings, (tokens,), generator=gen, device="cuda")
+    want_q, want_k = rotary_embedding_triton(
+        positions, rms_norm_triton(q, wq, 1e-6), rms_norm_triton(k, wk, 1e-6), rope.cos, rope.sin
+    )
+    got_q, got_k = qk_norm_rotary_triton(
+        positions, q, k, wq, wk, 1e-6, rope.cos, rope.sin, **variant
+    )
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
 def test_kernels_replay_from_a_cuda_graph_on_new_inputs() -> None:
     from pagoda.ops.triton_activation import silu_and_mul_triton
     from pagoda.ops.triton_norm import rms_norm_triton

@@ -182,6 +182,82 @@ def test_qk_norm_rotary_gives_the_bits_of_the_norms_then_the_rotation(
     torch.testing.assert_close(got_q.float(), ref_q.float(), rtol=0.05, atol=0.05)
 
 
+# Every variant of the fused kernel (its keywords); the interpreter ignores warps, a GPU does not
+# (tests/gpu/test_fused_ops_gpu.py).
+QK_VARIANTS = [
+    {"halves": h, "tokens_per_program": t} for h in ("reload", "swap", "split") for t in (1, 2, 4)
+] + [{"halves": "swap", "tokens_per_program": 2, "num_warps": 4}]
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: launches it and keeps each launch's keywords."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@needs_triton
+@pytest.mark.parametrize("head_dim", [128, 64, 96])  # 96: no power of two, the halves reload
+@pytest.mark.parametrize("tokens", [1, 3, 17, 64])
+def test_qk_norm_rotary_variants_give_the_bits_of_the_separate_kernels(
+    head_dim: int, tokens: int, fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pagoda.ops.triton_qk_norm_rotary as qk
+    from pagoda.ops.triton_norm import launch_shape, rms_norm_triton
+    from pagoda.ops.triton_rotary import rotary_embedding_triton
+
+    # Qwen3-0.6B's heads; one token with a full tile of KV heads, so that the fused kernel runs.
+    rows = launch_shape(head_dim, 1 << 30)[0]
+    heads, kv_heads = (16, 8) if tokens > 1 else (rows, rows)
+    dtype = torch.bfloat16
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=tokens)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    wq = (1 + 0.3 * _rand(head_dim, dtype=torch.float32, seed=1)).to(dtype)
+    wk = (1 + 0.3 * _rand(head_dim, dtype=torch.float32, seed=2)).to(dtype)
+    rot = RotaryEmbedding(head_dim, 128, 10000.0).to(DEVICE)
+    pos = torch.randint(0, 128, (tokens,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    want_q, want_k = rotary_embedding_triton(
+        pos, rms_norm_triton(q, wq, 1e-6), rms_norm_triton(k, wk, 1e-6), rot.cos, rot.sin
+    )
+    before = qkv.clone()
+    spy = _LaunchSpy(qk._qk_norm_rotary_kernel)
+    monkeypatch.setattr(qk, "_qk_norm_rotary_kernel", spy)
+    for variant in QK_VARIANTS:
+        got_q, got_k = qk.qk_norm_rotary_triton(
+            pos, q, k, wq, wk, 1e-6, rot.cos, rot.sin, **variant
+        )
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), variant
+        # The variant asked for ran, but for halves that a padded row cannot give.
+        launch = spy.launches[-1]
+        want_halves = variant["halves"] if head_dim in (64, 128) else "reload"
+        assert qk.halves_used(head_dim, variant["halves"]) == want_halves
+        assert launch["HALVES"] == qk.HALVES[want_halves], variant
+        assert launch["TOKENS"] == variant["tokens_per_program"]
+    assert len(spy.launches) == len(QK_VARIANTS)
+    assert torch.equal(qkv, before)
+
+
+def test_qk_norm_rotary_refuses_more_warps_than_the_norm_kernel() -> None:
+    from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
+
+    # More warps lay a row out over other lanes and registers: another order of its sum.
+    q, k = torch.zeros(32, 16, 128), torch.zeros(32, 8, 128)
+    table, w, pos = torch.zeros(8, 64), torch.ones(128), torch.zeros(32, dtype=torch.long)
+    for bad in ({"num_warps": 16}, {"num_warps": 3}, {"tokens_per_program": 0}):
+        with pytest.raises(ValueError):
+            qk_norm_rotary_triton(pos, q, k, w, w, 1e-6, table, table, **bad)
+    with pytest.raises(ValueError, match="halves"):
+        qk_norm_rotary_triton(pos, q, k, w, w, 1e-6, table, table, halves="both")
+
+
 def _draw_case(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)

@@ -7,7 +7,9 @@ weights a one-bit difference anywhere in them is enough for greedy tokens to lea
 at a gap wider than a near-tie, so this kernel keeps every bit of them:
 
 - each head's sum of squares is the norm kernel's own (``triton_norm._inv_rms``) over a tile of
-  whole heads of the same shape, with the same warps, so that it is taken in the same order;
+  whole heads of the same shape, with the same warps (or fewer: see ``num_warps``), so that it is
+  taken in the same order; which heads, of which tokens, share a tile does not matter (the norm
+  kernel's tiles run across tokens too), as a row's sum never leaves its lanes;
 - the two halves of each head are then normalised as the norm kernel normalises (the same
   products, rounded to the input's dtype and to the output's as it rounds them) and rotated in
   registers, each product rounded on its own as in the rotary kernel (``mul_rn``; the rotary
@@ -16,6 +18,12 @@ at a gap wider than a near-tie, so this kernel keeps every bit of them:
 (Until this layout the kernel wrote the normalised heads, and after a barrier read them back to
 rotate them in place: on an H200 at 16,384 tokens of Qwen3-0.6B's heads it took 68 us where one
 read and one write take about 42.)
+
+Variants (keywords of :func:`qk_norm_rotary_triton`, all of them the same bits; compiled for
+sm_90, the sum's tile has the norm kernel's layout, 8 columns a thread on 16 lanes a row, in each):
+where the halves come from (loaded again, or exchanged across lanes from the row as loaded), how
+many tokens a program takes (one, or several with their rows tiled one after another so that
+8 KV heads of two tokens fill a tile of 16), and the warps.
 
 The norm kernel tiles ``2048 // head_dim`` rows (16 at head size 128) unless there are fewer rows
 in all, when its tile, and with it the order of the sums, follows the row count: then the
@@ -218,12 +226,11 @@ def qk_norm_rotary_triton(
       "reload" where ``dim`` is not a power of two (:func:`halves_used`).
     - ``tokens_per_program``: a program normalises the rows of that many tokens, tiled a row after
       another as the norm kernel tiles them (2 tokens fill a tile of 16 rows with 8 KV heads).
-    - ``num_warps``: the norm kernel's (``launch_shape``) when None. Fewer keep the tile's
-      columns on the same lanes and registers, so its sums in the same order (a warp holds whole
-      rows); more than the norm kernel's could split a row across warps and change its sum.
+    - ``num_warps``: the norm kernel's (``launch_shape``) when None. Fewer keep each row's columns
+      on the same registers and lanes (warps differ only in the rows they hold), so its sum in the
+      same order; more are refused: at 16 warps Triton lays a 16 x 128 tile out 4 columns a
+      thread instead of 8, another order of the sum.
     """
-    if tokens_per_program < 1:
-        raise ValueError(f"tokens_per_program must be at least 1, got {tokens_per_program}")
     if q.dim() != 3 or k.dim() != 3 or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(
             f"qk_norm_rotary takes q [tokens, heads, dim] and k [tokens, kv_heads, dim], got "
@@ -244,6 +251,10 @@ def qk_norm_rotary_triton(
         kn = triton_norm.rms_norm_triton(k, k_weight, eps)
         return triton_rotary.rotary_embedding_triton(positions, qn, kn, cos, sin)
     rows, block_n, warps = full
+    if tokens_per_program < 1:
+        raise ValueError(f"tokens_per_program must be at least 1, got {tokens_per_program}")
+    if num_warps is not None and (num_warps > warps or num_warps & (num_warps - 1)):
+        raise ValueError(f"num_warps must be a power of two up to the norm kernel's {warps}")
     # Dtypes as the norm kernel gives them (the weight's and the input's, promoted).
     q_out = torch.empty(
         q.shape, dtype=torch.promote_types(q_weight.dtype, q.dtype), device=q.device
