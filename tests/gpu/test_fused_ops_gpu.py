@@ -141,7 +141,11 @@ def test_qk_norm_rotary_is_bit_identical_to_the_norms_then_the_rotation(
 
 @pytest.mark.parametrize(
     "variant",
-    [{"halves": h, "tokens_per_program": t} for h in ("reload", "swap", "split") for t in (1, 2, 4)]
+    [
+        {"halves": h, "tokens_per_program": t, "num_warps": None}
+        for h in ("reload", "swap", "split")
+        for t in (1, 2, 4)
+    ]
     + [{"halves": h, "tokens_per_program": 2, "num_warps": 4} for h in ("reload", "swap")],
     ids=lambda v: "-".join(str(x) for x in v.values()),
 )

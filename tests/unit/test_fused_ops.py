@@ -185,7 +185,9 @@ def test_qk_norm_rotary_gives_the_bits_of_the_norms_then_the_rotation(
 # Every variant of the fused kernel (its keywords); the interpreter ignores warps, a GPU does not
 # (tests/gpu/test_fused_ops_gpu.py).
 QK_VARIANTS = [
-    {"halves": h, "tokens_per_program": t} for h in ("reload", "swap", "split") for t in (1, 2, 4)
+    {"halves": h, "tokens_per_program": t, "num_warps": None}
+    for h in ("reload", "swap", "split")
+    for t in (1, 2, 4)
 ] + [{"halves": "swap", "tokens_per_program": 2, "num_warps": 4}]
 
 
