@@ -7,9 +7,10 @@ warps, pipeline stages, context splits (``--splits``: each request's keys cut in
 slices merged after, as flash-decoding does, which evens out the programs' lengths), and the page
 layout: token-major pages (``[block, token, head, dim]``, the default cache) or head-major pages
 (``[block, head, token, dim]``, one head's page contiguous).
-The figure is KV bytes read per second against the measured copy bandwidth.
+The figure is KV bytes read per second against the measured copy bandwidth. ``--fp8``: the
+cache in FP8 e4m3 with per-layer scales (one byte a value), as ``kv_cache_dtype: fp8`` stores it.
 
-    python benchmarks/triton_decode_tuning.py [--batch 256] [--ctx 640] [--heads 32]
+    python benchmarks/triton_decode_tuning.py [--batch 256] [--ctx 640] [--heads 32] [--fp8]
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 
 
-def _case(batch: int, ctx: int, head_major: bool, device: torch.device, equal: bool = False):
+def _case(
+    batch: int,
+    ctx: int,
+    head_major: bool,
+    device: torch.device,
+    equal: bool = False,
+    fp8: bool = False,
+):
     g = torch.Generator(device="cpu").manual_seed(0)
     lens = torch.randint(ctx // 5, 9 * ctx // 5 + 1, (batch,), generator=g)
     if equal:  # every request at the same context, as a batch of equal prompts decodes
@@ -47,9 +55,11 @@ def _case(batch: int, ctx: int, head_major: bool, device: torch.device, equal: b
     for i, nb in enumerate(blocks.tolist()):
         bt[i, :nb] = perm[off : off + nb]
         off += nb
+    if fp8:  # stored as fp8(x / scale), as the engine's cache write stores them
+        kv = (kv.float() / 0.5).to(torch.float8_e4m3fn)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+    kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * kv.dtype.itemsize
     return kv, bt.to(device), lens.int().to(device), qsl, q, kv_bytes, int(lens.max())
 
 
@@ -66,6 +76,10 @@ def _sweep(
     kv, bt, lens, qsl, q, kv_bytes, max_len = case
     out = torch.empty_like(q)
     order = torch.from_numpy(longest_first(lens.cpu().numpy())).to(q.device)
+    scales = {}
+    if kv.dtype == torch.float8_e4m3fn:
+        half = torch.full((1,), 0.5, dtype=torch.float32, device=q.device)
+        scales = {"k_scale": half, "v_scale": half}
     rows = []
     for tile_n, warps, stages, ns, hpp in itertools.product(*space, splits, schedules):
         setting = {"head_major": head_major, "tile_n": tile_n, "num_warps": warps}
@@ -77,7 +91,7 @@ def _sweep(
         run = functools.partial(
             paged_attention,
             q, kv[0], kv[1], out, bt, lens, qsl, batch, batch, 1, max_len, HEAD_DIM**-0.5, ns,
-            tile_n=tile_n, num_warps=warps, num_stages=stages, **extra,
+            tile_n=tile_n, num_warps=warps, num_stages=stages, **extra, **scales,
         )  # fmt: skip
         try:
             t = graph_time(run, q.device, calls=10) if graphs else time_fn(run, 20, q.device)
@@ -172,6 +186,7 @@ def main() -> None:
         help="decode schedules, comma-separated: 0 requests in batch order, a program a KV head; "
         "k requests longest first, k KV heads a program (unsplit) or one (split)",
     )
+    p.add_argument("--fp8", action="store_true", help="an FP8 e4m3 cache (kv_cache_dtype: fp8)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     global HEADS
@@ -187,7 +202,7 @@ def main() -> None:
     if args.launch:
         space = tuple((int(x),) for x in args.launch.split(","))
     for head_major in (False,) if args.token_major_only else (False, True):
-        case = _case(args.batch, args.ctx, head_major, device, args.equal)
+        case = _case(args.batch, args.ctx, head_major, device, args.equal, args.fp8)
         schedules = tuple(int(x) for x in args.heads_per_program.split(","))
         rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs, schedules)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
@@ -196,6 +211,7 @@ def main() -> None:
         "batch": args.batch,
         "ctx": args.ctx,
         "equal_contexts": args.equal,
+        "kv_cache_dtype": "fp8" if args.fp8 else "bfloat16",
         "heads": HEADS,
         "kv_heads": KV_HEADS,
         "gpu": hardware(device),
@@ -204,9 +220,8 @@ def main() -> None:
         "timing": "CUDA graph replay" if args.graphs else "eager calls",
         "rows": rows,
     }
-    path = save_report(
-        report, f"triton-decode-tuning-h{HEADS}-b{args.batch}-c{args.ctx}", args.output_json
-    )
+    name = f"triton-decode-tuning-h{HEADS}-b{args.batch}-c{args.ctx}" + ("-fp8" if args.fp8 else "")
+    path = save_report(report, name, args.output_json)
     default = [
         r
         for r in rows
@@ -217,7 +232,11 @@ def main() -> None:
         and r["num_stages"] == 2
         and r["num_splits"] == 1
     ]
-    print(f"batch {args.batch}, contexts ~{args.ctx}; copy bandwidth {bw / 1e9:.0f} GB/s")
+    cache = "fp8" if args.fp8 else "bf16"
+    print(
+        f"batch {args.batch}, contexts ~{args.ctx}, {cache} cache; "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s"
+    )
     print(
         f"{'layout':<12}{'tile_n':>7}{'warps':>6}{'stages':>7}{'splits':>7}{'heads/prog':>11}"
         f"{'us':>9}{'of copy bw':>11}"
