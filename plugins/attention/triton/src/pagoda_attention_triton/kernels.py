@@ -57,19 +57,6 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _fp8_kv_query(q, FP8_KV: tl.constexpr):
-    """The query as the dots against an FP8 cache take it: a bfloat16 query as float16, so that
-    keys and values convert from FP8 in one instruction a pair (e4m3 to f16 is native from sm89;
-    to bf16 it goes through f32, and those conversions, not the reads, set the decode kernel's
-    pace: 0.44 of the copy bandwidth against bf16's 0.96 on an H200). A bfloat16 value converts
-    exactly within float16's range (beyond it, clamped); float16 and float32 queries stay."""
-    if FP8_KV:
-        if q.dtype == tl.bfloat16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    return q
-
-
-@triton.jit
 def _tile(
     q,
     q_pos,
@@ -120,7 +107,7 @@ def _tile(
         mask=n_ok[None, :] & d_ok[:, None],
         other=0.0,
     )
-    if FP8_KV:  # (its scale is in ``scale``; float16 with a 16-bit query: `_fp8_kv_query`)
+    if FP8_KV:  # (its scale is in ``scale``)
         k = k.to(q.dtype)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
     if SOFTCAP:
@@ -293,7 +280,6 @@ def _paged_attention(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    q = _fp8_kv_query(q, FP8_KV)
     q_pos = context_len + q_tok
     q_lo = _first_key(q_pos, window, chunk, WINDOW, CHUNK)
     q_hi = q_lo  # unread when causal
@@ -509,7 +495,6 @@ def _paged_decode(
             mask=io_ok,
             other=0.0,
         )
-        q = _fp8_kv_query(q, FP8_KV)
         m_i, l_i, acc = _tile(
             q,
             q_pos,
