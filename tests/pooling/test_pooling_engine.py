@@ -165,3 +165,35 @@ def test_a_bad_prompt_late_in_a_batch_fails_it_whole_and_leaves_nothing(qwen3_di
     assert core.kv_cache_manager.num_free_blocks == core.num_blocks - 1
     again = llm.embed(good[:2], use_tqdm=False)
     assert len(again) == 2
+
+
+def test_embeddings_become_lists_as_their_requests_finish(qwen3_dir, monkeypatch) -> None:
+    # Each embedding is made a list when its request finishes, while later steps still run,
+    # not all of them after the last step (the host has nothing else to do then).
+    import pagoda.entrypoints.llm as llm_module
+
+    llm = LLM(model=str(qwen3_dir), task="embed", max_num_batched_tokens=64, **ENGINE)
+    steps: list[int] = []
+    step = llm.engine.step
+
+    def counted_step():
+        steps.append(len(steps))
+        return step()
+
+    made_at: list[int] = []
+    convert = llm_module._embedding_output
+
+    def recorded(out):
+        made_at.append(len(steps))
+        return convert(out)
+
+    monkeypatch.setattr(llm.engine, "step", counted_step)
+    monkeypatch.setattr(llm_module, "_embedding_output", recorded)
+    prompts = [{"prompt_token_ids": [5 + i] * 30} for i in range(8)]
+    outs = llm.embed(prompts, use_tqdm=False)
+    assert len(made_at) == 8 and min(made_at) < len(steps)
+    # (in the prompts' order, as encode gives them)
+    want = llm.encode(prompts, use_tqdm=False)
+    for got, ref in zip(outs, want, strict=True):
+        assert isinstance(got.outputs.embedding, list)
+        assert np.abs(np.asarray(got.outputs.embedding) - ref.outputs.data).max() < 1e-6

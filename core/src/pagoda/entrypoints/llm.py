@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +169,18 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt (``pooling_task``, or each ``PoolingParams.task``; default
         ``embed``); outputs in the order of the prompts, each ``outputs.data`` a numpy array."""
+        return self._encode(prompts, pooling_params, use_tqdm, pooling_task)
+
+    def _encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+        use_tqdm: bool,
+        pooling_task: str | None,
+        convert: Callable[[PoolingRequestOutput], Any] | None = None,
+    ) -> list[Any]:
+        """``encode``, each output passed through ``convert`` as its request finishes (while
+        the device runs the steps after it), not all of them after the last step."""
         if isinstance(prompts, (str, dict, tuple)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -195,9 +207,7 @@ class LLM:
             return len(p.prompt_token_ids)
 
         admission = StepAdmission(engine, len(prompts), add)
-        return self._run(  # type: ignore[return-value]
-            admission.ids, use_tqdm and len(prompts) > 1, admission
-        )
+        return self._run(admission.ids, use_tqdm and len(prompts) > 1, admission, convert)
 
     def embed(
         self,
@@ -208,13 +218,7 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (``outputs.embedding``), pooled as the model's pooling
         config says; ``PoolingParams(dimensions=, normalize=)`` change it."""
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
-        return [
-            EmbeddingRequestOutput(
-                o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids
-            )
-            for o in outs
-        ]
+        return self._encode(prompts, pooling_params, use_tqdm, "embed", _embedding_output)
 
     def classify(
         self,
@@ -225,13 +229,7 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """The classification head's probabilities per prompt (``outputs.probs``; its logits
         with ``PoolingParams(activation=False)``)."""
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify")
-        return [
-            ClassificationRequestOutput(
-                o.request_id, ClassificationOutput(o.outputs.data.tolist()), o.prompt_token_ids
-            )
-            for o in outs
-        ]
+        return self._encode(prompts, pooling_params, use_tqdm, "classify", _classification_output)
 
     def score(
         self,
@@ -287,10 +285,12 @@ class LLM:
         request_ids: list[str],
         show_progress: bool,
         admission: StepAdmission | None = None,
-    ) -> list[RequestOutput]:
+        convert: Callable[[Any], Any] | None = None,
+    ) -> list[Any]:
         """Step the engine until every request of ``request_ids`` has finished; ``admission``
-        adds them as the steps need them (its ``ids``: all of them, added or not)."""
-        finished: dict[str, RequestOutput] = {}
+        adds them as the steps need them (its ``ids``: all of them, added or not); ``convert``
+        makes each final output what is returned, as it arrives."""
+        finished: dict[str, Any] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not show_progress)
         try:
             while len(finished) < len(request_ids):
@@ -300,7 +300,7 @@ class LLM:
                     raise RuntimeError("the engine stopped with requests unfinished")
                 for out in self.engine.step():
                     if out.finished:
-                        finished[out.request_id] = out
+                        finished[out.request_id] = out if convert is None else convert(out)
                         bar.update(1)
         except BaseException:
             added = request_ids if admission is None else admission.added
@@ -309,6 +309,18 @@ class LLM:
         finally:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+def _embedding_output(o: PoolingRequestOutput) -> EmbeddingRequestOutput:
+    return EmbeddingRequestOutput(
+        o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids
+    )
+
+
+def _classification_output(o: PoolingRequestOutput) -> ClassificationRequestOutput:
+    return ClassificationRequestOutput(
+        o.request_id, ClassificationOutput(o.outputs.data.tolist()), o.prompt_token_ids
+    )
 
 
 def _tensor(data: Any) -> Any:
