@@ -119,24 +119,32 @@ def test_qk_norm_rotary_is_bit_identical_to_the_norms_then_the_rotation(
     # weights breaks at one flipped bit, so the fused kernel must give exactly what the norm
     # kernel (fused multiply-adds allowed) and the rotary kernel (none) give; a one-token step of
     # fewer than 16 KV heads runs them (the norm kernel's tile follows the row count there).
-    from pagoda.ops.triton_norm import rms_norm_triton
     from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
+
+    args, (want_q, want_k) = _qk_norm_rotary_case(tokens, heads)
+    got_q, got_k = qk_norm_rotary_triton(*args)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def _qk_norm_rotary_case(tokens: int, heads: tuple[int, int]) -> tuple[tuple, tuple]:
+    """``qk_norm_rotary_triton``'s arguments at Qwen3-0.6B's head size with ``heads`` (query, KV)
+    heads, q and k views of one qkv projection, and what the separate kernels give for them."""
+    from pagoda.ops.triton_norm import rms_norm_triton
     from pagoda.ops.triton_rotary import rotary_embedding_triton
 
     a = _arch("qwen3-0.6b")
     a.num_attention_heads, a.num_key_value_heads = heads
     rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
     rope = rope.cuda()
-    q, k, v = _qkv_views(tokens, a)
+    q, k, _ = _qkv_views(tokens, a)
     wq = (1 + 0.3 * _rand(a.head_dim, seed=7).float()).to(BF16)
     wk = (1 + 0.3 * _rand(a.head_dim, seed=8).float()).to(BF16)
     gen = torch.Generator(device="cuda").manual_seed(5)
     positions = torch.randint(0, a.max_position_embeddings, (tokens,), generator=gen, device="cuda")
-    want_q, want_k = rotary_embedding_triton(
+    want = rotary_embedding_triton(
         positions, rms_norm_triton(q, wq, 1e-6), rms_norm_triton(k, wk, 1e-6), rope.cos, rope.sin
     )
-    got_q, got_k = qk_norm_rotary_triton(positions, q, k, wq, wk, 1e-6, rope.cos, rope.sin)
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    return (positions, q, k, wq, wk, 1e-6, rope.cos, rope.sin), want
 
 
 @pytest.mark.parametrize(
@@ -152,24 +160,10 @@ def test_qk_norm_rotary_is_bit_identical_to_the_norms_then_the_rotation(
 def test_qk_norm_rotary_variants_are_bit_identical_at_32768_tokens(variant: dict) -> None:
     # Each variant that benchmarks/qk_norm_rotary.py times, at its size, against the separate
     # kernels: the interpreter cannot tell the order of a sum or a fused multiply-add, a GPU can.
-    from pagoda.ops.triton_norm import rms_norm_triton
     from pagoda.ops.triton_qk_norm_rotary import qk_norm_rotary_triton
-    from pagoda.ops.triton_rotary import rotary_embedding_triton
 
-    a, tokens = _arch("qwen3-0.6b"), 32768
-    rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
-    rope = rope.cuda()
-    q, k, _ = _qkv_views(tokens, a)
-    wq = (1 + 0.3 * _rand(a.head_dim, seed=7).float()).to(BF16)
-    wk = (1 + 0.3 * _rand(a.head_dim, seed=8).float()).to(BF16)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    positions = torch.randint(0, a.max_position_embeddings, (tokens,), generator=gen, device="cuda")
-    want_q, want_k = rotary_embedding_triton(
-        positions, rms_norm_triton(q, wq, 1e-6), rms_norm_triton(k, wk, 1e-6), rope.cos, rope.sin
-    )
-    got_q, got_k = qk_norm_rotary_triton(
-        positions, q, k, wq, wk, 1e-6, rope.cos, rope.sin, **variant
-    )
+    args, (want_q, want_k) = _qk_norm_rotary_case(32768, (16, 8))
+    got_q, got_k = qk_norm_rotary_triton(*args, **variant)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 
