@@ -8,7 +8,9 @@ slices merged after, as flash-decoding does, which evens out the programs' lengt
 layout: token-major pages (``[block, token, head, dim]``, the default cache) or head-major pages
 (``[block, head, token, dim]``, one head's page contiguous).
 The figure is KV bytes read per second against the measured copy bandwidth. ``--fp8``: the
-cache in FP8 e4m3 with per-layer scales (one byte a value), as ``kv_cache_dtype: fp8`` stores it.
+cache in FP8 e4m3 with per-layer scales (one byte a value), as ``kv_cache_dtype: fp8`` stores it;
+``--transposed-values``: value pages stored transposed, as ``plugins.triton.fp8_transposed_values``
+stores them (token-major pages only).
 
     python benchmarks/triton_decode_tuning.py [--batch 256] [--ctx 640] [--heads 32] [--fp8]
 """
@@ -20,7 +22,7 @@ import functools
 import itertools
 
 import torch
-from pagoda_attention_triton.kernels import longest_first, paged_attention
+from pagoda_attention_triton.kernels import longest_first, paged_attention, transposed_values
 
 from pagoda.bench.device import copy_bandwidth, graph_time, time_fn
 from pagoda.bench.report import commit, hardware, save_report
@@ -36,6 +38,7 @@ def _case(
     device: torch.device,
     equal: bool = False,
     fp8: bool = False,
+    transposed: bool = False,
 ):
     g = torch.Generator(device="cpu").manual_seed(0)
     lens = torch.randint(ctx // 5, 9 * ctx // 5 + 1, (batch,), generator=g)
@@ -60,6 +63,10 @@ def _case(
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
     kv_bytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2 * kv.dtype.itemsize
+    if transposed:  # the same values, each page stored [head, dim, token] (`transposed_values`)
+        flipped = kv.clone()
+        flipped[1].view(num_blocks, KV_HEADS, HEAD_DIM, PAGE).copy_(kv[1].permute(0, 2, 3, 1))
+        kv = (flipped[0], transposed_values(flipped))
     return kv, bt.to(device), lens.int().to(device), qsl, q, kv_bytes, int(lens.max())
 
 
@@ -77,7 +84,7 @@ def _sweep(
     out = torch.empty_like(q)
     order = torch.from_numpy(longest_first(lens.cpu().numpy())).to(q.device)
     scales = {}
-    if kv.dtype == torch.float8_e4m3fn:
+    if kv[0].dtype == torch.float8_e4m3fn:
         half = torch.full((1,), 0.5, dtype=torch.float32, device=q.device)
         scales = {"k_scale": half, "v_scale": half}
     rows = []
@@ -187,6 +194,11 @@ def main() -> None:
         "k requests longest first, k KV heads a program (unsplit) or one (split)",
     )
     p.add_argument("--fp8", action="store_true", help="an FP8 e4m3 cache (kv_cache_dtype: fp8)")
+    p.add_argument(
+        "--transposed-values",
+        action="store_true",
+        help="value pages stored transposed (plugins.triton.fp8_transposed_values)",
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     global HEADS
@@ -201,8 +213,12 @@ def main() -> None:
     space = ((64, 128), (4, 8), (2, 3)) if args.quick else ((32, 64, 128), (2, 4, 8), (2, 3, 4))
     if args.launch:
         space = tuple((int(x),) for x in args.launch.split(","))
-    for head_major in (False,) if args.token_major_only else (False, True):
-        case = _case(args.batch, args.ctx, head_major, device, args.equal, args.fp8)
+    for head_major in (
+        (False,) if args.token_major_only or args.transposed_values else (False, True)
+    ):
+        case = _case(
+            args.batch, args.ctx, head_major, device, args.equal, args.fp8, args.transposed_values
+        )
         schedules = tuple(int(x) for x in args.heads_per_program.split(","))
         rows += _sweep(case, args.batch, head_major, bw, splits, space, args.graphs, schedules)
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
@@ -212,6 +228,7 @@ def main() -> None:
         "ctx": args.ctx,
         "equal_contexts": args.equal,
         "kv_cache_dtype": "fp8" if args.fp8 else "bfloat16",
+        "transposed_values": args.transposed_values,
         "heads": HEADS,
         "kv_heads": KV_HEADS,
         "gpu": hardware(device),
@@ -221,6 +238,7 @@ def main() -> None:
         "rows": rows,
     }
     name = f"triton-decode-tuning-h{HEADS}-b{args.batch}-c{args.ctx}" + ("-fp8" if args.fp8 else "")
+    name += "-tv" if args.transposed_values else ""
     path = save_report(report, name, args.output_json)
     default = [
         r

@@ -254,3 +254,36 @@ def test_fp8_kv_engine_on_triton_tracks_the_reference_backend(folders) -> None:
             ref.engine.shutdown()
     err = (logprobs - ref_logprobs).abs()
     assert err.mean() < 0.05 and err.max() < 0.3, (err.mean(), err.max())
+
+
+def test_transposed_fp8_value_pages_track_token_rows(folders) -> None:
+    """``plugins.triton.fp8_transposed_values``: the engine that stores FP8 value pages
+    transposed (and runs its dots in float16) gives the greedy tokens of the one that stores
+    them a token a row, or a near tie where they part, with the same KV scales; the prompt
+    tokens' logprobs close."""
+    pytest.importorskip("pagoda_attention_triton")
+    common = dict(quantization="fp8", kv_cache_dtype="fp8", attention_backend="triton")
+    rows = _engine(folders["full"], **common)
+    flipped = None
+    try:
+        flipped = _engine(
+            folders["full"],
+            calculate_kv_scales=False,
+            plugins={"triton": {"fp8_transposed_values": True}},
+            **common,
+        )
+        tokens, logprobs = _greedy(rows)
+        _copy_kv_scales(rows, flipped)
+        got_tokens, got_logprobs = _greedy(flipped)
+        for p, got, want in zip(PROMPTS, got_tokens, tokens):
+            if got == want:
+                continue
+            i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+            logits = last_logits(rows, p["prompt_token_ids"] + want[:i])
+            assert near_tie_between(logits, got[i], want[i], FP8_KV_TIE_STEPS), (i, got, want)
+    finally:
+        rows.engine.shutdown()
+        if flipped is not None:
+            flipped.engine.shutdown()
+    err = (got_logprobs - logprobs).abs()
+    assert err.mean() < 0.05 and err.max() < 0.3, (err.mean(), err.max())

@@ -79,10 +79,14 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
     # Steps of new prompts only attend over their own keys (`plugins.triton.ragged_prefill`).
     ragged_prefill = True
+    # FP8 caches store value pages transposed (`plugins.triton.fp8_transposed_values`).
+    fp8_transposed_values = False
 
     @classmethod
     def configure(cls, config: AttentionConfig) -> None:
-        cls.ragged_prefill = config.plugin_settings("triton").ragged_prefill
+        settings = config.plugin_settings("triton")
+        cls.ragged_prefill = settings.ragged_prefill
+        cls.fp8_transposed_values = settings.fp8_transposed_values
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, head_size: int) -> bool:
@@ -264,10 +268,20 @@ class TritonAttentionImpl(AttentionImpl):
         spec = self.spec
         if spec.sinks and self.sinks is None:
             raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
-        write = write_kv_cache_fused if _fused_write(kv_cache, key, value) else write_kv_cache
-        key_cache, value_cache = write(
-            key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
-        )
+        if kv_cache.dtype == torch.float8_e4m3fn and TritonAttentionBackend.fp8_transposed_values:
+            # (only the one-kernel write stores value pages transposed)
+            if not kv_cache.is_contiguous():
+                raise ValueError("an FP8 cache with transposed value pages must be contiguous")
+            key_cache, value_cache = write_kv_cache_fused(
+                key.contiguous() if key.stride(-1) != 1 else key,
+                value.contiguous() if value.stride(-1) != 1 else value,
+                kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale, values_transposed=True,
+            )  # fmt: skip
+        else:
+            write = write_kv_cache_fused if _fused_write(kv_cache, key, value) else write_kv_cache
+            key_cache, value_cache = write(
+                key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
+            )
         out = torch.empty_like(query)
         if attn_metadata.fresh and _ragged(spec, kv_cache, key, value):
             return ragged_prefill_attention(

@@ -57,6 +57,18 @@ def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _fp16_query(q, FP16: tl.constexpr):
+    """With ``FP16`` (an FP8 cache whose value pages are transposed), a bfloat16 query as
+    float16, so that the dots take keys and values converted from FP8 by one instruction a pair
+    (e4m3 to f16 is native from sm89; to bf16 it goes on through f32, a second instruction a
+    value). A bfloat16 value converts exactly within float16's range; beyond it, clamped."""
+    if FP16:
+        if q.dtype == tl.bfloat16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _tile(
     q,
     q_pos,
@@ -83,12 +95,14 @@ def _tile(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_vd,
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     FP8_KV: tl.constexpr,
+    VALUES_T: tl.constexpr,
 ):
     """One tile of keys: scores (soft-capped), causal mask (and with ``LOCAL``, each row's first
     key ``q_lo``: a window's or a chunk's), online-softmax update of (m, l, acc). Without
@@ -129,15 +143,23 @@ def _tile(
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_cache_ptr
-        + blk[:, None] * stride_vb
+    v_offs = (
+        blk[:, None] * stride_vb
         + slot[:, None] * stride_vs
         + kv_head * stride_vh
-        + offs_d[None, :],
-        mask=n_ok[:, None] & d_ok[None, :],
-        other=0.0,
+        + offs_d[None, :] * stride_vd
     )
+    if VALUES_T:
+        # Transposed value pages (`transposed_values`): a page's keys are contiguous, and a
+        # tile starts on a page (or, pages longer than a tile, on a tile) boundary: vector
+        # loads along the keys. Read whole: a key past the request (or its block-table padding,
+        # the null block) holds a finite value (the cache starts zeroed, writes clamp), and its
+        # p is 0.
+        run: tl.constexpr = min(PAGE, offs_n.shape[0])
+        v_offs = tl.max_contiguous(tl.multiple_of(v_offs, [run, 1]), [run, 1])
+        v = tl.load(v_cache_ptr + v_offs, mask=d_ok[None, :], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + v_offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8_KV:  # (its scale multiplies the output)
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -215,6 +237,7 @@ def _paged_attention(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_vd,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -238,6 +261,7 @@ def _paged_attention(
     SINKS: tl.constexpr,
     CAUSAL: tl.constexpr,
     FP8_KV: tl.constexpr,
+    VALUES_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(2)
@@ -280,6 +304,7 @@ def _paged_attention(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    q = _fp16_query(q, FP8_KV and VALUES_T)
     q_pos = context_len + q_tok
     q_lo = _first_key(q_pos, window, chunk, WINDOW, CHUNK)
     q_hi = q_lo  # unread when causal
@@ -335,12 +360,14 @@ def _paged_attention(
                 stride_vb,
                 stride_vs,
                 stride_vh,
+                stride_vd,
                 PAGE,
                 DOT_PRECISION,
                 WINDOW or CHUNK,
                 SOFTCAP,
                 CAUSAL,
                 FP8_KV,
+                VALUES_T,
             )
             start += TILE_N
     else:
@@ -371,12 +398,14 @@ def _paged_attention(
                 stride_vb,
                 stride_vs,
                 stride_vh,
+                stride_vd,
                 PAGE,
                 DOT_PRECISION,
                 WINDOW or CHUNK,
                 SOFTCAP,
                 CAUSAL,
                 FP8_KV,
+                VALUES_T,
             )
 
     tok = q_start + q_tok
@@ -427,6 +456,7 @@ def _paged_decode(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_vd,
     stride_ot,
     stride_oh,
     stride_bt,
@@ -444,6 +474,7 @@ def _paged_decode(
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
     FP8_KV: tl.constexpr,
+    VALUES_T: tl.constexpr,
 ):
     """Decode (one query a request, no split): a program takes ``HEADS_PER_PROGRAM`` KV heads
     of one request, requests in ``order_ptr``'s order, in one loop over (head, key tile): the
@@ -495,6 +526,7 @@ def _paged_decode(
             mask=io_ok,
             other=0.0,
         )
+        q = _fp16_query(q, FP8_KV and VALUES_T)
         m_i, l_i, acc = _tile(
             q,
             q_pos,
@@ -521,12 +553,14 @@ def _paged_decode(
             stride_vb,
             stride_vs,
             stride_vh,
+            stride_vd,
             PAGE,
             DOT_PRECISION,
             WINDOW or CHUNK,
             SOFTCAP,
             True,  # a decode query is its request's last token: bidirectional is causal
             FP8_KV,
+            VALUES_T,
         )
         scaled = acc
         if FP8_KV:
@@ -595,9 +629,11 @@ def _write_kv(
     heads,
     head_dim,
     value_offset,
+    page,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
+    VALUES_TRANSPOSED: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -613,7 +649,31 @@ def _write_kv(
         k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
         v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    if VALUES_TRANSPOSED:  # the page as [head, dim, token] (`transposed_values`)
+        block, pos = slot // page, slot % page
+        dst = (
+            cache_ptr
+            + block * heads * head_dim * page
+            + h[:, None] * head_dim * page
+            + d[None, :] * page
+            + pos
+        )
     tl.store(dst + value_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def transposed_values(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The value pages of ``kv_cache`` (``[2, num_blocks, block_size, num_kv_heads,
+    head_size]``, contiguous) stored transposed, each page as ``[num_kv_heads, head_size,
+    block_size]`` in the same bytes, viewed as ``[num_blocks, block_size, num_kv_heads,
+    head_size]``: the same indices as the default layout's value cache, other strides.
+
+    A decode step reads values as the second operand of ``p . v``, whose elements pair along
+    the keys: stored a token a row, 16-bit values reach it by transposing shared-memory loads,
+    one-byte (FP8) values only a byte at a time; stored transposed, their keys are contiguous.
+    """
+    num_blocks, page, heads, size = kv_cache.shape[1:]
+    pages = kv_cache[1].view(num_blocks, heads, size, page)
+    return pages.permute(0, 3, 1, 2)
 
 
 def write_kv_cache_fused(
@@ -624,13 +684,15 @@ def write_kv_cache_fused(
     num_tokens: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    values_transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pagoda.attention.backend.write_kv_cache` in one kernel: key and value of each of
     the first ``num_tokens`` tokens to its slot of the default-layout cache (``[2, num_blocks,
     block_size, num_kv_heads, head_size]``, contiguous), where the two ``index_copy_`` took a
     launch each. ``key`` and ``value`` may be strided views (unit stride in the last dimension).
     An FP8 cache stores ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` (float32 ``[1]``
-    tensors on the device)."""
+    tensors on the device). With ``values_transposed`` the value pages are stored transposed
+    (:func:`transposed_values`, the value cache returned)."""
     heads, size = key.shape[1], key.shape[2]
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if fp8 and (k_scale is None or v_scale is None):
@@ -650,12 +712,14 @@ def write_kv_cache_fused(
             heads,
             size,
             kv_cache.stride(0),
+            kv_cache.shape[2],
             BLOCK_H=triton.next_power_of_2(heads),
             BLOCK_D=triton.next_power_of_2(size),
             FP8=fp8,
+            VALUES_TRANSPOSED=values_transposed,
             num_warps=4,
         )
-    return kv_cache[0], kv_cache[1]
+    return kv_cache[0], transposed_values(kv_cache) if values_transposed else kv_cache[1]
 
 
 def paged_attention(
@@ -764,6 +828,10 @@ def paged_attention(
     fp8_kv = key_cache.dtype == torch.float8_e4m3fn
     if fp8_kv and (k_scale is None or v_scale is None):
         raise ValueError("an FP8 KV cache is read with its k_scale and v_scale")
+    values_t = value_cache.stride(1) == 1 and value_cache.stride(3) != 1
+    if values_t and page & (page - 1):
+        # (the kernels read a tile's values in runs of min(page, tile) keys from tile starts)
+        raise ValueError(f"transposed value pages need a power-of-two block size, not {page}")
     # Each value is unread without its flag (the query stands in for absent sinks and scales).
     spec_args = (
         query if sinks is None else sinks,
@@ -783,11 +851,13 @@ def paged_attention(
         "SOFTCAP": logit_softcap is not None,
         "SINKS": sinks is not None,
         "FP8_KV": fp8_kv,
+        # value pages stored transposed (`transposed_values`): keys contiguous in a page
+        "VALUES_T": values_t,
     }
     strides = (
         *query.stride()[:2],
         *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
+        *value_cache.stride()[:4],
         *out.stride()[:2],
         block_table.stride(0),
     )
