@@ -216,6 +216,25 @@ def _copy_kv_scales(src: LLM, dst: LLM) -> None:
         layer.v_scale.copy_(theirs[name].v_scale)
 
 
+def _assert_parting_tokens_near_ties(
+    got_tokens: list[list[int]], want_tokens: list[list[int]], engines: dict[str, LLM]
+) -> None:
+    """Where the greedy tokens of ``PROMPTS`` part, the two tokens are a near tie (within
+    ``FP8_KV_TIE_STEPS``) in each of ``engines``' logits at the first difference."""
+    for p, got, want in zip(PROMPTS, got_tokens, want_tokens):
+        if got == want:
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+        prefix = p["prompt_token_ids"] + want[:i]
+        for name, engine in engines.items():
+            logits = last_logits(engine, prefix)
+            assert near_tie_between(logits, got[i], want[i], FP8_KV_TIE_STEPS), (
+                f"token {i}: {got[i]} against {want[i]}, not a near tie in {name}'s logits "
+                f"({got[i]}: {logits[got[i]]:.4f}, {want[i]}: {logits[want[i]]:.4f}, top "
+                f"{logits.max():.4f})"
+            )
+
+
 def test_fp8_kv_engine_on_triton_tracks_the_reference_backend(folders) -> None:
     """Identical greedy tokens, or a near tie at the first difference in each engine's logits;
     and the prompt tokens' logprobs close. (The H200 run diverged at the second token of the
@@ -236,18 +255,7 @@ def test_fp8_kv_engine_on_triton_tracks_the_reference_backend(folders) -> None:
         tokens, logprobs = _greedy(llm)
         _copy_kv_scales(llm, ref)
         ref_tokens, ref_logprobs = _greedy(ref)
-        for p, got, want in zip(PROMPTS, tokens, ref_tokens):
-            if got == want:
-                continue
-            i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-            prefix = p["prompt_token_ids"] + want[:i]
-            for name, engine in (("triton", llm), ("torch_native", ref)):
-                logits = last_logits(engine, prefix)
-                assert near_tie_between(logits, got[i], want[i], FP8_KV_TIE_STEPS), (
-                    f"token {i}: triton gave {got[i]}, torch_native {want[i]}, not a near tie "
-                    f"in {name}'s logits ({got[i]}: {logits[got[i]]:.4f}, {want[i]}: "
-                    f"{logits[want[i]]:.4f}, top {logits.max():.4f})"
-                )
+        _assert_parting_tokens_near_ties(tokens, ref_tokens, {"triton": llm, "torch_native": ref})
     finally:
         llm.engine.shutdown()
         if ref is not None:
@@ -275,12 +283,7 @@ def test_transposed_fp8_value_pages_track_token_rows(folders) -> None:
         tokens, logprobs = _greedy(rows)
         _copy_kv_scales(rows, flipped)
         got_tokens, got_logprobs = _greedy(flipped)
-        for p, got, want in zip(PROMPTS, got_tokens, tokens):
-            if got == want:
-                continue
-            i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-            logits = last_logits(rows, p["prompt_token_ids"] + want[:i])
-            assert near_tie_between(logits, got[i], want[i], FP8_KV_TIE_STEPS), (i, got, want)
+        _assert_parting_tokens_near_ties(got_tokens, tokens, {"rows": rows})
     finally:
         rows.engine.shutdown()
         if flipped is not None:

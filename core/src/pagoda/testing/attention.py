@@ -289,6 +289,33 @@ def reference_attention(
     return torch.einsum("hqk,khd->qhd", probs, vv)
 
 
+def reference_paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: list[int],
+    q_lens: list[int],
+    scale: float,
+    **rules: Any,
+) -> torch.Tensor:
+    """float64 attention of a step's queries (``q`` [sum(q_lens), heads, d], each request's the
+    last ``q_lens[i]`` of its ``seq_lens[i]`` tokens) over each request's keys and values
+    gathered from paged caches (``[num_blocks, block_size, kv_heads, d]``, any strides) through
+    ``block_table``; ``rules`` are :func:`reference_attention`'s."""
+    out = torch.zeros_like(q, dtype=torch.float64)
+    start, page = 0, key_cache.shape[1]
+    for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
+        blocks = block_table[i, : -(-sl // page)].long()
+        k = key_cache[blocks].flatten(0, 1)[:sl]
+        v = value_cache[blocks].flatten(0, 1)[:sl]
+        out[start : start + ql] = reference_attention(
+            q[start : start + ql], k, v, sl - ql, scale, **rules
+        )
+        start += ql
+    return out
+
+
 def run_attention_case(
     backend: type[AttentionBackend],
     case: AttentionCase,

@@ -24,7 +24,7 @@ from pagoda_attention_triton.kernels import (  # noqa: E402
     write_kv_cache_fused,
 )
 
-from pagoda.testing.attention import reference_attention  # noqa: E402
+from pagoda.testing.attention import reference_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -68,18 +68,6 @@ def _fp8_case(q_lens, ctx, heads, kv_heads, dim, page, dtype, seed=0):
     return q, rows, flipped, bt, seq_lens, qsl
 
 
-def _reference(q, kc, vc, bt, seq_lens, q_lens, scale):
-    out = torch.zeros_like(q, dtype=torch.float64)
-    start, page = 0, kc.shape[1]
-    for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
-        nb = -(-sl // page)
-        k = kc[bt[i, :nb].long()].flatten(0, 1)[:sl]
-        v = vc[bt[i, :nb].long()].flatten(0, 1)[:sl]
-        out[start : start + ql] = reference_attention(q[start : start + ql], k, v, sl - ql, scale)
-        start += ql
-    return out
-
-
 DECODE_6 = ([1] * 6, [40, 7, 300, 0, 129, 65])
 
 
@@ -105,7 +93,7 @@ def test_attention_over_transposed_value_pages_matches_token_rows(
     k_scale = torch.tensor([0.02], device=DEVICE)
     v_scale = torch.tensor([0.03], device=DEVICE)
     scale = dim**-0.5
-    want = _reference(
+    want = reference_paged_attention(
         q, rows[0].double() * 0.02, rows[1].double() * 0.03, bt, seq_lens, q_lens, scale
     )
     dev = lambda t: t.to(DEVICE)  # noqa: E731

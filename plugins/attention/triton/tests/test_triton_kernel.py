@@ -21,26 +21,10 @@ from pagoda_attention_triton.kernels import (  # noqa: E402
 )
 
 from pagoda.attention.backend import write_kv_cache  # noqa: E402
-from pagoda.testing.attention import reference_attention  # noqa: E402
+from pagoda.testing.attention import reference_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
-
-
-def _reference(q, kc, vc, bt, seq_lens, q_lens, scale, **rules):
-    """float64 attention of each request's queries over its gathered context; ``rules`` are
-    :func:`reference_attention`'s (a window, a soft-cap, sinks)."""
-    out = torch.zeros_like(q, dtype=torch.float64)
-    start = 0
-    page = kc.shape[1]
-    for i, (sl, ql) in enumerate(zip(seq_lens, q_lens)):
-        nb = -(-sl // page)
-        k = kc[bt[i, :nb].long()].flatten(0, 1)[:sl]
-        v = vc[bt[i, :nb].long()].flatten(0, 1)[:sl]
-        qq = q[start : start + ql]
-        out[start : start + ql] = reference_attention(qq, k, v, sl - ql, scale, **rules)
-        start += ql
-    return out
 
 
 def _paged_layout(q_lens, ctx, heads, kv_heads, head_dim, page, dtype, seed=0):
@@ -89,7 +73,7 @@ def test_paged_attention_matches_float64_reference(
         q_lens, ctx, heads, kv_heads, head_dim, page, dtype
     )
     scale = head_dim**-0.5
-    want = _reference(q, kc, vc, bt, seq_lens, q_lens, scale)
+    want = reference_paged_attention(q, kc, vc, bt, seq_lens, q_lens, scale)
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     order = dev(torch.from_numpy(longest_first(np.array(seq_lens)))) if ordered else None
     out = torch.full_like(dev(q), float("nan"))  # a row no program writes fails the comparison
@@ -228,12 +212,14 @@ def test_spec_extras_match_float64_reference_on_every_kernel_path(
     (q, kc, vc, bt, seq_lens, q_lens, _), kwargs, rules, tail = _spec_case(
         path, SPEC_FEATURES[features], dtype
     )
-    want = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
+    want = reference_paged_attention(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
     for name, value in rules.items():
         off = _DROPPED.get(name)
         if value is off or (name == "causal" and path not in _MULTI_QUERY_PATHS):
             continue
-        dropped = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **{**rules, name: off})
+        dropped = reference_paged_attention(
+            q, kc, vc, bt, seq_lens, q_lens, tail[7], **{**rules, name: off}
+        )
         assert (dropped - want).abs().max() > 1e-2, f"{path} does not depend on {name}"
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     out = torch.full_like(dev(q), float("nan"))  # a row no program writes fails the comparison
@@ -261,7 +247,7 @@ def test_a_window_skips_the_tiles_below_it_not_only_masks_them(path: str, featur
     (q, kc, vc, bt, seq_lens, q_lens, ctx), kwargs, rules, tail = _spec_case(
         path, features, torch.float32
     )
-    want = _reference(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
+    want = reference_paged_attention(q, kc, vc, bt, seq_lens, q_lens, tail[7], **rules)
     page = kc.shape[1]
     poisoned = 0
     for i, first_q in enumerate(ctx):
@@ -309,8 +295,10 @@ def test_a_bidirectional_query_sees_keys_above_it_and_a_window_skips_the_tiles_p
     )
     scale = head_dim**-0.5
     rules = {"sliding_window": None, "chunk_size": None, **features}
-    want = _reference(q, kc, vc, bt, seq_lens, [40], scale, **rules)
-    causal = _reference(q, kc, vc, bt, seq_lens, [40], scale, **{**rules, "causal": True})
+    want = reference_paged_attention(q, kc, vc, bt, seq_lens, [40], scale, **rules)
+    causal = reference_paged_attention(
+        q, kc, vc, bt, seq_lens, [40], scale, **{**rules, "causal": True}
+    )
     assert (causal[:8] - want[:8]).abs().max() > 1e-2  # the first q-block sees keys above it
     local = len(features) > 1
     if local:
