@@ -84,12 +84,20 @@ class _Wrapper:
         for i in range(len(last)):
             pages = kv_indices[kv_indptr[i] : kv_indptr[i + 1]].long()
             kv_len = (len(pages) - 1) * p["page_size"] + last[i]
-            k = k_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(h // h_kv, 1)
-            v = v_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(h // h_kv, 1)
-            rows = q[qo[i] : qo[i + 1]].float()
-            probs = _probs(torch.einsum("qhd,khd->hqk", rows, k) * scale, p, sinks)
-            out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+            k = k_cache[pages].flatten(0, 1)[:kv_len]
+            v = v_cache[pages].flatten(0, 1)[:kv_len]
+            out[qo[i] : qo[i + 1]] = _attend_rows(q[qo[i] : qo[i + 1]], k, v, scale, p, sinks)
         return out
+
+
+def _attend_rows(q, k, v, scale: float, p: dict[str, Any], sinks=None) -> torch.Tensor:
+    """One request's attention, its query rows ``q`` over its keys ``k`` and values ``v``, as
+    the plan ``p`` asks (:func:`_probs`), in float32, returned in ``q``'s dtype."""
+    group = p["num_qo_heads"] // p["num_kv_heads"]
+    k = k.float().repeat_interleave(group, 1)
+    v = v.float().repeat_interleave(group, 1)
+    probs = _probs(torch.einsum("qhd,khd->hqk", q.float(), k) * scale, p, sinks)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
 
 
 def _probs(logits: torch.Tensor, p: dict[str, Any], sinks=None) -> torch.Tensor:
@@ -336,36 +344,34 @@ class FakeRagged(_Wrapper):
         o_data_type=None,
         non_blocking=True,
     ) -> None:
-        self.plans.append(
-            dict(
-                qo=qo_indptr.tolist(),
-                kv=kv_indptr.tolist(),
-                num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim_qk,
-                causal=causal,
-                sm_scale=sm_scale,
-                window_left=window_left,
-                logits_soft_cap=logits_soft_cap,
-                q_data_type=q_data_type,
-                kv_data_type=kv_data_type or q_data_type,
-            )
+        self._plan(
+            qo_indptr,
+            kv_indptr,
+            None,  # (no pages)
+            None,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim_qk,
+            causal=causal,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            logits_soft_cap=logits_soft_cap,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type or q_data_type,
         )
 
     def run(self, q, k, v, *args, **kwargs) -> torch.Tensor:
         assert not args, "the plain kernels take no extra arguments"
         p = self.plans[-1]
         assert q.dtype == p["q_data_type"] and k.dtype == v.dtype == p["kv_data_type"]
-        h, h_kv = p["num_qo_heads"], p["num_kv_heads"]
-        qo, kv = p["qo"], p["kv"]
+        qo, kv = (t.tolist() for t in self.tables[:2])
         assert q.shape[0] == qo[-1] and k.shape[0] == v.shape[0] == kv[-1]
         out = torch.empty_like(q)
         for i in range(len(qo) - 1):
-            rows = q[qo[i] : qo[i + 1]].float()
-            keys = k[kv[i] : kv[i + 1]].float().repeat_interleave(h // h_kv, 1)
-            vals = v[kv[i] : kv[i + 1]].float().repeat_interleave(h // h_kv, 1)
-            probs = _probs(torch.einsum("qhd,khd->hqk", rows, keys) * p["sm_scale"], p)
-            out[qo[i] : qo[i + 1]] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
+            keys, vals = k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]]
+            out[qo[i] : qo[i + 1]] = _attend_rows(
+                q[qo[i] : qo[i + 1]], keys, vals, p["sm_scale"], p
+            )
         return out
 
 
