@@ -111,3 +111,48 @@ def test_attention_over_transposed_value_pages_matches_token_rows(
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(outs[0], want, atol=tol, rtol=tol)
     torch.testing.assert_close(outs[1], want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("built_with", [False, True])
+def test_a_layer_keeps_the_value_layout_it_was_built_with(built_with, monkeypatch) -> None:
+    """A second engine in the process that configures the backend the other way does not change
+    how an existing engine's layers write their FP8 cache: its captured graphs read the layout
+    they were captured with (two engines in one process once wrote transposed pages that the
+    first engine's decode graphs read a token a row)."""
+    from pagoda_attention_triton.backend import TritonAttentionBackend, TritonAttentionImpl
+
+    from pagoda.attention.backend import CommonAttentionMetadata
+    from pagoda.config import EngineConfig
+
+    def configure(on: bool) -> None:
+        monkeypatch.setenv("PAGODA_PLUGINS__TRITON__FP8_TRANSPOSED_VALUES", str(on).lower())
+        TritonAttentionBackend.configure(EngineConfig.load(None).attention)
+
+    for name in ("fp8_transposed_values", "ragged_prefill"):  # restored after the test
+        monkeypatch.setattr(TritonAttentionBackend, name, getattr(TritonAttentionBackend, name))
+    monkeypatch.setenv("PAGODA_TRITON_ON_CPU", "1")
+    configure(built_with)
+    impl = TritonAttentionImpl(4, 64, 0.125, 2)
+    impl.sinks = None
+    impl.k_scale = torch.tensor([0.02], device=DEVICE)
+    impl.v_scale = torch.tensor([0.03], device=DEVICE)
+    configure(not built_with)  # another engine, built later
+    n, page, blocks = 5, 16, 3
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).to(DEVICE) for h in (4, 2, 2))
+    slots = torch.arange(page, page + n, device=DEVICE)  # block 1
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    common = CommonAttentionMetadata(
+        num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
+        query_start_loc=torch.tensor([0, n], **i32), seq_lens=torch.tensor([n], **i32),
+        block_table=torch.tensor([[1, 0]], **i32), slot_mapping=slots,
+        query_start_loc_cpu=np.array([0, n]), seq_lens_cpu=np.array([n]), block_size=page,
+    )  # fmt: skip
+    cache = torch.zeros(2, blocks, page, 2, 64, device=DEVICE).to(FP8)
+    with torch.inference_mode():
+        impl.forward(q, k, v, cache, TritonAttentionBackend.build_metadata(common))
+    want = torch.zeros_like(cache)
+    write_kv_cache_fused(
+        k, v, want, slots, n, impl.k_scale, impl.v_scale, values_transposed=built_with
+    )
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))

@@ -252,6 +252,14 @@ def _fused_write(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
 
 
 class TritonAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        # NOTE: the layout of an FP8 cache's value pages is the engine's whose layer this is,
+        # fixed when the layer is built: a second engine in the process configuring the backend
+        # otherwise must not change how this one's cache is written (its captured graphs read
+        # the layout they were captured with).
+        self.fp8_transposed_values = TritonAttentionBackend.fp8_transposed_values
+
     def forward(
         self,
         query: torch.Tensor,
@@ -268,7 +276,7 @@ class TritonAttentionImpl(AttentionImpl):
         spec = self.spec
         if spec.sinks and self.sinks is None:
             raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
-        if kv_cache.dtype == torch.float8_e4m3fn and TritonAttentionBackend.fp8_transposed_values:
+        if kv_cache.dtype == torch.float8_e4m3fn and self.fp8_transposed_values:
             # (only the one-kernel write stores value pages transposed)
             if not kv_cache.is_contiguous():
                 raise ValueError("an FP8 cache with transposed value pages must be contiguous")
