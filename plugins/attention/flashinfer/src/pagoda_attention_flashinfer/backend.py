@@ -314,13 +314,15 @@ class FlashInferImpl(AttentionImpl):
         if plan is None or plan.dtype != query.dtype:
             # NOTE: the group's first layer of the step plans; its others reuse the plan.
             plan = _plan_group(md, self._group, query.dtype, query.device)
+        if plan.ragged:
+            # The step's own queries, keys and values (each request's rows), as the layer has
+            # them: the kernels take their token and head strides (views of the qkv projection
+            # are fine: a copy of the queries would read and write them again every layer).
+            out = plan.wrapper.run(query[:n], key[:n], value[:n])
+            return out if n == query.shape[0] else _padded(out, query)
         # NOTE: models may hand q over as a strided view of the qkv projection.
         q = query[:n].contiguous()
-        if plan.ragged:
-            # The step's own keys and values (each request's rows), as the layer has them: the
-            # kernels take their token and head strides (views of the qkv projection are fine).
-            out = plan.wrapper.run(q, key[:n], value[:n])
-        elif self._group.sinks:
+        if self._group.sinks:
             if self.sinks is None:
                 raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
             # NOTE: the variant reads fp32 sink logits, and takes its scale here, not from the
@@ -329,11 +331,14 @@ class FlashInferImpl(AttentionImpl):
             out = plan.wrapper.run(q, (key_cache, value_cache), self.sinks.float(), self.scale)
         else:
             out = plan.wrapper.run(q, (key_cache, value_cache))
-        if n == query.shape[0]:
-            return out
-        full = torch.empty_like(query)
-        full[:n] = out
-        return full
+        return out if n == query.shape[0] else _padded(out, query)
+
+
+def _padded(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``out``, the first rows of a tensor shaped as ``query`` (rows past it are padding)."""
+    full = torch.empty_like(query)
+    full[: out.shape[0]] = out
+    return full
 
 
 _RAGGED = ("ragged",)
