@@ -32,8 +32,9 @@ pytestmark = pytest.mark.gpu  # on CUDA where there is one, else on the CPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_write_puts_each_value_where_the_transposed_view_reads_it(dtype) -> None:
-    tokens, kv_heads, dim, blocks, page = 9, 2, 64, 6, 16
+@pytest.mark.parametrize("dim", [64, 16])
+def test_the_write_puts_each_value_where_the_transposed_view_reads_it(dtype, dim) -> None:
+    tokens, kv_heads, blocks, page = 9, 2, 6, 16
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
     v = torch.randn(tokens, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
@@ -83,12 +84,12 @@ DECODE_6 = ([1] * 6, [40, 7, 300, 0, 129, 65])
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 64), (4, 2, 16), (9, 3, 64)])
 def test_attention_over_transposed_value_pages_matches_token_rows(
-    q_lens, ctx, splits, ordered, page, tile_n, dtype
+    q_lens, ctx, splits, ordered, page, tile_n, dtype, heads, kv_heads, dim
 ) -> None:
     if dtype != torch.float32 and DEVICE == "cpu":
         pytest.skip("half precision dot needs a GPU")
-    heads, kv_heads, dim = 8, 2, 64
     q, rows, flipped, bt, seq_lens, qsl = _fp8_case(q_lens, ctx, heads, kv_heads, dim, page, dtype)
     k_scale = torch.tensor([0.02], device=DEVICE)
     v_scale = torch.tensor([0.03], device=DEVICE)
