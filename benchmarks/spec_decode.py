@@ -468,6 +468,7 @@ def main() -> None:
             outs = {}
             rate = {}  # this batch's tokens/s on each engine
             for name in order:
+                compiles.where = f"batch {b}, {name}"
                 dt, outs[name] = _timed(engines[name], batch, params)
                 n = sum(len(o) for o in outs[name])
                 seconds[name] += dt
@@ -496,6 +497,8 @@ def main() -> None:
         # Triton kernels compiled inside the timed passes (a first-time cost in the figure; None:
         # this Triton cannot tell)
         "kernels_compiled_while_timed": compiles.names if compiles.supported else None,
+        # (each with the pass that met it and the variant built: what the warm-up missed)
+        "kernels_compiled_while_timed_detail": compiles.details if compiles.supported else None,
         "output_tokens": tokens,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
         "tokens_per_s": {k: round(v, 2) for k, v in tps.items()},

@@ -73,10 +73,15 @@ def _copy_seconds(device: Any, nbytes: int, iters: int) -> float:
 class KernelCompiles:
     """Triton kernels compiled (or loaded from the disk cache) while it is entered: a timed
     region should meet none, or a first-time cost is in the figure. ``names`` in order;
-    ``supported`` is False where this Triton offers no compile hook (or there is no Triton)."""
+    ``details`` the same compiles with the variant Triton built (its launch options and each
+    argument's specialization, constexpr values included) and ``where`` as the caller had set
+    it then (which pass met it); ``supported`` is False where this Triton offers no compile
+    hook (or there is no Triton)."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.details: list[dict[str, Any]] = []
+        self.where: str | None = None
         self.supported = False
         self._knobs: Any = None
         self._before: Any = None
@@ -93,7 +98,16 @@ class KernelCompiles:
 
         def hook(*args: Any, **kwargs: Any) -> None:
             fn = kwargs.get("fn")
-            self.names.append(str(getattr(fn, "name", None) or getattr(fn, "__name__", fn)))
+            name = str(getattr(fn, "name", None) or getattr(fn, "__name__", fn))
+            self.names.append(name)
+            variant = kwargs.get("repr")
+            self.details.append(
+                {
+                    "kernel": name,
+                    "where": self.where,
+                    "variant": None if variant is None else str(variant),
+                }
+            )
             if self._before is not None:
                 self._before(*args, **kwargs)
 
