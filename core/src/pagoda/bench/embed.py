@@ -34,6 +34,12 @@ def add_embed_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--weights-seed", type=int, default=0)
     p.add_argument("--skip-st", action="store_true", help="measure Pagoda only")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed run, one more under torch's profiler: the report gains where its "
+        "time went (on a GPU: kernel time by kernel, the device's busy time and when it started)",
+    )
     p.add_argument("--output-json", default=None, help="also write the report here")
 
 
@@ -73,6 +79,9 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     ours = _embed(llm, ids)
     pagoda_s = time.perf_counter() - start
     results: dict[str, Any] = {"pagoda": _rates(args.num_prompts, n_tokens, pagoda_s)}
+    if args.profile:
+        prompts = gen.integers(low, info.shape.vocab_size, (args.num_prompts, args.input_len))
+        results["pagoda_profile"] = _profile(llm, prompts.tolist(), info.device)
     pooler = info.pooler
     if not args.skip_st:
         llm.shutdown()
@@ -128,6 +137,54 @@ def _embed(engine: Any, ids: list[list[int]]) -> Any:
         for out in engine.step():
             done[out.request_id] = out.outputs.data
     return np.stack([done[r] for r in admission.ids]).astype(np.float32)
+
+
+def _profile(engine: Any, ids: list[list[int]], device: Any, top: int = 12) -> dict[str, Any]:
+    """One more embedding call (new prompts: no prefix-cache hits) under torch's profiler:
+    its wall, and on a GPU the device's busy time (kernels' union), when its first kernel
+    started and its last ended (from the call's start), and the ``top`` kernels by total time;
+    on a CPU the ``top`` operators by their own time. All in ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        with record_function("pagoda.bench.embed"):
+            _embed(engine, ids)
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    call = next(e for e in events if e.name == "pagoda.bench.embed")
+    start = call.time_range.start
+    out: dict[str, Any] = {"wall_ms": round((call.time_range.end - start) / 1e3, 2)}
+    if cuda:
+        spans = sorted(
+            (e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
+        busy, lo, hi = 0, spans[0][0], spans[0][1]
+        for s, e in spans[1:]:
+            if s > hi:
+                busy += hi - lo
+                lo = s
+            hi = max(hi, e)
+        busy += hi - lo
+        out.update(
+            device_busy_ms=round(busy / 1e3, 2),
+            first_kernel_ms=round((spans[0][0] - start) / 1e3, 2),
+            last_kernel_end_ms=round((hi - start) / 1e3, 2),
+        )
+        times = {a.key: a.self_device_time_total for a in prof.key_averages()}
+    else:
+        times = {a.key: a.self_cpu_time_total for a in prof.key_averages()}
+    times.pop("pagoda.bench.embed", None)
+    ranked = sorted(((t, k) for k, t in times.items() if t > 0), reverse=True)[:top]
+    out["kernels" if cuda else "operators"] = [
+        {"name": k[:120], "ms": round(t / 1e3, 3)} for t, k in ranked
+    ]
+    return out
 
 
 def _rates(n: int, tokens: int, seconds: float) -> dict[str, float]:
