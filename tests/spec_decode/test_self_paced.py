@@ -19,7 +19,7 @@ def test_a_self_paced_governor_drafts_at_batch_1_unmeasured_and_measures_from_2(
         now[0] += 1.0
         gov.observe(1, 1, accepted=0)
     assert gov.epochs == {True: 0, False: 0}  # batch 1 never ran an epoch
-    for i in range(200):
+    for _ in range(200):
         on = gov.drafting(2)
         now[0] += 2.0 if on else 1.0
         gov.observe(2, 2, accepted=0)

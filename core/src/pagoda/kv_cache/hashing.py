@@ -1,9 +1,9 @@
 """Chained hashes of full KV cache blocks, the keys of the prefix cache.
 
-A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt and the
-LoRA adapter's id and name, on the first block only: the chain carries them on; and the hash of every
-image whose placeholder tokens the block holds, with its offset), so equal hashes mean equal KV
-for the whole prefix, not just the block.
+A block's hash covers its parent's hash, its own token ids and extra keys (the cache salt and
+the LoRA adapter's id and name, on the first block only: the chain carries them on; and the hash
+of every image whose placeholder tokens the block holds, with its offset), so equal hashes mean
+equal KV for the whole prefix, not just the block.
 """
 
 from __future__ import annotations

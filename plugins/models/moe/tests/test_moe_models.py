@@ -10,13 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from moe_tiny import configs, greedy, hf_model, per_expert_checkpoint
+from pagoda_models_moe import layers, parallel, plugin
+from pagoda_models_moe.layers import FusedMoE, MoEBlock
+from pagoda_models_moe.settings import MoESettings
 
 from pagoda.ops import batch_invariant
 from pagoda.plugins import get_registry
 from pagoda.testing.model_impl import build_impl_model, run_steps
-from pagoda_models_moe import layers, parallel, plugin
-from pagoda_models_moe.layers import FusedMoE, MoEBlock
-from pagoda_models_moe.settings import MoESettings
 
 PROMPT = [5, 17, 33, 9, 101, 64, 12, 88, 7]
 NEW = 8

@@ -26,11 +26,12 @@ STEPS = [(5,), (4,)] + [(1,)] * (NEW - 1)
 def _rank(rank: int, size: int, port: int, case_file: str, out_file: str) -> None:
     """One rank: build each family's model in each mode, run the steps, and (rank 0) save the
     logits by (family, mode)."""
-    from pagoda.distributed import destroy_parallel, init_parallel
-    from pagoda.loader.construct import build_model
     from pagoda_models_moe.layers import FusedMoE
     from pagoda_models_moe.model import MoEForCausalLM
     from pagoda_models_moe.parallel import set_expert_parallel
+
+    from pagoda.distributed import destroy_parallel, init_parallel
+    from pagoda.loader.construct import build_model
 
     torch.set_num_threads(1)
     init_parallel(rank, size, f"tcp://127.0.0.1:{port}", "gloo", torch.device("cpu"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 import transformers as tf
-
 from pagoda_models_transformers.experts import NAME, experts_implementation, fits
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from tf_parity import hf_model
-
 from pagoda_models_transformers.fuse import fuse
+from tf_parity import hf_model
 
 
 def test_fuse_substitutes_under_another_default_device() -> None:

@@ -136,8 +136,8 @@ def test_llm_chat_takes_image_parts_as_generate_takes_multi_modal_data(llm, mode
     got = llm.chat(chat, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     # The template's text: t3, the words, the placeholder, t4, then t5 (vl_tiny.TEMPLATE).
     ids = [3, 50, 51, 188, 190, 189, 4, 5]
-    want = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": img}}],
-                        SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]  # fmt: skip
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": img}}
+    want = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
 

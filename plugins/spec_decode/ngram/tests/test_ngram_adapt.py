@@ -71,7 +71,7 @@ def test_a_costly_draft_token_shortens_drafts() -> None:
         lengths.g_hits[:] = lengths.first_hits[:] = 80  # accepted 0.8 at every position
         lengths.g_trials[:] = lengths.first_trials[:] = 100
         clock = [0.0]
-        lengths.cost.clock = lambda: clock[0]
+        lengths.cost.clock = lambda clock=clock: clock[0]
         d = 0
         for i in range(40):
             clock[0] += 0.1 + per_draft * d  # the step that verified the last call's drafts
