@@ -89,3 +89,31 @@ def test_batches_match_the_spelled_out_lookup(seed):
         caps = rng.integers(1, k + 1, len(hists)).tolist()
         want = [_reference(h, lo, hi, k, c) for h, c in zip(hists, caps)]
         assert _drafts(hists, lo, hi, k, caps) == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_batches_searched_a_request_at_a_time_match_the_batch_pass(seed, monkeypatch):
+    """Batches of up to ``_SEARCH_MAX_BATCH`` requests are matched by a byte search of each
+    history and their drafts sliced a request at a time; larger ones by the vectorised pass.
+    Both give the same ends, lengths and drafts, on histories of few distinct tokens (many
+    candidates) and of ids whose bytes repeat across token boundaries (256 = bytes 0 1 0 ...)."""
+    from pagoda_spec_ngram import proposer as p
+
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        n, width = int(rng.integers(1, p._SEARCH_MAX_BATCH + 1)), int(rng.integers(2, 70))
+        ids = rng.integers(0, int(rng.choice([2, 3, 7, 300])), (6, width + 4)).astype(np.int64)
+        if rng.random() < 0.3:
+            ids = (ids % 2) * 256 + 1
+        rows = rng.choice(6, n, replace=False).astype(np.int64)
+        num = rng.integers(1, width + 1, n).astype(np.int64)
+        lo = int(rng.integers(1, 4))
+        hi, k = lo + int(rng.integers(0, 6)), int(rng.integers(1, 9))
+        caps = rng.integers(0, k + 2, n).astype(np.int64)
+        end, length = p.ngram_match(ids, rows, num, lo, hi, k)
+        drafts = p.drafts_after(ids, rows, num, end, caps, k)
+        monkeypatch.setattr(p, "_SEARCH_MAX_BATCH", 0)  # the vectorised pass, for every size
+        want_end, want_length = p.ngram_match(ids, rows, num, lo, hi, k)
+        assert end.tolist() == want_end.tolist() and length.tolist() == want_length.tolist()
+        assert drafts.tolist() == p.drafts_after(ids, rows, num, end, caps, k).tolist()
+        monkeypatch.undo()

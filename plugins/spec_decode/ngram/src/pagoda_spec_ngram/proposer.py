@@ -51,6 +51,12 @@ def lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
     return int(lo), int(hi)  # type: ignore[arg-type]
 
 
+# Batches of at most this many requests are matched a request at a time by a byte search of its
+# history (:func:`_match_one`): at batch 1 the vectorised pass is some 40 numpy calls, which cost
+# more than the search (a request of a few hundred tokens: about 130 us against 20 on a CPU).
+_SEARCH_MAX_BATCH = 4
+
+
 def ngram_match(
     token_ids: np.ndarray,
     rows: np.ndarray,
@@ -65,6 +71,53 @@ def ngram_match(
     n = len(rows)
     if n == 0:
         return np.full(0, -1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if n <= _SEARCH_MAX_BATCH:
+        found = [
+            _match_one(token_ids[r], int(m), min_n, max_n, k)
+            for r, m in zip(rows.tolist(), num_tokens.tolist())
+        ]
+        return np.array([e for e, _ in found], np.int64), np.array([m for _, m in found], np.int64)
+    return _match_batch(token_ids, rows, num_tokens, min_n, max_n, k)
+
+
+def _match_one(row: np.ndarray, num: int, min_n: int, max_n: int, k: int) -> tuple[int, int]:
+    """:func:`ngram_match` for one history (``row[:num]``), by searching its bytes from the end:
+    for each suffix length from the longest down, the last occurrence followed by ``k`` known
+    tokens, else the last one followed by at least one. The first length that occurs wins, as
+    in the batch's ranking (longest, then followed by ``k``, then most recent)."""
+    size = row.itemsize
+    data = row[:num].tobytes()
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = data[(num - n) * size :]
+        # occurrences ending at e <= num - 1 - k, then at e <= num - 2 (bytes up to e's end)
+        for stop in ((num - k) * size, (num - 1) * size):
+            start = _rfind_aligned(data, suffix, stop, size)
+            if start >= 0:
+                return start // size + n - 1, n
+    return -1, 0
+
+
+def _rfind_aligned(data: bytes, sub: bytes, stop: int, size: int) -> int:
+    """The byte offset of the last occurrence of ``sub`` in ``data[:stop]`` that starts on a
+    token boundary (a multiple of ``size``), or -1."""
+    while stop >= len(sub):
+        at = data.rfind(sub, 0, stop)
+        if at < 0 or at % size == 0:
+            return at
+        stop = at + len(sub) - 1  # a match straddling tokens: look further left
+    return -1
+
+
+def _match_batch(
+    token_ids: np.ndarray,
+    rows: np.ndarray,
+    num_tokens: np.ndarray,
+    min_n: int,
+    max_n: int,
+    k: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`ngram_match` for the whole batch at once (see the module's note)."""
+    n = len(rows)
     width = int(num_tokens.max())
     ar = np.arange(n)
     hist = token_ids[rows, :width]
@@ -110,6 +163,14 @@ def drafts_after(
     n = len(rows)
     out = np.full((n, k), -1, dtype=np.int64)
     if n == 0 or k == 0:
+        return out
+    if n <= _SEARCH_MAX_BATCH:  # a slice a request (the batch's arrays cost more at batch 1)
+        for i, (r, e, m, cap) in enumerate(
+            zip(rows.tolist(), end.tolist(), num_tokens.tolist(), lengths.tolist())
+        ):
+            if e >= 0:
+                got = token_ids[r, e + 1 : min(e + 1 + min(cap, k), m)]
+                out[i, : len(got)] = got
         return out
     cols = np.arange(k)
     at = end[:, None] + 1 + cols[None, :]
