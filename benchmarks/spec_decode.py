@@ -230,13 +230,43 @@ def add_workload_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def use_random_weights(args: argparse.Namespace) -> None:
-    """``--random-weights CONFIG_DIR``: the model is that config's random weights (made once)."""
+    """``--random-weights CONFIG_DIR``: the model is that config's random weights (made once);
+    with ``--all-accepted``, a copy whose final norm is zero (:func:`all_accepted_copy`)."""
     if args.random_weights:
         from pagoda.bench.random_weights import ensure_random_weights
 
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         folder, _ = ensure_random_weights(Path(args.random_weights), 0, dev)
+        if getattr(args, "all_accepted", False):
+            folder = all_accepted_copy(folder)
         args.model = str(folder)
+    elif getattr(args, "all_accepted", False):
+        raise SystemExit("--all-accepted takes --random-weights CONFIG_DIR")
+
+
+def all_accepted_copy(folder: Path) -> Path:
+    """A copy of the random-weights ``folder`` whose final norm's weight is zero: every logit is
+    0, greedy decoding repeats token 0, and once the history repeats every draft of the n-gram
+    and suffix proposers is accepted. What is left to measure is the cost of speculating
+    itself: with a tiny model on a CPU, the host's work a verification step adds (a GPU at
+    batch 1 is paced by that work too)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = folder.with_name(folder.name + "-all-accepted")
+    if not out.is_dir():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp)
+        files = [f for f in tmp.glob("*.safetensors") if "model.norm.weight" in load_file(f)]
+        if not files:
+            raise SystemExit(f"{folder} has no model.norm.weight to zero")
+        state = load_file(files[0])
+        state["model.norm.weight"] = torch.zeros_like(state["model.norm.weight"])
+        save_file(state, files[0], metadata={"format": "pt"})
+        tmp.rename(out)
+    return out
 
 
 _WORKLOADS = {
@@ -254,7 +284,16 @@ def report_head(benchmark: str, args: argparse.Namespace, runner: Any) -> dict[s
         "benchmark": benchmark,
         "command": "python " + " ".join(sys.argv),
         "workload": _WORKLOADS["random" if args.random_weights else args.prompts],
-        "model": args.random_weights or args.model or "SmolLM2-135M-Instruct (default)",
+        "model": (
+            args.random_weights
+            + (
+                " (final norm zeroed: every draft accepted)"
+                if getattr(args, "all_accepted", False)
+                else ""
+            )
+            if args.random_weights
+            else args.model or "SmolLM2-135M-Instruct (default)"
+        ),
         "hardware": hardware(runner.device),
         "commit": commit(),
         "dtype": str(runner.dtype),
@@ -367,6 +406,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_workload_arguments(p, max_tokens=128)
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument(
+        "--all-accepted",
+        action="store_true",
+        help="with --random-weights: zero the final norm, so that greedy output repeats one "
+        "token and every draft is accepted (the cost of speculating itself, on a host-bound "
+        "tiny model)",
+    )
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--method", default="ngram", help="speculative.method (ngram, suffix, ...)")
     p.add_argument(

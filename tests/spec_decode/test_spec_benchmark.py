@@ -1,0 +1,33 @@
+"""benchmarks/spec_decode.py ``--all-accepted`` on a CPU: random weights whose final norm is zero
+repeat one token, so every n-gram draft is accepted, the outputs equal the plain engine's and
+the speculating engine takes a fraction of its steps (what is left is the cost of speculating,
+which the benchmark then measures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
+    out = tmp_path / "spec.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "spec_decode.py"), "--device", "cpu"]
+    cmd += ["--random-weights", str(ROOT / "benchmarks" / "configs" / "tiny-llama")]
+    cmd += ["--all-accepted", "--prompts", "random", "--num-prompts", "2", "--input-len", "32"]
+    cmd += ["--max-tokens", "64", "--max-model-len", "512", "--method", "ngram"]
+    env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*cmd, "--output-json", str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "every draft accepted" in report["model"]
+    assert report["acceptance_rate"] == 1.0 and report["greedy_outputs_identical"]
+    steps = report["engine_steps"]
+    assert steps["spec"]["steps"] * 3 < steps["off"]["steps"]
+    assert (tmp_path / "cache" / "random-weights" / "tiny-llama-seed0-all-accepted").is_dir()
