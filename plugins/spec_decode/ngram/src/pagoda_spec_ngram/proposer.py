@@ -77,47 +77,6 @@ def ngram_match(
             for r, m in zip(rows.tolist(), num_tokens.tolist())
         ]
         return np.array([e for e, _ in found], np.int64), np.array([m for _, m in found], np.int64)
-    return _match_batch(token_ids, rows, num_tokens, min_n, max_n, k)
-
-
-def _match_one(row: np.ndarray, num: int, min_n: int, max_n: int, k: int) -> tuple[int, int]:
-    """:func:`ngram_match` for one history (``row[:num]``), by searching its bytes from the end:
-    for each suffix length from the longest down, the last occurrence followed by ``k`` known
-    tokens, else the last one followed by at least one. The first length that occurs wins, as
-    in the batch's ranking (longest, then followed by ``k``, then most recent)."""
-    size = row.itemsize
-    data = row[:num].tobytes()
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = data[(num - n) * size :]
-        # occurrences ending at e <= num - 1 - k, then at e <= num - 2 (bytes up to e's end)
-        for stop in ((num - k) * size, (num - 1) * size):
-            start = _rfind_aligned(data, suffix, stop, size)
-            if start >= 0:
-                return start // size + n - 1, n
-    return -1, 0
-
-
-def _rfind_aligned(data: bytes, sub: bytes, stop: int, size: int) -> int:
-    """The byte offset of the last occurrence of ``sub`` in ``data[:stop]`` that starts on a
-    token boundary (a multiple of ``size``), or -1."""
-    while stop >= len(sub):
-        at = data.rfind(sub, 0, stop)
-        if at < 0 or at % size == 0:
-            return at
-        stop = at + len(sub) - 1  # a match straddling tokens: look further left
-    return -1
-
-
-def _match_batch(
-    token_ids: np.ndarray,
-    rows: np.ndarray,
-    num_tokens: np.ndarray,
-    min_n: int,
-    max_n: int,
-    k: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`ngram_match` for the whole batch at once (see the module's note)."""
-    n = len(rows)
     width = int(num_tokens.max())
     ar = np.arange(n)
     hist = token_ids[rows, :width]
@@ -148,6 +107,34 @@ def _match_batch(
     end = np.where(found, best % width, -1)
     length = np.where(found, (best // width) // 2, 0)
     return end, length
+
+
+def _match_one(row: np.ndarray, num: int, min_n: int, max_n: int, k: int) -> tuple[int, int]:
+    """:func:`ngram_match` for one history (``row[:num]``), by searching its bytes from the end:
+    for each suffix length from the longest down, the last occurrence followed by ``k`` known
+    tokens, else the last one followed by at least one. The first length that occurs wins, as
+    in the batch's ranking (longest, then followed by ``k``, then most recent)."""
+    size = row.itemsize
+    data = row[:num].tobytes()
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        suffix = data[(num - n) * size :]
+        # occurrences ending at e <= num - 1 - k, then at e <= num - 2 (bytes up to e's end)
+        for stop in ((num - k) * size, (num - 1) * size):
+            start = _rfind_aligned(data, suffix, stop, size)
+            if start >= 0:
+                return start // size + n - 1, n
+    return -1, 0
+
+
+def _rfind_aligned(data: bytes, sub: bytes, stop: int, size: int) -> int:
+    """The byte offset of the last occurrence of ``sub`` in ``data[:stop]`` that starts on a
+    token boundary (a multiple of ``size``), or -1."""
+    while stop >= len(sub):
+        at = data.rfind(sub, 0, stop)
+        if at < 0 or at % size == 0:
+            return at
+        stop = at + len(sub) - 1  # a match straddling tokens: look further left
+    return -1
 
 
 def drafts_after(
