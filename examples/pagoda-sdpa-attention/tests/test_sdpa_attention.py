@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from pagoda_sdpa_attention.backend import PagedSdpaBackend
 
 from pagoda.testing import AttentionBackendConformance
+from pagoda_sdpa_attention.backend import PagedSdpaBackend
 
 
 class TestPagedSdpaConformance(AttentionBackendConformance):
