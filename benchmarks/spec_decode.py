@@ -280,20 +280,14 @@ _WORKLOADS = {
 def report_head(benchmark: str, args: argparse.Namespace, runner: Any) -> dict[str, Any]:
     """What every report of the workload starts with: the command, workload, model, hardware,
     commit and dtype."""
+    model = args.random_weights or args.model or "SmolLM2-135M-Instruct (default)"
+    if args.random_weights and getattr(args, "all_accepted", False):
+        model += " (final norm zeroed: every draft accepted)"
     return {
         "benchmark": benchmark,
         "command": "python " + " ".join(sys.argv),
         "workload": _WORKLOADS["random" if args.random_weights else args.prompts],
-        "model": (
-            args.random_weights
-            + (
-                " (final norm zeroed: every draft accepted)"
-                if getattr(args, "all_accepted", False)
-                else ""
-            )
-            if args.random_weights
-            else args.model or "SmolLM2-135M-Instruct (default)"
-        ),
+        "model": model,
         "hardware": hardware(runner.device),
         "commit": commit(),
         "dtype": str(runner.dtype),

@@ -79,7 +79,6 @@ class KernelCompiles:
     hook (or there is no Triton)."""
 
     def __init__(self) -> None:
-        self.names: list[str] = []
         self.details: list[dict[str, Any]] = []
         self.where: str | None = None
         self.supported = False
@@ -98,12 +97,10 @@ class KernelCompiles:
 
         def hook(*args: Any, **kwargs: Any) -> None:
             fn = kwargs.get("fn")
-            name = str(getattr(fn, "name", None) or getattr(fn, "__name__", fn))
-            self.names.append(name)
             variant = kwargs.get("repr")
             self.details.append(
                 {
-                    "kernel": name,
+                    "kernel": str(getattr(fn, "name", None) or getattr(fn, "__name__", fn)),
                     "where": self.where,
                     "variant": None if variant is None else str(variant),
                 }
@@ -113,6 +110,10 @@ class KernelCompiles:
 
         self._knobs.jit_post_compile_hook = hook
         return self
+
+    @property
+    def names(self) -> list[str]:
+        return [d["kernel"] for d in self.details]
 
     def __exit__(self, *exc: object) -> None:
         if self.supported:

@@ -276,18 +276,19 @@ class TritonAttentionImpl(AttentionImpl):
         spec = self.spec
         if spec.sinks and self.sinks is None:
             raise ValueError("an attention spec with sinks needs impl.sinks, [num_heads]")
-        if kv_cache.dtype == torch.float8_e4m3fn and self.fp8_transposed_values:
-            # (only the one-kernel write stores value pages transposed)
-            if not kv_cache.is_contiguous():
-                raise ValueError("an FP8 cache with transposed value pages must be contiguous")
+        # (only the one-kernel write stores value pages transposed)
+        transposed = kv_cache.dtype == torch.float8_e4m3fn and self.fp8_transposed_values
+        if transposed and not kv_cache.is_contiguous():
+            raise ValueError("an FP8 cache with transposed value pages must be contiguous")
+        if transposed or _fused_write(kv_cache, key, value):
             key_cache, value_cache = write_kv_cache_fused(
-                key.contiguous() if key.stride(-1) != 1 else key,
-                value.contiguous() if value.stride(-1) != 1 else value,
-                kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale, values_transposed=True,
+                key if key.stride(-1) == 1 else key.contiguous(),
+                value if value.stride(-1) == 1 else value.contiguous(),
+                kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale,
+                values_transposed=transposed,
             )  # fmt: skip
         else:
-            write = write_kv_cache_fused if _fused_write(kv_cache, key, value) else write_kv_cache
-            key_cache, value_cache = write(
+            key_cache, value_cache = write_kv_cache(
                 key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
             )
         out = torch.empty_like(query)
