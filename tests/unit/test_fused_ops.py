@@ -341,6 +341,73 @@ def test_sampler_takes_the_fused_draw_for_temperature_alone(
     assert calls == [1]
 
 
+def _kv_write_case(dtype: torch.dtype, value_dim: int = 64):
+    """Keys and values as strided views of a qkv projection (as the model has them), a cache of
+    random bytes, and slots: shuffled, one padded token (-1), two more slots than tokens."""
+    tokens, heads, kv_heads, dim, blocks, page = 9, 4, 2, 64, 6, 4
+    gen = torch.Generator().manual_seed(0)
+    width = (heads + kv_heads) * dim + kv_heads * value_dim
+    qkv = (torch.randn(tokens, width, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    _, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * value_dim], dim=-1)
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, value_dim)
+    slots = torch.randperm(blocks * page, generator=gen)[: tokens + 2]
+    slots[3] = -1
+    cache = torch.randn(2, blocks, page, kv_heads, dim, generator=gen).to(DEVICE)
+    cache = cache.to(torch.bfloat16).view(torch.uint8).view(cache.shape + (2,))  # random bytes
+    cache = cache[..., 0].contiguous().view(dtype) if dtype.itemsize == 1 else cache.view(dtype)
+    return k, v, cache.view(2, blocks, page, kv_heads, dim), slots.to(DEVICE), tokens - 2
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.bfloat16,
+        pytest.param(
+            torch.float8_e4m3fn,
+            marks=pytest.mark.skipif(
+                DEVICE == "cpu",
+                reason="the interpreter's casts to FP8 do not round to nearest (126.875 -> 64)",
+            ),
+        ),
+    ],
+)
+def test_kv_cache_write_is_one_kernel_storing_the_bytes_of_the_two_copies(
+    dtype: torch.dtype, fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    k, v, cache, slots, n = _kv_write_case(dtype)
+    scales = {}
+    if dtype == torch.float8_e4m3fn:
+        scales = dict(
+            k_scale=torch.tensor([0.05], device=DEVICE), v_scale=torch.tensor([0.02], device=DEVICE)
+        )
+    want = cache.clone()
+    unpadded = slots[:n] >= 0  # (the torch copies have no padded slot: leave those rows out)
+    reference.write_kv_cache(
+        k[:n][unpadded], v[:n][unpadded], want, slots[:n][unpadded], int(unpadded.sum()), **scales
+    )
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("the two index_copy_ ran")
+
+    monkeypatch.setattr(reference, "write_kv_cache", no_copies)
+    ops.write_kv_cache(k, v, cache, slots, n, **scales)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_kv_cache_write_copies_where_the_kernel_cannot_address_the_cache(
+    fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Values narrower than the cache's heads, an FP8 cache without scales: the two copies."""
+    calls = []
+    monkeypatch.setattr(reference, "write_kv_cache", lambda *a, **kw: calls.append(a[-1]))
+    k, v, cache, slots, n = _kv_write_case(torch.bfloat16, value_dim=32)
+    ops.write_kv_cache(k, v, cache, slots, n)
+    k, v, cache, slots, n = _kv_write_case(torch.float8_e4m3fn)
+    ops.write_kv_cache(k, v, cache, slots, n)
+    assert len(calls) == 2
+
+
 def test_cpu_tensors_take_the_torch_path_unless_the_interpreter_is_asked_for(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from pagoda import ops
 from pagoda.attention.spec import AttentionSpec
 from pagoda.config import AttentionConfig
-from pagoda.ops.fp8 import FP8_DTYPE, from_fp8, to_fp8
+from pagoda.ops.fp8 import FP8_DTYPE, from_fp8
 
 
 @dataclass
@@ -255,21 +256,8 @@ def write_kv_cache(
 
     Returns the key cache and the value cache, ``[num_blocks, block_size, num_kv_heads,
     head_size]`` views of ``kv_cache``."""
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
-    heads, size = key.shape[1], kv_cache.shape[-1]
-    slots = slot_mapping[:num_tokens]
-    fp8 = kv_cache.dtype == FP8_DTYPE
-    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
-        rows = cache.view(-1, heads, size)
-        if src.shape[2] != size:
-            rows = rows[..., : src.shape[2]]
-        src = src[:num_tokens]
-        if fp8:
-            # NOTE: as bytes: index_copy_ has no FP8 kernel on a CPU.
-            src = to_fp8(src, 1.0 if scale is None else scale).view(torch.uint8)
-            rows = rows.view(torch.uint8)
-        rows.index_copy_(0, slots, src)
-    return key_cache, value_cache
+    ops.write_kv_cache(key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale)
+    return kv_cache[0], kv_cache[1]
 
 
 def read_kv(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.triton_kv_write import write_kv_triton
+
 
 @triton.jit
 def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
@@ -614,53 +616,6 @@ def _merge_splits(
     )
 
 
-@triton.jit
-def _write_kv(
-    key_ptr,
-    value_ptr,
-    cache_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    k_scale_ptr,
-    v_scale_ptr,
-    heads,
-    head_dim,
-    value_offset,
-    page,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr,
-    VALUES_TRANSPOSED: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:  # a padded token writes nowhere
-        return
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < heads)[:, None] & (d < head_dim)[None, :]
-    dst = cache_ptr + slot * heads * head_dim + h[:, None] * head_dim + d[None, :]
-    k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    if FP8:  # fp8(x / scale), clamped to the format's range (a cast past it gives NaN)
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    if VALUES_TRANSPOSED:  # the page as [head, dim, token] (`transposed_values`)
-        block, pos = slot // page, slot % page
-        dst = (
-            cache_ptr
-            + block * heads * head_dim * page
-            + h[:, None] * head_dim * page
-            + d[None, :] * page
-            + pos
-        )
-    tl.store(dst + value_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
 def transposed_values(kv_cache: torch.Tensor) -> torch.Tensor:
     """The value pages of ``kv_cache`` (``[2, num_blocks, block_size, num_kv_heads,
     head_size]``, contiguous) stored transposed, each page as ``[num_kv_heads, head_size,
@@ -686,39 +641,15 @@ def write_kv_cache_fused(
     v_scale: torch.Tensor | None = None,
     values_transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pagoda.attention.backend.write_kv_cache` in one kernel: key and value of each of
-    the first ``num_tokens`` tokens to its slot of the default-layout cache (``[2, num_blocks,
-    block_size, num_kv_heads, head_size]``, contiguous), where the two ``index_copy_`` took a
-    launch each. ``key`` and ``value`` may be strided views (unit stride in the last dimension).
-    An FP8 cache stores ``fp8(key / k_scale)`` and ``fp8(value / v_scale)`` (float32 ``[1]``
-    tensors on the device). With ``values_transposed`` the value pages are stored transposed
-    (:func:`transposed_values`, the value cache returned)."""
-    heads, size = key.shape[1], key.shape[2]
-    fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an FP8 KV cache is written with its k_scale and v_scale")
-    if num_tokens:
-        _write_kv[(num_tokens,)](
-            key,
-            value,
-            kv_cache,
-            slot_mapping,
-            key.stride(0),
-            key.stride(1),
-            value.stride(0),
-            value.stride(1),
-            k_scale if fp8 else slot_mapping,  # (unread without FP8)
-            v_scale if fp8 else slot_mapping,
-            heads,
-            size,
-            kv_cache.stride(0),
-            kv_cache.shape[2],
-            BLOCK_H=triton.next_power_of_2(heads),
-            BLOCK_D=triton.next_power_of_2(size),
-            FP8=fp8,
-            VALUES_TRANSPOSED=values_transposed,
-            num_warps=4,
-        )
+    """:func:`pagoda.attention.backend.write_kv_cache` through the core's one-kernel write
+    (:func:`pagoda.ops.triton_kv_write.write_kv_triton`) on any device the kernel runs on (the
+    interpreter's CPU included): key and value of each of the first ``num_tokens`` tokens to its
+    slot of the default-layout cache (contiguous). ``key`` and ``value`` may be strided views
+    (unit stride in the last dimension). With ``values_transposed`` the value pages are stored
+    transposed (:func:`transposed_values`, the value cache returned)."""
+    write_kv_triton(
+        key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale, values_transposed
+    )
     return kv_cache[0], transposed_values(kv_cache) if values_transposed else kv_cache[1]
 
 
