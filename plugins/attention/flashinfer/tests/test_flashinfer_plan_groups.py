@@ -90,6 +90,16 @@ class _Wrapper:
         return out
 
 
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """As FlashInfer's ``run``: the result written into ``out`` where one is given (its shape,
+    dtype and device checked), which is returned; else a tensor of its own."""
+    if out is None:
+        return result
+    assert out.shape == result.shape and out.dtype == result.dtype and out.device == result.device
+    assert out.is_contiguous(), "FlashInfer writes its output rows contiguously"
+    return out.copy_(result)
+
+
 def _attend_rows(q, k, v, scale: float, p: dict[str, Any], sinks=None) -> torch.Tensor:
     """One request's attention, its query rows ``q`` over its keys ``k`` and values ``v``, as
     the plan ``p`` asks (:func:`_probs`), in float32, returned in ``q``'s dtype."""
@@ -190,10 +200,10 @@ class FakePrefill(_Wrapper):
             kv_data_type=kv_data_type or q_data_type,
         )
 
-    def run(self, q, paged_kv_cache, *args, sinks=None, **kwargs) -> torch.Tensor:
+    def run(self, q, paged_kv_cache, *args, sinks=None, out=None, **kwargs) -> torch.Tensor:
         # NOTE: as FlashInfer's FA2 and FA3 kernels do: ``sinks`` is not read.
         assert not args, "the plain kernels take no extra arguments"
-        return self._attend(q, paged_kv_cache, self.plans[-1]["sm_scale"])
+        return _into(out, self._attend(q, paged_kv_cache, self.plans[-1]["sm_scale"]))
 
 
 class FakeSinkPrefill(FakePrefill):
@@ -241,10 +251,10 @@ class FakeSinkPrefill(FakePrefill):
         assert dv == d and windowed == (p["window_left"] >= 0), "planned past what was compiled"
         assert not p["logits_soft_cap"], "the sink variant has no soft-cap"
 
-    def run(self, q, paged_kv_cache, *args, **kwargs) -> torch.Tensor:
+    def run(self, q, paged_kv_cache, *args, out=None, **kwargs) -> torch.Tensor:
         sinks, scale = args  # the variant's tensor and scalar, in that order
         assert sinks.dtype == torch.float32 and sinks.shape == (self.plans[-1]["num_qo_heads"],)
-        return self._attend(q, paged_kv_cache, scale, sinks)
+        return _into(out, self._attend(q, paged_kv_cache, scale, sinks))
 
 
 class FakeDecode(_Wrapper):
@@ -308,9 +318,9 @@ class FakeDecode(_Wrapper):
             kv_data_type=kv_data_type or q_data_type,
         )
 
-    def run(self, q, paged_kv_cache, *args, sinks=None, **kwargs) -> torch.Tensor:
+    def run(self, q, paged_kv_cache, *args, sinks=None, out=None, **kwargs) -> torch.Tensor:
         assert not args, "the plain kernels take no extra arguments"
-        return self._attend(q, paged_kv_cache, self.plans[-1]["sm_scale"])
+        return _into(out, self._attend(q, paged_kv_cache, self.plans[-1]["sm_scale"]))
 
 
 class FakeRagged(_Wrapper):
@@ -360,19 +370,19 @@ class FakeRagged(_Wrapper):
             kv_data_type=kv_data_type or q_data_type,
         )
 
-    def run(self, q, k, v, *args, **kwargs) -> torch.Tensor:
+    def run(self, q, k, v, *args, out=None, **kwargs) -> torch.Tensor:
         assert not args, "the plain kernels take no extra arguments"
         p = self.plans[-1]
         assert q.dtype == p["q_data_type"] and k.dtype == v.dtype == p["kv_data_type"]
         qo, kv = (t.tolist() for t in self.tables[:2])
         assert q.shape[0] == qo[-1] and k.shape[0] == v.shape[0] == kv[-1]
-        out = torch.empty_like(q)
+        rows = torch.empty_like(q)
         for i in range(len(qo) - 1):
             keys, vals = k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]]
-            out[qo[i] : qo[i + 1]] = _attend_rows(
+            rows[qo[i] : qo[i + 1]] = _attend_rows(
                 q[qo[i] : qo[i + 1]], keys, vals, p["sm_scale"], p
             )
-        return out
+        return _into(out, rows)
 
 
 @pytest.fixture
@@ -671,6 +681,34 @@ def test_the_ragged_path_is_off_unless_asked(stand_in) -> None:
     impl, cache = model.impls[0], model.caches[0]
     impl.forward(*model.inputs(0, EAGER_STEPS[0]), cache, md)
     assert [type(w) for w in stand_in] == [FakePrefill]
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["paged", "ragged"])
+def test_the_kernels_write_into_the_layer_output(
+    stand_in, ragged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every wrapper's run gets the layer's output rows (``out=``), which the layer returns:
+    FlashInfer's paged prefill, given none, zero-fills a tensor of its own every layer."""
+    monkeypatch.setattr(FlashInferBackend, "ragged_prefill", ragged)
+    given: list[int] = []
+    for cls in (FakePrefill, FakeSinkPrefill, FakeDecode, FakeRagged):
+
+        def run(self, *args, _run=cls.run, out=None, **kwargs):
+            assert out is not None, f"{type(self).__name__}.run without out="
+            given.append(out.data_ptr())
+            return _run(self, *args, out=out, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+    specs = [*MIXES["gpt-oss"][:2], PLAIN]  # sink layers, and plain ones (prefill, decode)
+    model = Model(specs, [7, 31, 41, 10], torch.device("cpu"), torch.float32, width=8)
+    for step in EAGER_STEPS:
+        md = FlashInferBackend.build_metadata(model.common(step))
+        with torch.inference_mode():
+            for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
+                out = impl.forward(*model.inputs(layer, step), cache, md)
+                assert out.data_ptr() == given[-1]
+    assert {type(w) for w in stand_in} >= {FakePrefill, FakeSinkPrefill, FakeDecode}
+    assert (FakeRagged in {type(w) for w in stand_in}) == ragged
 
 
 @pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "verification"])
