@@ -22,6 +22,7 @@ def test_bench_embed_reports_both_engines_and_a_profile(tmp_path, monkeypatch) -
     got = json.loads(report.read_text())
     results = got["results"]
     assert got["pooling"] == "LAST" and got["workload"] == {"num_prompts": 6, "input_len": 24}
+    assert got["attention_backend"] == "torch_native"  # (a CPU without the interpreter)
     for engine in ("pagoda", "sentence_transformers"):
         assert results[engine]["elapsed_s"] > 0 and results[engine]["requests_per_s"] > 0
     assert results["min_cosine"] > 0.999  # the same last-token embeddings, both engines

@@ -65,6 +65,7 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         overrides["task"] = "embed"
     llm = LLMEngine(config.with_overrides(overrides) if overrides else config)
     info = llm.info
+    backend = _attention_backend(llm)
     gen = np.random.default_rng(0)
     low = 10 if info.shape.vocab_size > 100 else 0
     ids = gen.integers(low, info.shape.vocab_size, (args.num_prompts, args.input_len)).tolist()
@@ -107,6 +108,8 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         "commit": commit(),
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len},
         "pooling": None if pooler is None else pooler.pooling_type,
+        # (``attention.backend: auto`` picks by priority and by what is compiled: the figure's)
+        "attention_backend": backend,
         "results": results,
     }
     text = json.dumps(report, indent=2)
@@ -114,6 +117,15 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     if args.output_json:
         Path(args.output_json).write_text(text + "\n")
     return 0
+
+
+def _attention_backend(engine: Any) -> str | None:
+    """The attention backend the engine's model runs on, where the engine runs its worker in
+    this process (None where it does not)."""
+    try:
+        return engine.engine_core.executor.worker.model_runner.attn_backend.name
+    except AttributeError:
+        return None
 
 
 def _embed(engine: Any, ids: list[list[int]]) -> Any:
