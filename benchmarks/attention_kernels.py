@@ -108,7 +108,7 @@ class _Ragged:
 
     def __init__(self, lens: list[int], device: torch.device) -> None:
         # NOTE: the Triton plugin, imported by --ragged-prefill alone.
-        from pagoda_attention_triton.kernels import write_kv_cache_fused
+        from pagoda.ops.triton_kv_write import write_kv_triton
 
         self.lens, self.n, self.max_len = lens, sum(lens), max(lens)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -139,7 +139,7 @@ class _Ragged:
             seq_lens_cpu=np.array(lens),
             block_size=PAGE,
         )
-        write_kv_cache_fused(self.k, self.v, self.kv_cache, self.common.slot_mapping, self.n)
+        write_kv_triton(self.k, self.v, self.kv_cache, self.common.slot_mapping, self.n)
         self.out = torch.empty_like(self.q)
         self.scale = d**-0.5
         self.flops = 4 * h * d * sum(n * (n + 1) // 2 for n in lens)  # causal: the lower half

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
 
 import pagoda.ops as ops  # noqa: E402
+from pagoda.attention.backend import write_kv_cache  # noqa: E402
 from pagoda.models.layers import RotaryEmbedding  # noqa: E402
 from pagoda.ops import reference  # noqa: E402
 
@@ -375,6 +376,8 @@ def _kv_write_case(dtype: torch.dtype, value_dim: int = 64):
 def test_kv_cache_write_is_one_kernel_storing_the_bytes_of_the_two_copies(
     dtype: torch.dtype, fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import pagoda.ops.triton_kv_write as kv_write
+
     k, v, cache, slots, n = _kv_write_case(dtype)
     scales = {}
     if dtype == torch.float8_e4m3fn:
@@ -383,29 +386,37 @@ def test_kv_cache_write_is_one_kernel_storing_the_bytes_of_the_two_copies(
         )
     want = cache.clone()
     unpadded = slots[:n] >= 0  # (the torch copies have no padded slot: leave those rows out)
-    reference.write_kv_cache(
-        k[:n][unpadded], v[:n][unpadded], want, slots[:n][unpadded], int(unpadded.sum()), **scales
+    try:
+        ops.set_fused_ops(False)
+        write_kv_cache(
+            k[:n][unpadded], v[:n][unpadded], want, slots[:n][unpadded], int(unpadded.sum()),
+            **scales,
+        )  # fmt: skip
+    finally:
+        ops.set_fused_ops(True)
+    launches = []
+    kernel = kv_write.write_kv_triton
+    monkeypatch.setattr(
+        kv_write, "write_kv_triton", lambda *a, **kw: launches.append(kernel(*a, **kw))
     )
-
-    def no_copies(*args, **kwargs):
-        raise AssertionError("the two index_copy_ ran")
-
-    monkeypatch.setattr(reference, "write_kv_cache", no_copies)
-    ops.write_kv_cache(k, v, cache, slots, n, **scales)
+    kc, vc = write_kv_cache(k, v, cache, slots, n, **scales)
+    assert len(launches) == 1
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    assert kc.data_ptr() == cache[0].data_ptr() and vc.data_ptr() == cache[1].data_ptr()
 
 
 def test_kv_cache_write_copies_where_the_kernel_cannot_address_the_cache(
-    fused_on_cpu: None, monkeypatch: pytest.MonkeyPatch
+    fused_on_cpu: None,
 ) -> None:
     """Values narrower than the cache's heads, an FP8 cache without scales: the two copies."""
-    calls = []
-    monkeypatch.setattr(reference, "write_kv_cache", lambda *a, **kw: calls.append(a[-1]))
-    k, v, cache, slots, n = _kv_write_case(torch.bfloat16, value_dim=32)
-    ops.write_kv_cache(k, v, cache, slots, n)
-    k, v, cache, slots, n = _kv_write_case(torch.float8_e4m3fn)
-    ops.write_kv_cache(k, v, cache, slots, n)
-    assert len(calls) == 2
+    k, v, cache, _, _ = _kv_write_case(torch.bfloat16)
+    assert ops.kv_write_fused(k, v, cache, None, None)
+    k, v, cache, _, _ = _kv_write_case(torch.bfloat16, value_dim=32)
+    assert not ops.kv_write_fused(k, v, cache, None, None)
+    k, v, cache, _, _ = _kv_write_case(torch.float8_e4m3fn)
+    assert not ops.kv_write_fused(k, v, cache, None, None)
+    scale = torch.tensor([1.0], device=DEVICE)
+    assert ops.kv_write_fused(k, v, cache, scale, scale)
 
 
 def test_cpu_tensors_take_the_torch_path_unless_the_interpreter_is_asked_for(

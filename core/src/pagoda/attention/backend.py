@@ -17,7 +17,7 @@ import torch
 from pagoda import ops
 from pagoda.attention.spec import AttentionSpec
 from pagoda.config import AttentionConfig
-from pagoda.ops.fp8 import FP8_DTYPE, from_fp8
+from pagoda.ops.fp8 import FP8_DTYPE, from_fp8, to_fp8
 
 
 @dataclass
@@ -254,10 +254,32 @@ def write_kv_cache(
     k_scale)`` and ``fp8(value / v_scale)``, ``k_scale`` and ``v_scale`` being the impl's
     float32 ``[1]`` scales (see :class:`AttentionImpl`; None: 1.0).
 
-    Returns the key cache and the value cache, ``[num_blocks, block_size, num_kv_heads,
-    head_size]`` views of ``kv_cache``."""
-    ops.write_kv_cache(key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale)
-    return kv_cache[0], kv_cache[1]
+    One Triton kernel where :func:`pagoda.ops.kv_write_fused` says it can (a GPU's default),
+    else two ``index_copy_``. Returns the key cache and the value cache, ``[num_blocks,
+    block_size, num_kv_heads, head_size]`` views of ``kv_cache``."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if ops.kv_write_fused(key, value, kv_cache, k_scale, v_scale):
+        # NOTE: Triton compiles on import: only where the kernel path runs.
+        from pagoda.ops.triton_kv_write import write_kv_triton
+
+        write_kv_triton(key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale)
+        return key_cache, value_cache
+    # The torch code: an ``index_copy_`` for the keys and another for the values (the same
+    # bytes as the kernel's).
+    heads, size = key.shape[1], kv_cache.shape[-1]
+    slots = slot_mapping[:num_tokens]
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        rows = cache.view(-1, heads, size)
+        if src.shape[2] != size:
+            rows = rows[..., : src.shape[2]]
+        src = src[:num_tokens]
+        if fp8:
+            # NOTE: as bytes: index_copy_ has no FP8 kernel on a CPU.
+            src = to_fp8(src, 1.0 if scale is None else scale).view(torch.uint8)
+            rows = rows.view(torch.uint8)
+        rows.index_copy_(0, slots, src)
+    return key_cache, value_cache
 
 
 def read_kv(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

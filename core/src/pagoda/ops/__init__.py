@@ -30,7 +30,7 @@ __all__ = [
     "sample_from_logits",
     "set_fused_ops",
     "silu_and_mul",
-    "write_kv_cache",
+    "kv_write_fused",
 ]
 
 _enabled = True
@@ -193,32 +193,22 @@ def sample_from_logits(
     return sample_from_probs(probs, uniform)
 
 
-def write_kv_cache(
+def kv_write_fused(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_tokens: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Store the first ``num_tokens`` rows of ``key`` and ``value`` (``[tokens, num_kv_heads,
-    head_size]``) in their slots ``slot_mapping[:num_tokens]`` of ``kv_cache`` (``[2,
-    num_blocks, block_size, num_kv_heads, head_size]``); an FP8 cache stores ``fp8(x / scale)``
-    with the float32 ``[1]`` scales (None: 1.0). One Triton kernel where it can address the
-    cache (contiguous, keys and values as wide as its heads, unit stride in the head dimension,
-    an FP8 cache with both scales), two ``index_copy_`` elsewhere: the same bytes either way."""
-    if (
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`pagoda.attention.backend.write_kv_cache` stores these keys and values
+    with the one-kernel write (:mod:`pagoda.ops.triton_kv_write`): where the fused kernels run
+    and the kernel can address the cache (contiguous, keys and values as wide as its heads,
+    unit stride in the head dimension, an FP8 cache with both scales)."""
+    return (
         _use_triton(key)
         and kv_cache.is_contiguous()
         and key.shape[2] == value.shape[2] == kv_cache.shape[-1]
         and key.stride(-1) == 1
         and value.stride(-1) == 1
         and (kv_cache.dtype != torch.float8_e4m3fn or (k_scale is not None and v_scale is not None))
-    ):
-        # NOTE: Triton compiles on import: only where the kernel path runs.
-        from pagoda.ops.triton_kv_write import write_kv_triton
-
-        write_kv_triton(key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale)
-        return
-    reference.write_kv_cache(key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale)
+    )

@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagoda.ops.fp8_format import FP8_DTYPE, to_fp8
-
 
 def rms_norm(
     x: torch.Tensor,
@@ -50,27 +48,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     x = x.float()
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
-
-
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_tokens: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    heads, size = key.shape[1], kv_cache.shape[-1]
-    slots = slot_mapping[:num_tokens]
-    fp8 = kv_cache.dtype == FP8_DTYPE
-    for src, cache, scale in ((key, kv_cache[0], k_scale), (value, kv_cache[1], v_scale)):
-        rows = cache.view(-1, heads, size)
-        if src.shape[2] != size:
-            rows = rows[..., : src.shape[2]]
-        src = src[:num_tokens]
-        if fp8:
-            # NOTE: as bytes: index_copy_ has no FP8 kernel on a CPU.
-            src = to_fp8(src, 1.0 if scale is None else scale).view(torch.uint8)
-            rows = rows.view(torch.uint8)
-        rows.index_copy_(0, slots, src)

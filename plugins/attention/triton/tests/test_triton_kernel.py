@@ -17,10 +17,11 @@ pytest.importorskip("triton")
 from pagoda_attention_triton.kernels import (  # noqa: E402
     longest_first,
     paged_attention,
-    write_kv_cache_fused,
 )
 
-from pagoda.ops import reference  # noqa: E402
+import pagoda.ops as ops  # noqa: E402
+from pagoda.attention.backend import write_kv_cache  # noqa: E402
+from pagoda.ops.triton_kv_write import write_kv_triton  # noqa: E402
 from pagoda.testing.attention import reference_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -403,8 +404,10 @@ def test_fused_cache_write_stores_what_the_two_copies_store(dtype: torch.dtype) 
     slots = torch.randperm(blocks * page, generator=gen)[: tokens + 2].to(DEVICE)
     cache = torch.randn(2, blocks, page, kv_heads, dim, generator=gen).to(dtype).to(DEVICE)
     want = cache.clone()
-    # (the torch copies: on a GPU write_kv_cache is this kernel too)
-    reference.write_kv_cache(k, v, want, slots, tokens - 2)  # fewer tokens than the slots given
-    kc, vc = write_kv_cache_fused(k, v, cache, slots, tokens - 2)
+    try:  # the torch copies (on a GPU write_kv_cache takes this kernel too)
+        ops.set_fused_ops(False)
+        write_kv_cache(k, v, want, slots, tokens - 2)  # fewer tokens than the slots given
+    finally:
+        ops.set_fused_ops(True)
+    write_kv_triton(k, v, cache, slots, tokens - 2)
     assert torch.equal(cache, want)
-    assert kc.data_ptr() == cache[0].data_ptr() and vc.data_ptr() == cache[1].data_ptr()

@@ -268,7 +268,8 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         attn_metadata: TritonMetadata,
     ) -> torch.Tensor:
-        from pagoda_attention_triton.kernels import paged_attention, write_kv_cache_fused
+        from pagoda.ops.triton_kv_write import write_kv_triton
+        from pagoda_attention_triton.kernels import paged_attention, transposed_values
         from pagoda_attention_triton.ragged_prefill import ragged_prefill_attention
 
         c = attn_metadata.common
@@ -281,12 +282,16 @@ class TritonAttentionImpl(AttentionImpl):
         if transposed and not kv_cache.is_contiguous():
             raise ValueError("an FP8 cache with transposed value pages must be contiguous")
         if transposed or _fused_write(kv_cache, key, value):
-            key_cache, value_cache = write_kv_cache_fused(
+            # (the core's one-kernel write; where write_kv_cache would take it anyway, this
+            # path also runs it on the interpreter's CPU)
+            write_kv_triton(
                 key if key.stride(-1) == 1 else key.contiguous(),
                 value if value.stride(-1) == 1 else value.contiguous(),
                 kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale,
                 values_transposed=transposed,
             )  # fmt: skip
+            key_cache = kv_cache[0]
+            value_cache = transposed_values(kv_cache) if transposed else kv_cache[1]
         else:
             key_cache, value_cache = write_kv_cache(
                 key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale

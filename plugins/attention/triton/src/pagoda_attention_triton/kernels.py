@@ -39,8 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.ops.triton_kv_write import write_kv_triton
-
 
 @triton.jit
 def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
@@ -629,28 +627,6 @@ def transposed_values(kv_cache: torch.Tensor) -> torch.Tensor:
     num_blocks, page, heads, size = kv_cache.shape[1:]
     pages = kv_cache[1].view(num_blocks, heads, size, page)
     return pages.permute(0, 3, 1, 2)
-
-
-def write_kv_cache_fused(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_tokens: int,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    values_transposed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pagoda.attention.backend.write_kv_cache` through the core's one-kernel write
-    (:func:`pagoda.ops.triton_kv_write.write_kv_triton`) on any device the kernel runs on (the
-    interpreter's CPU included): key and value of each of the first ``num_tokens`` tokens to its
-    slot of the default-layout cache (contiguous). ``key`` and ``value`` may be strided views
-    (unit stride in the last dimension). With ``values_transposed`` the value pages are stored
-    transposed (:func:`transposed_values`, the value cache returned)."""
-    write_kv_triton(
-        key, value, kv_cache, slot_mapping, num_tokens, k_scale, v_scale, values_transposed
-    )
-    return kv_cache[0], transposed_values(kv_cache) if values_transposed else kv_cache[1]
 
 
 def paged_attention(
