@@ -53,6 +53,32 @@ def test_prefix_cache_hit_computes_only_tokens_after_cached_blocks(smollm2_token
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def test_a_new_prompt_is_hashed_while_its_first_step_runs(llm: LLM) -> None:
+    """The schedule hashes a new prompt's blocks only as far as its prefix-cache hit; the engine
+    hashes the rest once it has launched the step, before it reads any output."""
+    engine = llm.engine
+    scheduler = engine.engine_core.scheduler
+    seen: list[int] = []
+    launch = engine.engine_core.executor.launch
+
+    def launched(so):
+        seen.append(len(scheduler.requests["hashed"].block_hashes))
+        return launch(so)
+
+    engine.engine_core.executor.launch = launched
+    try:
+        engine.add_request("hashed", {"prompt_token_ids": list(range(3000, 3100))}, GREEDY)
+        engine.step()
+        assert seen == [1]  # 100 tokens, 6 full blocks of 16: the lookup hashed the first
+        assert len(scheduler.requests["hashed"].block_hashes) == 6
+    finally:
+        engine.engine_core.executor.launch = launch
+        engine.abort_request(["hashed"])
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert _all_blocks_free(llm)
+
+
 def test_stop_string_is_cut_from_text_unless_asked_to_keep_it(llm: LLM) -> None:
     prompt = "Count: 1, 2, 3, 4, 5,"
     full = llm.generate(prompt, GREEDY)[0].outputs[0].text

@@ -75,6 +75,23 @@ def test_second_request_hits_the_full_blocks_of_a_finished_one() -> None:
     assert [blk.block_id for blk in blocks] == _cached_block_ids(a, manager, 2)
 
 
+def test_the_lookup_hashes_only_as_far_as_the_hit_and_the_rest_waits_for_hash_blocks() -> None:
+    manager = KVCacheManager(num_blocks=20, block_size=BS, max_model_len=64)
+    a = _req("a", list(range(10)))
+    _run(manager, a)
+    manager.free(a)
+
+    new = _req("new", [50 + t for t in range(13)])  # its first block misses
+    assert manager.get_computed_blocks(new) == ([], 0)
+    assert len(new.block_hashes) == 1
+    b = _req("b", list(range(8)) + [77, 78, 79, 80, 81])  # hits 2 blocks, misses the third
+    _, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 8 and len(b.block_hashes) == 3
+    manager.hash_blocks(new)  # (the engine calls it once the step runs)
+    assert new.block_hashes == update_block_hashes(_req("same", new.all_token_ids), BS)
+    assert len(new.block_hashes) == 3
+
+
 def _cached_block_ids(req: Request, manager: KVCacheManager, n: int) -> list[int]:
     ids = []
     for h in req.block_hashes[:n]:

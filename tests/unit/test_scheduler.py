@@ -247,6 +247,18 @@ def test_decode_gets_a_new_block_id_when_it_crosses_a_block_boundary() -> None:
     assert len(sched.kv_cache_manager.get_block_ids("a")) == 2
 
 
+def test_a_new_prompt_is_hashed_after_its_step_is_launched_not_before() -> None:
+    """The schedule hashes a new prompt only as far as its prefix-cache hit (its first block,
+    a miss); ``after_launch`` (the engine's, while the step runs) hashes the rest."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    req = make_request("a", list(range(40)))
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 40} and len(req.block_hashes) == 1
+    sched.after_launch(out)
+    assert len(req.block_hashes) == 10
+
+
 def test_prefix_hit_of_a_500_token_prompt_is_skipped_on_first_schedule() -> None:
     sched = make_scheduler(num_blocks=300, block_size=16, max_model_len=1024)
     runner = FakeRunner(16)

@@ -114,6 +114,7 @@ class EngineCore:
         launched = None
         if not so.is_empty or so.finished_req_ids or so.kv_transfers is not None:
             launched = (so, self.executor.launch(so))
+            self.scheduler.after_launch(so)
         previous, self._in_flight = self._in_flight, None
         if previous:
             outputs += self._finish(*previous)
@@ -142,6 +143,7 @@ class EngineCore:
             so = self.scheduler.schedule()
             if not so.is_empty or so.finished_req_ids or so.kv_transfers is not None:
                 batches.append((so, self.executor.launch(so)))
+                self.scheduler.after_launch(so)
                 launched = not so.is_empty
                 running = sum(not b.is_empty for b, _ in batches)
                 self.max_batches_in_flight = max(self.max_batches_in_flight, running)

@@ -44,10 +44,15 @@ def hash_block_tokens(
     return h.digest()
 
 
-def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
-    """Extend ``request.block_hashes`` to cover every full block of its tokens; returns it."""
+def update_block_hashes(
+    request: Request, block_size: int, num_blocks: int | None = None
+) -> list[bytes]:
+    """Extend ``request.block_hashes`` to cover every full block of its tokens (the first
+    ``num_blocks`` at most); returns it."""
     hashes = request.block_hashes
     num_full = request.num_tokens // block_size
+    if num_blocks is not None:
+        num_full = min(num_full, num_blocks)
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
         tokens = request.token_slice(i * block_size, (i + 1) * block_size)

@@ -82,15 +82,30 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        hashes = update_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.offload is not None:  # (its pool is looked up past the device's hit)
+            update_block_hashes(request, self.block_size)
+        # NOTE: hashed as far as the hit goes: a new prompt's first block misses, and the rest
+        # of its hashes (sha256 a block: milliseconds for a step of long prompts, all before
+        # the step starts) wait for ``hash_blocks``, once the step runs.
+        hashes = request.block_hashes
         blocks: list[KVCacheBlock] = []
-        for h in hashes[:max_hit_blocks]:
-            block = self.block_pool.get_cached_block(h)
+        for i in range(max_hit_blocks):
+            if i == len(hashes):
+                update_block_hashes(request, self.block_size, i + 1)
+            block = self.block_pool.get_cached_block(hashes[i])
             if block is None:
                 break
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
+
+    def hash_blocks(self, request: Request) -> None:
+        """Hash every full block of the request's tokens, for the prefix cache to file them
+        under when they are computed: host work the engine does while a step runs (the lookup
+        hashes only as far as the hit; ``_cache_computed_blocks`` hashes what is still missing
+        itself)."""
+        if self.enable_caching:
+            update_block_hashes(request, self.block_size)
 
     def allocate_slots(
         self,

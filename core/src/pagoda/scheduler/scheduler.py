@@ -317,6 +317,15 @@ class Scheduler:
         for req in reversed(samples):
             self.waiting.add_preempted(req)
 
+    def after_launch(self, scheduler_output: SchedulerOutput) -> None:
+        """Host work that waits until the step it scheduled runs on the device: the prefix
+        cache's block hashes of the requests it admitted (their lookup hashed only as far as
+        their hit)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self.requests.get(new.req_id)
+            if req is not None:
+                self.kv_cache_manager.hash_blocks(req)
+
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         step = _Step(budget=self.max_num_batched_tokens, encoder_budget=self.encoder_budget)
