@@ -37,8 +37,15 @@ def test_free_queue_pops_front_and_appends_back() -> None:
     queue.append_n([blocks[2]])
 
     assert _ids(queue.get_all_free_blocks()) == [1, 3, 0, 2]
-    assert _ids(queue.popleft_n(3)) == [1, 3, 0]
+    popped = queue.popleft_n(3)
+    assert _ids(popped) == [1, 3, 0]
     assert queue.num_free_blocks == 1
+    # Popped blocks leave the list whole: unlinked, and the rest still linked both ways.
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in popped)
+    queue.append_n(popped)
+    assert _ids(queue.get_all_free_blocks()) == [2, 1, 3, 0]
+    queue.remove(blocks[2])
+    assert _ids(queue.popleft_n(2)) == [1, 3] and _ids(queue.get_all_free_blocks()) == [0]
 
 
 def test_free_queue_rejects_popping_more_than_free_and_double_membership() -> None:

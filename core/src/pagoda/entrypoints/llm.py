@@ -193,12 +193,17 @@ class LLM:
                     f"got {len(params)} PoolingParams for {len(prompts)} prompts; give one, "
                     "or one per prompt"
                 )
-        if pooling_task is not None:
-            params = [p.with_task(pooling_task) for p in params]
         engine = self.engine
-        # The parameters are checked first (a wrong task or field fails before any step); each
-        # prompt as it is added (``generate`` says why).
-        resolved = [engine.resolve_pooling(p) for p in params]
+
+        def resolve(p: PoolingParams) -> PoolingParams:
+            return engine.resolve_pooling(p if pooling_task is None else p.with_task(pooling_task))
+
+        # The parameters are checked first (a wrong task or field fails before any step), each
+        # object once (one given for every prompt is one); each prompt as it is added
+        # (``generate`` says why).
+        by_id: dict[int, PoolingParams] = {}
+        resolved = [by_id[id(p)] if id(p) in by_id else by_id.setdefault(id(p), resolve(p))
+                    for p in params]  # fmt: skip
 
         def add(i: int, rid: str) -> int:
             r = resolved[i]

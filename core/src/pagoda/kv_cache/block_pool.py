@@ -45,7 +45,20 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free KV cache blocks, {self.num_free_blocks} free")
-        return [self.popleft() for _ in range(n)]
+        # NOTE: one walk down the list and one relink of its head, not n removals (a step of
+        # long new prompts takes thousands of blocks before it starts).
+        out = []
+        block = self._head.next_free_block
+        for _ in range(n):
+            assert block is not None
+            out.append(block)
+            block.prev_free_block, block = None, block.next_free_block
+            out[-1].next_free_block = None
+        assert block is not None
+        self._head.next_free_block = block
+        block.prev_free_block = self._head
+        self.num_free_blocks -= n
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev_free_block, block.next_free_block
@@ -102,7 +115,8 @@ class BlockPool:
         """Pop ``n`` blocks from the front of the free queue, evicting their cached contents."""
         blocks = self.free_block_queue.popleft_n(n)
         for block in blocks:
-            self._evict(block)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
         return blocks
 
