@@ -201,9 +201,8 @@ class LLM:
         # The parameters are checked first (a wrong task or field fails before any step), each
         # object once (one given for every prompt is one); each prompt as it is added
         # (``generate`` says why).
-        by_id: dict[int, PoolingParams] = {}
-        resolved = [by_id[id(p)] if id(p) in by_id else by_id.setdefault(id(p), resolve(p))
-                    for p in params]  # fmt: skip
+        once = {key: resolve(p) for key, p in {id(p): p for p in params}.items()}
+        resolved = [once[id(p)] for p in params]
 
         def add(i: int, rid: str) -> int:
             r = resolved[i]

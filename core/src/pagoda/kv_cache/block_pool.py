@@ -51,9 +51,10 @@ class FreeKVCacheBlockQueue:
         block = self._head.next_free_block
         for _ in range(n):
             assert block is not None
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
             out.append(block)
-            block.prev_free_block, block = None, block.next_free_block
-            out[-1].next_free_block = None
+            block = nxt
         assert block is not None
         self._head.next_free_block = block
         block.prev_free_block = self._head

@@ -23,6 +23,7 @@ from pagoda.ops.draw import sample_from_probs
 __all__ = [
     "fused_experts",
     "fused_ops_enabled",
+    "kv_write_fused",
     "linear",
     "qk_norm_rotary",
     "rms_norm",
@@ -30,7 +31,6 @@ __all__ = [
     "sample_from_logits",
     "set_fused_ops",
     "silu_and_mul",
-    "kv_write_fused",
 ]
 
 _enabled = True
