@@ -92,6 +92,49 @@ def test_silu_and_mul_matches_torch(name: str, tokens: int) -> None:
     _close(silu_and_mul_triton(x), reference.silu_and_mul(x))
 
 
+needs_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the fused gate/up kernel runs on Hopper",
+)
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("tokens", [4096, 5000])
+def test_gate_up_silu_is_closer_to_exact_than_the_unfused_path(name: str, tokens: int) -> None:
+    """The fused projection and activation against float64 arithmetic on the same bf16 inputs:
+    within bf16 rounding of the exact result, and no farther from it than the projection then
+    silu_and_mul (which round the gate and the up first). 5,000 rows: a last row tile cut short."""
+    a = _arch(name)
+    inter = a.intermediate_size
+    x = _rand(tokens, a.hidden_size, seed=5)
+    w = (_rand(2 * inter, a.hidden_size, seed=6) * a.hidden_size**-0.5).to(BF16)
+    got = ops.gate_up_silu(x, w)
+    assert got is not None and got.shape == (tokens, inter) and got.dtype == BF16
+    y = x.double() @ w.double().T
+    exact = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    unfused = ops.silu_and_mul(ops.linear(x, w))
+    err = (got.double() - exact).abs()
+    # bf16 keeps 8 bits: half an ulp of each value, and a floor for values near zero.
+    assert (err <= exact.abs() * 2**-8 + 1e-3).all()
+    assert err.mean() <= (unfused.double() - exact).abs().mean()
+
+
+@needs_hopper
+def test_gate_up_silu_leaves_small_steps_and_other_layouts_to_the_unfused_path() -> None:
+    from pagoda.ops import triton_gated_gemm
+
+    w = _rand(2 * 3072, 1024, seed=6)
+    assert ops.gate_up_silu(_rand(triton_gated_gemm.MIN_ROWS - 1, 1024), w) is None
+    assert ops.gate_up_silu(_rand(8192, 1024).float(), w.float()) is None  # fp32
+    assert ops.gate_up_silu(_rand(8192, 2048)[:, :1024], w) is None  # not contiguous
+    ops.set_fused_ops(False)
+    try:
+        assert ops.gate_up_silu(_rand(8192, 1024), w) is None
+    finally:
+        ops.set_fused_ops(True)
+
+
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("tokens", [1, 257, 8192])
 def test_rotary_in_place_on_qkv_views_equals_torch(name: str, tokens: int) -> None:

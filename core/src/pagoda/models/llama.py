@@ -28,7 +28,7 @@ from pagoda.models.parallel_layers import (
     copy_weight,
     split_evenly,
 )
-from pagoda.ops import qk_norm_rotary, silu_and_mul
+from pagoda.ops import gate_up_silu, qk_norm_rotary, silu_and_mul
 from pagoda.quantization import LinearMethod, QuantizationMethod, kv_scale_of
 
 
@@ -150,7 +150,13 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        proj = self.gate_up_proj
+        # A large step's plain bf16 projection (no quantization, no LoRA in its place) and the
+        # activation in one kernel where it runs (``ops.gate_up_silu``); else apart.
+        h = None
+        if type(proj) is ColumnParallelLinear and proj.quant_method is None and proj.bias is None:
+            h = gate_up_silu(x, proj.weight)
+        return self.down_proj(silu_and_mul(proj(x)) if h is None else h)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -23,6 +23,7 @@ from pagoda.ops.draw import sample_from_probs
 __all__ = [
     "fused_experts",
     "fused_ops_enabled",
+    "gate_up_silu",
     "kv_write_fused",
     "linear",
     "qk_norm_rotary",
@@ -107,6 +108,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return reference.silu_and_mul(x)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` ([2 * I, K]) in one
+    kernel (:mod:`pagoda.ops.triton_gated_gemm`), where it runs and pays: a step of at least its
+    ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
+    caller runs the projection and :func:`silu_and_mul`."""
+    if batch_invariant._enabled or not _use_triton(x) or not x.is_cuda or x.dim() != 2:
+        return None
+    from pagoda.ops import triton_gated_gemm
+
+    if x.shape[0] < triton_gated_gemm.MIN_ROWS or not triton_gated_gemm.supported(x, weight):
+        return None
+    return triton_gated_gemm.gate_up_silu_triton(x, weight)
 
 
 def rotary_embedding(
