@@ -674,13 +674,25 @@ def test_steps_of_new_prompts_take_the_ragged_wrapper_when_asked(
     # first step's keys from the cache: a ragged step that skipped the write fails above.
 
 
-def test_the_ragged_path_is_off_unless_asked(stand_in) -> None:
+@pytest.mark.parametrize("setting", [None, "false"], ids=["default", "off"])
+def test_the_ragged_path_is_on_unless_the_setting_turns_it_off(
+    stand_in, setting: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plugins.flashinfer.ragged_prefill``, as an engine's configuration gives it: on by
+    default (a step of new prompts plans the ragged wrapper), off keeps it on the paged one."""
+    from pagoda.config import EngineConfig
+
+    monkeypatch.setattr(FlashInferBackend, "ragged_prefill", setting is not None)
+    if setting is not None:
+        monkeypatch.setenv("PAGODA_PLUGINS__FLASHINFER__RAGGED_PREFILL", setting)
+    FlashInferBackend.configure(EngineConfig.load(None).attention)
+    assert FlashInferBackend.ragged_prefill is (setting is None)
     model = Model([PLAIN], [7, 31, 41, 10], torch.device("cpu"), torch.float32, width=8)
     md = FlashInferBackend.build_metadata(model.common(EAGER_STEPS[0]))
-    assert not md.fresh
+    assert md.fresh is (setting is None)
     impl, cache = model.impls[0], model.caches[0]
     impl.forward(*model.inputs(0, EAGER_STEPS[0]), cache, md)
-    assert [type(w) for w in stand_in] == [FakePrefill]
+    assert [type(w) for w in stand_in] == [FakeRagged if setting is None else FakePrefill]
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["paged", "ragged"])
@@ -800,7 +812,12 @@ def test_a_mix_of_layers_in_a_cuda_graph_replans_each_group_before_a_replay(
         assert {g: p.wrapper for g, p in md.plans.items()} == wrappers
 
 
-def test_a_plain_model_plans_once_a_step_and_a_mix_once_a_group(stand_in) -> None:
+def test_a_plain_model_plans_once_a_step_and_a_mix_once_a_group(
+    stand_in, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (the paged wrappers' plans: the ragged path, for steps of new prompts, is off here)
+    monkeypatch.setattr(FlashInferBackend, "ragged_prefill", False)
+
     def run(specs: list[AttentionSpec], steps: list) -> list[Any]:
         model = Model(specs, [7, 31, 41, 10], torch.device("cpu"), torch.float32, width=8)
         mds = []
