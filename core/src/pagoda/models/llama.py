@@ -28,7 +28,7 @@ from pagoda.models.parallel_layers import (
     copy_weight,
     split_evenly,
 )
-from pagoda.ops import gate_up_silu, qk_norm_rotary, silu_and_mul
+from pagoda.ops import gate_up_silu, qk_norm_rotary, qkv_norm_rotary, silu_and_mul
 from pagoda.quantization import LinearMethod, QuantizationMethod, kv_scale_of
 
 
@@ -114,16 +114,32 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """``keep``: the rows whose output is read (every row's keys and values are cached)."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        proj, rot = self.qkv_proj, self.rotary_emb
+        qkv = None
+        if (
+            self.qk_norm
+            and type(proj) is ColumnParallelLinear
+            and proj.quant_method is None
+            and proj.bias is None
+        ):
+            # Qwen3's norms and rotation in the projection's own kernel, where it runs.
+            qkv = qkv_norm_rotary(
+                x, proj.weight, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions, rot.cos,
+                rot.sin,
+            )  # fmt: skip
+        fused = qkv is not None
+        if not fused:
+            qkv = proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # Qwen3: per-head norms, then the rotation, in one kernel where it runs
-            rot = self.rotary_emb
+        if self.qk_norm and not fused:  # Qwen3: per-head norms, then the rotation, one kernel
             q, k = qk_norm_rotary(
                 positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                 rot.cos, rot.sin,
             )  # fmt: skip
-        else:
+        elif not self.qk_norm:
             q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out if keep is None else out[keep])

@@ -27,6 +27,7 @@ __all__ = [
     "kv_write_fused",
     "linear",
     "qk_norm_rotary",
+    "qkv_norm_rotary",
     "rms_norm",
     "rotary_embedding",
     "sample_from_logits",
@@ -122,6 +123,40 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     if x.shape[0] < triton_gated_gemm.MIN_ROWS or not triton_gated_gemm.supported(x, weight):
         return None
     return triton_gated_gemm.gate_up_silu_triton(x, weight)
+
+
+def qkv_norm_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor | None:
+    """The qkv projection ``x @ weight.T`` with each q and k head normalised and rotated, as
+    the projection then :func:`qk_norm_rotary` give them, in one kernel
+    (:mod:`pagoda.ops.triton_qkv_norm_rotary`) where it is enabled and runs: a step of at least
+    its ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
+    caller runs the two apart."""
+    if batch_invariant._enabled or not _use_triton(x) or not x.is_cuda or x.dim() != 2:
+        return None
+    from pagoda.ops import triton_qkv_norm_rotary as fused
+
+    if (
+        not fused.ENABLED
+        or x.shape[0] < fused.MIN_ROWS
+        or positions.dim() != 1
+        or not fused.supported(x, weight, head_dim)
+    ):
+        return None
+    return fused.qkv_norm_rotary_triton(
+        x, weight, q_heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos, sin
+    )
 
 
 def rotary_embedding(

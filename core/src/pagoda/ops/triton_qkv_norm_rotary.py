@@ -1,0 +1,199 @@
+"""Qwen3's qkv projection with its per-head RMSNorm of q and k and their rotary embedding in the
+GEMM's epilogue, in one Triton kernel (Hopper, TMA).
+
+Unfused, a prefill step writes the projection ``[tokens, (H + 2 * KV) * D]``, then
+:func:`pagoda.ops.qk_norm_rotary` reads q and k back and writes them again: on an H200 at
+32,768 tokens of Qwen3-0.6B the projection took 405 us (cuBLAS) and the norm-and-rotation kernel
+118. Here a program computes one head's ``D`` columns for ``BLOCK_M`` rows as two accumulators,
+the head's first half and its second (the two operands of the neox rotation, so no lane exchange
+is needed), and a q or k head is normalised and rotated before it is stored; v heads are stored
+as computed.
+
+The arithmetic after the dot is the separate kernels': the projection's value rounded to the
+activation's dtype, each row's sum of squares in float32, the normalised value rounded, times
+the weight, rounded again, then each rotation product rounded on its own (``mul_rn``). Only the
+order of the sum of squares (two halves, then their sum) and the GEMM's own accumulation order
+differ from the unfused path, so results agree within those roundings, not bit for bit.
+
+Checked against float64 by ``tests/unit/test_fused_gemm_epilogues.py`` (Triton's interpreter,
+float16) and ``tests/gpu/test_fused_ops_gpu.py`` (bfloat16, Qwen3-0.6B's heads). Not yet timed on
+a GPU: :data:`ENABLED` stays off (the model runs the projection and :func:`qk_norm_rotary`
+apart) until a run shows it pays.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Off until measured on a GPU: ``ops.qkv_norm_rotary`` returns None (the unfused path) while so.
+ENABLED = False
+# (block_m, block_k, group_m, stages, warps): the fused gate/up GEMM's best on an H200, whose
+# two accumulators of 64 columns are the shape of a head of 128 here.
+LAUNCH = (128, 64, 8, 3, 8)
+MIN_ROWS = 4096
+
+
+@triton.jit
+def _mul(a, b, EXACT: tl.constexpr):
+    """``a * b`` rounded on its own: never fused into an add that follows."""
+    if EXACT:
+        return libdevice.mul_rn(a, b)
+    return a * b
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qkv_norm_rotary_kernel(
+    x_desc,
+    w_desc,
+    out_ptr,
+    pos_ptr,
+    wq_ptr,
+    wk_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    M,
+    K,
+    q_heads,
+    k_heads,
+    heads,
+    eps,
+    BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DTYPE: tl.constexpr,
+    EXACT: tl.constexpr,
+):
+    # Programs in groups of GROUP_M row tiles, head by head (as the gate/up kernel groups them).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    group = GROUP_M * heads
+    first_m = (pid // group) * GROUP_M
+    rows_in_group = min(num_m - first_m, GROUP_M)
+    m0 = (first_m + (pid % group) % rows_in_group) * BLOCK_M
+    head = (pid % group) // rows_in_group
+    n0 = head * 2 * HALF
+    a1 = tl.zeros((BLOCK_M, HALF), tl.float32)
+    a2 = tl.zeros((BLOCK_M, HALF), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = x_desc.load([m0, k])
+        a1 = tl.dot(x, w_desc.load([n0, k]).T, a1)
+        a2 = tl.dot(x, w_desc.load([n0 + HALF, k]).T, a2)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    d = tl.arange(0, HALF)
+    width = heads * 2 * HALF
+    dst = out_ptr + rows.to(tl.int64)[:, None] * width + n0 + d[None, :]
+    if head < q_heads + k_heads:
+        # The projection's values as the unfused path stores them, then the norm kernel's steps.
+        x1 = a1.to(DTYPE).to(tl.float32)
+        x2 = a2.to(DTYPE).to(tl.float32)
+        inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        if head < q_heads:
+            w_ptr = wq_ptr
+        else:
+            w_ptr = wk_ptr
+        w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+        y1 = (w1 * (x1 * inv[:, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        y2 = (w2 * (x2 * inv[:, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)[:, None]
+        cos = tl.load(cos_ptr + pos * stride_cos + d[None, :])
+        sin = tl.load(sin_ptr + pos * stride_cos + d[None, :])
+        o1 = _mul(y1, cos, EXACT) - _mul(y2, sin, EXACT)
+        o2 = _mul(y2, cos, EXACT) + _mul(y1, sin, EXACT)
+        tl.store(dst, o1.to(DTYPE), mask=row_ok[:, None])
+        tl.store(dst + HALF, o2.to(DTYPE), mask=row_ok[:, None])
+    else:
+        tl.store(dst, a1.to(DTYPE), mask=row_ok[:, None])
+        tl.store(dst + HALF, a2.to(DTYPE), mask=row_ok[:, None])
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
+    """Whether the kernel takes ``x`` [M, K] and ``weight`` [heads * head_dim, K]: bf16 or fp16
+    on a Hopper device, both contiguous and 16-byte aligned, K a multiple of the tile, heads of
+    a power of two from 32 to 256."""
+    block_k = LAUNCH[1]
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and weight.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.device == x.device
+        and torch.cuda.get_device_capability(x.device)[0] == 9
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % block_k == 0
+        and head_dim in (32, 64, 128, 256)
+        and weight.shape[0] % head_dim == 0
+    )
+
+
+def qkv_norm_rotary_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    launch: tuple[int, int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T`` ([M, (q_heads + 2 * kv_heads) * head_dim]: q's heads, k's, v's) with each
+    q and k head normalised (``q_weight``, ``k_weight``: [head_dim]) then rotated at
+    ``positions`` (``cos``/``sin``: [max_position, head_dim // 2], float32, rows of one stride).
+    The caller checks :func:`supported`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_k, group_m, stages, warps = launch or LAUNCH
+    m, k = x.shape
+    heads = q_heads + 2 * kv_heads
+    if weight.shape[0] != heads * head_dim:
+        raise ValueError(
+            f"weight has {weight.shape[0]} rows; {heads} heads of {head_dim} need "
+            f"{heads * head_dim}"
+        )
+    half = head_dim // 2
+    out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m) * heads,)
+    _qkv_norm_rotary_kernel[grid](
+        TensorDescriptor.from_tensor(x, [block_m, block_k]),
+        TensorDescriptor.from_tensor(weight, [half, block_k]),
+        out,
+        positions,
+        q_weight,
+        k_weight,
+        cos,
+        sin,
+        cos.stride(0),
+        m,
+        k,
+        q_heads,
+        kv_heads,
+        heads,
+        eps,
+        BLOCK_M=block_m,
+        HALF=half,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
+        # NOTE: mul_rn is the device's; the interpreter's products are never fused anyway.
+        EXACT=os.environ.get("TRITON_INTERPRET") != "1",
+        num_stages=stages,
+        num_warps=warps,
+    )
+    return out

@@ -1,0 +1,93 @@
+"""The GEMMs with fused epilogues (`pagoda.ops.triton_gated_gemm`, `triton_qkv_norm_rotary`)
+against float64 arithmetic on the same inputs: under Triton's interpreter on a CPU (float16: the
+interpreter's tensor descriptors do not take bfloat16), on a Hopper GPU where there is one. The
+GPU tier checks bfloat16 at real shapes (`tests/gpu/test_fused_ops_gpu.py`)."""
+
+from __future__ import annotations
+
+import os
+from importlib.util import find_spec
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+
+pytestmark = [
+    pytest.mark.skipif(find_spec("triton") is None, reason="needs triton"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+        reason="the kernels load through Hopper's tensor descriptors",
+    ),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+F16 = torch.float16
+
+
+def _rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(F16).to(DEVICE)
+
+
+def test_gate_up_silu_kernel_matches_float64() -> None:
+    from pagoda.ops.triton_gated_gemm import gate_up_silu_triton
+
+    m, k, inter = 200, 128, 128  # a last row tile cut short
+    x, w = _rand(m, k, seed=0), _rand(2 * inter, k, seed=1, scale=k**-0.5)
+    y = x.double() @ w.double().T
+    want = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    got = gate_up_silu_triton(x, w).double()
+    assert got.shape == (m, inter)
+    assert ((got - want).abs() <= want.abs() * 2**-10 + 2e-3).all()
+
+
+def _norm_rotate(h: torch.Tensor, w: torch.Tensor, eps: float, cos, sin) -> torch.Tensor:
+    """Per-head RMSNorm with ``w`` then the neox rotation, in float64: h [M, heads, D]."""
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    h1, h2 = h.chunk(2, dim=-1)
+    return torch.cat((h1 * cos - h2 * sin, h2 * cos + h1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_qkv_norm_rotary_kernel_matches_float64(head_dim: int) -> None:
+    """q and k heads normalised with their own weights and rotated at each row's position, v
+    heads as projected. The two norms' weights differ (a kernel giving k's heads q's weight, or
+    none, fails), and the positions are far apart (a kernel that skipped the rotation fails)."""
+    from pagoda.models.layers import RotaryEmbedding
+    from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
+
+    m, k, qh, kvh, eps = 200, 128, 4, 2, 1e-6
+    heads = qh + 2 * kvh
+    x, w = _rand(m, k, seed=2), _rand(heads * head_dim, k, seed=3, scale=k**-0.5)
+    wq = (1 + _rand(head_dim, seed=4, scale=0.5)).to(F16)
+    wk = (0.5 + _rand(head_dim, seed=5, scale=0.5)).to(F16)
+    rot = RotaryEmbedding(head_dim, 4096, 10000.0).to(DEVICE)
+    pos = torch.randint(0, 4096, (m,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    got = qkv_norm_rotary_triton(x, w, qh, kvh, head_dim, wq, wk, eps, pos, rot.cos, rot.sin)
+    assert got.shape == (m, heads * head_dim) and got.dtype == F16
+    y = (x.double() @ w.double().T).view(m, heads, head_dim)
+    cos = rot.cos[pos].double().unsqueeze(1)
+    sin = rot.sin[pos].double().unsqueeze(1)
+    want = torch.cat(
+        (
+            _norm_rotate(y[:, :qh], wq, eps, cos, sin),
+            _norm_rotate(y[:, qh : qh + kvh], wk, eps, cos, sin),
+            y[:, qh + kvh :],
+        ),
+        dim=1,
+    ).view(m, -1)
+    # Rounded to fp16 after the projection, after the norm and after the weight, then once more.
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 4e-3).all()
+
+
+def test_qkv_norm_rotary_refuses_a_weight_of_other_heads() -> None:
+    from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
+
+    x, w = _rand(16, 64, seed=0), _rand(7 * 64, 64, seed=1)
+    ones = torch.ones(64, dtype=F16, device=DEVICE)
+    pos = torch.zeros(16, dtype=torch.long, device=DEVICE)
+    table = torch.zeros(8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="8 heads of 64 need 512"):
+        qkv_norm_rotary_triton(x, w, 4, 2, 64, ones, ones, 1e-6, pos, table, table)
