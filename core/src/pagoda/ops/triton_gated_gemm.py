@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.triton_gemm_common import grouped_tile, tma_gemm_operands, two_column_tiles
+
 # (block_m, block_n, block_k, group_m, stages, warps): the fastest of a sweep on an H200 at
 # 32,768 x 1,024 x 2 * 3,072, bf16 (block_n columns of the gate and as many of the up a program).
 LAUNCH = (128, 64, 64, 8, 3, 8)
@@ -42,47 +44,19 @@ def _gate_up_silu_kernel(
     GROUP_M: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    # Programs in groups of GROUP_M row tiles, column tile by column tile: a group's rows of x
-    # and the weight's column tiles stay in L2 while they are read again.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // group) * GROUP_M
-    rows = min(num_m - first_m, GROUP_M)
-    m0 = (first_m + (pid % group) % rows) * BLOCK_M
-    n0 = ((pid % group) // rows) * BLOCK_N
-    gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = x_desc.load([m0, k])
-        gate = tl.dot(x, w_desc.load([n0, k]).T, gate)
-        up = tl.dot(x, w_desc.load([N + n0, k]).T, up)
+    m0, n_tile = grouped_tile(M, tl.cdiv(N, BLOCK_N), BLOCK_M, GROUP_M)
+    n0 = n_tile * BLOCK_N
+    gate, up = two_column_tiles(x_desc, w_desc, m0, n0, N + n0, K, BLOCK_M, BLOCK_N, BLOCK_K)
     out = gate / (1.0 + tl.exp(-gate)) * up
     # (rows past M are dropped by the descriptor)
     out_desc.store([m0, n0], out.to(DTYPE))
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes ``x`` [M, K] and ``weight`` [2 * I, K]: bf16 or fp16 on a Hopper
-    device, both contiguous and 16-byte aligned (the descriptors' rule), K and I multiples of the
-    tiles."""
-    block_m, block_n, block_k = LAUNCH[:3]
-    return (
-        x.is_cuda
-        and x.dim() == 2
-        and weight.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and weight.device == x.device
-        and torch.cuda.get_device_capability(x.device)[0] == 9
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and x.data_ptr() % 16 == 0
-        and weight.data_ptr() % 16 == 0
-        and x.shape[1] == weight.shape[1]
-        and x.shape[1] % block_k == 0
-        and weight.shape[0] % (2 * block_n) == 0
-    )
+    """Whether the kernel takes ``x`` [M, K] and ``weight`` [2 * I, K]: operands its tensor
+    descriptors load (:func:`tma_gemm_operands`), I a multiple of the tile."""
+    block_n, block_k = LAUNCH[1:3]
+    return tma_gemm_operands(x, weight, block_k) and weight.shape[0] % (2 * block_n) == 0
 
 
 def gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagoda.ops.triton_gemm_common import grouped_tile, tma_gemm_operands, two_column_tiles
+
 # Off until measured on a GPU: ``ops.qkv_norm_rotary`` returns None (the unfused path) while so.
 ENABLED = False
 # (block_m, block_k, group_m, stages, warps): the fused gate/up GEMM's best on an H200, whose
@@ -70,21 +72,10 @@ def _qkv_norm_rotary_kernel(
     DTYPE: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    # Programs in groups of GROUP_M row tiles, head by head (as the gate/up kernel groups them).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    group = GROUP_M * heads
-    first_m = (pid // group) * GROUP_M
-    rows_in_group = min(num_m - first_m, GROUP_M)
-    m0 = (first_m + (pid % group) % rows_in_group) * BLOCK_M
-    head = (pid % group) // rows_in_group
+    m0, head = grouped_tile(M, heads, BLOCK_M, GROUP_M)  # a head's columns a tile
     n0 = head * 2 * HALF
-    a1 = tl.zeros((BLOCK_M, HALF), tl.float32)
-    a2 = tl.zeros((BLOCK_M, HALF), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = x_desc.load([m0, k])
-        a1 = tl.dot(x, w_desc.load([n0, k]).T, a1)
-        a2 = tl.dot(x, w_desc.load([n0 + HALF, k]).T, a2)
+    # The head's two halves: the neox rotation's operands, with no exchange across lanes.
+    a1, a2 = two_column_tiles(x_desc, w_desc, m0, n0, n0 + HALF, K, BLOCK_M, HALF, BLOCK_K)
     rows = m0 + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     d = tl.arange(0, HALF)
@@ -116,24 +107,11 @@ def _qkv_norm_rotary_kernel(
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
-    """Whether the kernel takes ``x`` [M, K] and ``weight`` [heads * head_dim, K]: bf16 or fp16
-    on a Hopper device, both contiguous and 16-byte aligned, K a multiple of the tile, heads of
-    a power of two from 32 to 256."""
-    block_k = LAUNCH[1]
+    """Whether the kernel takes ``x`` [M, K] and ``weight`` [heads * head_dim, K]: operands its
+    tensor descriptors load (:func:`tma_gemm_operands`), heads of a power of two from 32 to
+    256."""
     return (
-        x.is_cuda
-        and x.dim() == 2
-        and weight.dim() == 2
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and weight.device == x.device
-        and torch.cuda.get_device_capability(x.device)[0] == 9
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and x.data_ptr() % 16 == 0
-        and weight.data_ptr() % 16 == 0
-        and x.shape[1] == weight.shape[1]
-        and x.shape[1] % block_k == 0
+        tma_gemm_operands(x, weight, LAUNCH[1])
         and head_dim in (32, 64, 128, 256)
         and weight.shape[0] % head_dim == 0
     )
