@@ -56,6 +56,14 @@ def _linear_method(
     return None if quant is None else quant.linear_method([f"{prefix}.{n}" for n in names])
 
 
+def _plain_weight(proj: nn.Module) -> torch.Tensor | None:
+    """The weight of a projection that is a plain matmul (no quantization, no bias, no LoRA
+    layer in its place), which the GEMMs with fused epilogues may take over; None otherwise."""
+    if type(proj) is ColumnParallelLinear and proj.quant_method is None and proj.bias is None:
+        return proj.weight
+    return None
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self,
@@ -114,33 +122,29 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """``keep``: the rows whose output is read (every row's keys and values are cached)."""
         n = x.shape[0]
-        proj, rot = self.qkv_proj, self.rotary_emb
+        rot = self.rotary_emb
         qkv = None
-        if (
-            self.qk_norm
-            and type(proj) is ColumnParallelLinear
-            and proj.quant_method is None
-            and proj.bias is None
-        ):
+        weight = _plain_weight(self.qkv_proj)
+        if self.qk_norm and weight is not None:
             # Qwen3's norms and rotation in the projection's own kernel, where it runs.
             qkv = qkv_norm_rotary(
-                x, proj.weight, self.num_heads, self.num_kv_heads, self.head_dim,
-                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions, rot.cos,
-                rot.sin,
+                x, weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+                self.k_norm.weight, self.q_norm.eps, positions, rot.cos, rot.sin,
             )  # fmt: skip
         fused = qkv is not None
         if not fused:
-            qkv = proj(x)
+            qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm and not fused:  # Qwen3: per-head norms, then the rotation, one kernel
-            q, k = qk_norm_rotary(
-                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                rot.cos, rot.sin,
-            )  # fmt: skip
-        elif not self.qk_norm:
-            q, k = self.rotary_emb(positions, q, k)
+        if not fused:
+            if self.qk_norm:  # Qwen3: per-head norms, then the rotation, in one kernel
+                q, k = qk_norm_rotary(
+                    positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                    rot.cos, rot.sin,
+                )  # fmt: skip
+            else:
+                q, k = rot(positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out if keep is None else out[keep])
 
@@ -166,13 +170,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        proj = self.gate_up_proj
-        # A large step's plain bf16 projection (no quantization, no LoRA in its place) and the
-        # activation in one kernel where it runs (``ops.gate_up_silu``); else apart.
-        h = None
-        if type(proj) is ColumnParallelLinear and proj.quant_method is None and proj.bias is None:
-            h = gate_up_silu(x, proj.weight)
-        return self.down_proj(silu_and_mul(proj(x)) if h is None else h)
+        # A large step's projection and activation in one kernel where it runs; else apart.
+        weight = _plain_weight(self.gate_up_proj)
+        h = None if weight is None else gate_up_silu(x, weight)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)) if h is None else h)
 
 
 class LlamaDecoderLayer(nn.Module):

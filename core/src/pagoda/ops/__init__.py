@@ -116,7 +116,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     kernel (:mod:`pagoda.ops.triton_gated_gemm`), where it runs and pays: a step of at least its
     ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
     caller runs the projection and :func:`silu_and_mul`."""
-    if batch_invariant._enabled or not _use_triton(x) or not x.is_cuda or x.dim() != 2:
+    if batch_invariant._enabled or not _use_triton(x):
         return None
     from pagoda.ops import triton_gated_gemm
 
@@ -143,7 +143,7 @@ def qkv_norm_rotary(
     (:mod:`pagoda.ops.triton_qkv_norm_rotary`) where it is enabled and runs: a step of at least
     its ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
     caller runs the two apart."""
-    if batch_invariant._enabled or not _use_triton(x) or not x.is_cuda or x.dim() != 2:
+    if batch_invariant._enabled or not _use_triton(x):
         return None
     from pagoda.ops import triton_qkv_norm_rotary as fused
 
