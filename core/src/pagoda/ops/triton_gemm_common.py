@@ -1,6 +1,14 @@
 """What the Hopper GEMMs with fused epilogues (:mod:`pagoda.ops.triton_gated_gemm`,
-:mod:`pagoda.ops.triton_qkv_norm_rotary`) share: the operands their tensor descriptors load, and
-the order their programs take the output's tiles in."""
+:mod:`pagoda.ops.triton_qkv_norm_rotary`) share: the operands their tensor descriptors load, the
+order their programs take the output's tiles in, and how an epilogue takes an accumulator's
+column pairs apart.
+
+Both kernels compute their tile as one dot of ``2 * n`` columns (a gate's and an up's, a head's
+two halves) and split the float32 accumulator in the epilogue. Two dots of ``n`` columns sharing
+the rows of x, as they first did, issue Hopper's tensor-core instructions at half the width, which
+read their operands from shared memory twice as often per product: on an H200 the single dot took
+the gate/up GEMM with SiLU at 32,768 x 1,024 x 2 x 3,072 from 737 us to 680, and Qwen3-0.6B's qkv
+projection with norms and rotation from 601 to 506."""
 
 from __future__ import annotations
 
@@ -43,15 +51,14 @@ def tma_gemm_operands(x: torch.Tensor, weight: torch.Tensor, block_k: int) -> bo
 
 
 @triton.jit
-def two_column_tiles(x_desc, w_desc, m0, n_a, n_b, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):  # fmt: skip
-    """``x[m0:m0 + BLOCK_M] @ w[n:n + BLOCK_N].T`` for ``n`` = ``n_a`` and ``n_b``, in float32:
-    the two accumulators an epilogue combines (a gate's and an up's columns, a head's halves),
-    each row tile of x loaded once for both."""
-    a = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    b = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = x_desc.load([m0, k])
-        a = tl.dot(x, w_desc.load([n_a, k]).T, a)
-        b = tl.dot(x, w_desc.load([n_b, k]).T, b)
-    return a, b
+def column_halves(acc, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, HALF: tl.constexpr):
+    """``acc`` [BLOCK_M, GROUPS * 2 * HALF] as GROUPS groups of two halves of HALF columns: the
+    first halves and the second ([BLOCK_M, GROUPS, HALF] each). Bits moved, no arithmetic."""
+    pairs = tl.permute(tl.reshape(acc, (BLOCK_M, GROUPS, 2, HALF)), (0, 1, 3, 2))
+    return tl.split(pairs)
+
+
+@triton.jit
+def join_halves(a, b, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr, HALF: tl.constexpr):
+    """The inverse of :func:`column_halves`: [BLOCK_M, GROUPS * 2 * HALF]."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), (BLOCK_M, GROUPS * 2 * HALF))
