@@ -36,6 +36,7 @@ from pagoda.ops.triton_gemm_common import (
     column_halves,
     grouped_tile,
     join_halves,
+    num_sms,
     tma_gemm_operands,
 )
 
@@ -72,6 +73,7 @@ def _qkv_norm_rotary_kernel(
     k_heads,
     heads,
     eps,
+    programs,
     BLOCK_M: tl.constexpr,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -80,27 +82,28 @@ def _qkv_norm_rotary_kernel(
     DTYPE: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule).
-    m0, tile = grouped_tile(M, heads // HEADS, BLOCK_M, GROUP_M)
-    head = tile * HEADS
-    n0 = head * 2 * HALF
-    acc = tl.zeros((BLOCK_M, HEADS * 2 * HALF), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        acc = tl.dot(x_desc.load([m0, k]), w_desc.load([n0, k]).T, acc)
-    if head < q_heads + k_heads:
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = heads // HEADS  # HEADS heads' columns a tile, all of q, of k or of v (the caller's rule)
+    d = tl.arange(0, HALF)
+    # NOTE: no branch on the kind of head: a branch in the body stops Triton from flattening the
+    # two loops, so v's tiles are normalised and rotated too, and then stored as projected.
+    for tile in tl.range(tl.program_id(0), num_m * num_n, programs, flatten=True):
+        m0, n_tile = grouped_tile(tile, num_m, num_n, BLOCK_M, GROUP_M)
+        head = n_tile * HEADS
+        n0 = head * 2 * HALF
+        acc = tl.zeros((BLOCK_M, HEADS * 2 * HALF), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(x_desc.load([m0, k]), w_desc.load([n0, k]).T, acc)
         # Each head's two halves (the neox rotation's operands) as projected and rounded as the
         # unfused path stores them, then the norm kernel's steps, per head.
         a1, a2 = column_halves(acc, BLOCK_M, HEADS, HALF)
         x1 = a1.to(DTYPE).to(tl.float32)
         x2 = a2.to(DTYPE).to(tl.float32)
         inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF) + eps)
-        if head < q_heads:
-            w_ptr = wq_ptr
-        else:
-            w_ptr = wk_ptr
-        d = tl.arange(0, HALF)
-        w1 = tl.load(w_ptr + d).to(tl.float32)[None, None, :]
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, None, :]
+        is_q = head < q_heads
+        w1 = tl.where(is_q, tl.load(wq_ptr + d), tl.load(wk_ptr + d)).to(tl.float32)[None, None, :]
+        w2 = tl.where(is_q, tl.load(wq_ptr + HALF + d), tl.load(wk_ptr + HALF + d))
+        w2 = w2.to(tl.float32)[None, None, :]
         y1 = (w1 * (x1 * inv[:, :, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
         y2 = (w2 * (x2 * inv[:, :, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -109,10 +112,9 @@ def _qkv_norm_rotary_kernel(
         sin = tl.load(sin_ptr + pos * stride_cos + d[None, None, :])
         o1 = _mul(y1, cos, EXACT) - _mul(y2, sin, EXACT)
         o2 = _mul(y2, cos, EXACT) + _mul(y1, sin, EXACT)
+        out = tl.where(head < q_heads + k_heads, join_halves(o1, o2, BLOCK_M, HEADS, HALF), acc)
         # (rows past M are dropped by the descriptor)
-        out_desc.store([m0, n0], join_halves(o1, o2, BLOCK_M, HEADS, HALF).to(DTYPE))
-    else:
-        out_desc.store([m0, n0], acc.to(DTYPE))
+        out_desc.store([m0, n0], out.to(DTYPE))
 
 
 def heads_per_tile(q_heads: int, kv_heads: int, head_dim: int) -> int:
@@ -162,8 +164,8 @@ def qkv_norm_rotary_triton(
         )
     per_tile = heads_per_tile(q_heads, kv_heads, head_dim)
     out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m) * (heads // per_tile),)
-    _qkv_norm_rotary_kernel[grid](
+    programs = min(num_sms(x.device), triton.cdiv(m, block_m) * (heads // per_tile))
+    _qkv_norm_rotary_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         TensorDescriptor.from_tensor(weight, [per_tile * head_dim, block_k]),
         TensorDescriptor.from_tensor(out, [block_m, per_tile * head_dim]),
@@ -179,6 +181,7 @@ def qkv_norm_rotary_triton(
         kv_heads,
         heads,
         eps,
+        programs,
         BLOCK_M=block_m,
         HEADS=per_tile,
         HALF=head_dim // 2,
