@@ -20,7 +20,8 @@ float16) and ``tests/gpu/test_fused_ops_gpu.py`` (bfloat16, Qwen3-0.6B's heads).
 32,768 tokens it takes 497 us against the unfused 516 (cuBLAS 389 and the norm-and-rotation
 kernel), and an embedding call of 256 prompts of 512 tokens on Qwen3-0.6B went from 247.9 ms
 to 244.5 (medians of six, interleaved). Two dots of a head's halves each, as the kernel first
-computed them, took 601 us.
+computed them, took 601 us. Unlike the gate/up kernel it is not persistent: with its epilogue the
+flattened persistent loop needed more shared memory than the device has (278 KB at 128 rows).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from pagoda.ops.triton_gemm_common import (
     column_halves,
     grouped_tile,
     join_halves,
-    num_sms,
     tma_gemm_operands,
 )
 
-# Off: ``ops.qkv_norm_rotary`` returns None, and the model runs the projection and the norms apart.
+# False: ``ops.qkv_norm_rotary`` returns None, and the model runs the projection and the norms
+# apart.
 ENABLED = True
 # (block_m, block_k, group_m, stages, warps): the fastest of a sweep on an H200 at Qwen3-0.6B's
 # 32,768 x 1,024 x 32 heads of 128, bf16, two heads a program (one head a program: 516 us).
@@ -73,7 +74,6 @@ def _qkv_norm_rotary_kernel(
     k_heads,
     heads,
     eps,
-    programs,
     BLOCK_M: tl.constexpr,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -82,28 +82,27 @@ def _qkv_norm_rotary_kernel(
     DTYPE: tl.constexpr,
     EXACT: tl.constexpr,
 ):
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = heads // HEADS  # HEADS heads' columns a tile, all of q, of k or of v (the caller's rule)
-    d = tl.arange(0, HALF)
-    # NOTE: no branch on the kind of head: a branch in the body stops Triton from flattening the
-    # two loops, so v's tiles are normalised and rotated too, and then stored as projected.
-    for tile in tl.range(tl.program_id(0), num_m * num_n, programs, flatten=True):
-        m0, n_tile = grouped_tile(tile, num_m, num_n, BLOCK_M, GROUP_M)
-        head = n_tile * HEADS
-        n0 = head * 2 * HALF
-        acc = tl.zeros((BLOCK_M, HEADS * 2 * HALF), tl.float32)
-        for k in range(0, K, BLOCK_K):
-            acc = tl.dot(x_desc.load([m0, k]), w_desc.load([n0, k]).T, acc)
+    # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule).
+    m0, tile = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), heads // HEADS, BLOCK_M, GROUP_M)
+    head = tile * HEADS
+    n0 = head * 2 * HALF
+    acc = tl.zeros((BLOCK_M, HEADS * 2 * HALF), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        acc = tl.dot(x_desc.load([m0, k]), w_desc.load([n0, k]).T, acc)
+    if head < q_heads + k_heads:
         # Each head's two halves (the neox rotation's operands) as projected and rounded as the
         # unfused path stores them, then the norm kernel's steps, per head.
         a1, a2 = column_halves(acc, BLOCK_M, HEADS, HALF)
         x1 = a1.to(DTYPE).to(tl.float32)
         x2 = a2.to(DTYPE).to(tl.float32)
         inv = tl.math.rsqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * HALF) + eps)
-        is_q = head < q_heads
-        w1 = tl.where(is_q, tl.load(wq_ptr + d), tl.load(wk_ptr + d)).to(tl.float32)[None, None, :]
-        w2 = tl.where(is_q, tl.load(wq_ptr + HALF + d), tl.load(wk_ptr + HALF + d))
-        w2 = w2.to(tl.float32)[None, None, :]
+        if head < q_heads:
+            w_ptr = wq_ptr
+        else:
+            w_ptr = wk_ptr
+        d = tl.arange(0, HALF)
+        w1 = tl.load(w_ptr + d).to(tl.float32)[None, None, :]
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, None, :]
         y1 = (w1 * (x1 * inv[:, :, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
         y2 = (w2 * (x2 * inv[:, :, None]).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -112,9 +111,10 @@ def _qkv_norm_rotary_kernel(
         sin = tl.load(sin_ptr + pos * stride_cos + d[None, None, :])
         o1 = _mul(y1, cos, EXACT) - _mul(y2, sin, EXACT)
         o2 = _mul(y2, cos, EXACT) + _mul(y1, sin, EXACT)
-        out = tl.where(head < q_heads + k_heads, join_halves(o1, o2, BLOCK_M, HEADS, HALF), acc)
         # (rows past M are dropped by the descriptor)
-        out_desc.store([m0, n0], out.to(DTYPE))
+        out_desc.store([m0, n0], join_halves(o1, o2, BLOCK_M, HEADS, HALF).to(DTYPE))
+    else:
+        out_desc.store([m0, n0], acc.to(DTYPE))
 
 
 def heads_per_tile(q_heads: int, kv_heads: int, head_dim: int) -> int:
@@ -164,8 +164,8 @@ def qkv_norm_rotary_triton(
         )
     per_tile = heads_per_tile(q_heads, kv_heads, head_dim)
     out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    programs = min(num_sms(x.device), triton.cdiv(m, block_m) * (heads // per_tile))
-    _qkv_norm_rotary_kernel[(programs,)](
+    grid = (triton.cdiv(m, block_m) * (heads // per_tile),)
+    _qkv_norm_rotary_kernel[grid](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         TensorDescriptor.from_tensor(weight, [per_tile * head_dim, block_k]),
         TensorDescriptor.from_tensor(out, [block_m, per_tile * head_dim]),
@@ -181,7 +181,6 @@ def qkv_norm_rotary_triton(
         kv_heads,
         heads,
         eps,
-        programs,
         BLOCK_M=block_m,
         HEADS=per_tile,
         HALF=head_dim // 2,
