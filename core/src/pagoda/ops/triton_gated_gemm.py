@@ -70,12 +70,16 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return tma_gemm_operands(x, weight, block_k) and weight.shape[0] % (2 * block_n) == 0
 
 
-def gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gate_up_silu_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    launch: tuple[int, int, int, int, int, int] | None = None,
+) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` ([2 * I, K]): [M, I].
-    The caller checks :func:`supported`."""
+    The caller checks :func:`supported` (with ``launch``: its block_n and block_k too)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    block_m, block_n, block_k, group_m, stages, warps = LAUNCH
+    block_m, block_n, block_k, group_m, stages, warps = launch or LAUNCH
     m, k = x.shape
     n = weight.shape[0] // 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -10,12 +10,13 @@ read their operands from shared memory twice as often per product: on an H200 th
 the gate/up GEMM with SiLU at 32,768 x 1,024 x 2 x 3,072 from 737 us to 680, and Qwen3-0.6B's qkv
 projection with norms and rotation from 601 to 506.
 
-The gate/up GEMM is persistent: one program a multiprocessor, taking the tiles ``num_sms`` apart, with the
-loop over tiles and the loop over K flattened into one (``tl.range(..., flatten=True)``), so that
-the loads of a program's next tile are issued while it runs this one's epilogue: with K = 1,024 a
-tile's main loop is only 16 steps, and a program a tile left the pipeline to fill again after
-every epilogue (626 us persistent against 676 a program a tile, at 128 x 2 x 128 a tile; the qkv
-kernel's epilogue left the persistent program short of shared memory)."""
+The gate/up GEMM is persistent: one program a multiprocessor, taking the tiles ``num_sms``
+apart, with the loop over tiles and the loop over K flattened into one (``tl.range(...,
+flatten=True)``), so that the loads of a program's next tile are issued while it runs this
+one's epilogue: with K = 1,024 a tile's main loop is only 16 steps, and a program a tile left
+the pipeline to fill again after every epilogue (626 us persistent against 676 a program a tile,
+at 128 x 2 x 128 a tile; the qkv kernel's epilogue left the persistent program short of shared
+memory)."""
 
 from __future__ import annotations
 
