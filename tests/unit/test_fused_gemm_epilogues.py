@@ -1,7 +1,8 @@
 """The GEMMs with fused epilogues (`pagoda.ops.triton_gated_gemm`, `triton_qkv_norm_rotary`)
 against float64 arithmetic on the same inputs: under Triton's interpreter on a CPU (float16: the
 interpreter's tensor descriptors do not take bfloat16), on a Hopper GPU where there is one. The
-GPU tier checks bfloat16 at real shapes (`tests/gpu/test_fused_ops_gpu.py`)."""
+GPU tier checks bfloat16 at real shapes (`tests/gpu/test_fused_ops_gpu.py`). Also compiled for
+sm_90 without a GPU: their default launches fit a Hopper block's shared memory."""
 
 from __future__ import annotations
 
@@ -91,3 +92,67 @@ def test_qkv_norm_rotary_refuses_a_weight_of_other_heads() -> None:
     table = torch.zeros(8, 32, device=DEVICE)
     with pytest.raises(ValueError, match="8 heads of 64 need 512"):
         qkv_norm_rotary_triton(x, w, 4, 2, 64, ones, ones, 1e-6, pos, table, table)
+
+
+# Compiled for sm_90 in a process of its own: the tests above run the kernels under Triton's
+# interpreter, which replaces the compiler in the process that sets it.
+_SM90_COMPILE = r"""
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pagoda.ops import triton_gated_gemm as gg, triton_qkv_norm_rotary as fq
+
+def shared(fn, sig, const, warps, stages):
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in const else sig[n] for n in names}
+    constexprs = {(names.index(n),): v for n, v in const.items()}
+    source = ASTSource(fn, signature, constexprs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+
+bm, bn, bk, gm, stages, warps = gg.LAUNCH
+gate_up = shared(
+    gg._gate_up_silu_kernel,
+    {"x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[2,{bn},{bk}]>",
+     "out_desc": f"tensordesc<bf16[{bm},{bn}]>", "M": "i32", "N": "i32", "K": "i32",
+     "programs": "i32"},
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "DTYPE": tl.bfloat16},
+    warps, stages,
+)
+bm, bk, gm, stages, warps = fq.LAUNCH
+d = 128  # Qwen3's heads: 16 of q, 8 of k and v
+n = fq.heads_per_tile(16, 8, d) * d
+qkv = shared(
+    fq._qkv_norm_rotary_kernel,
+    {"x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{n},{bk}]>",
+     "out_desc": f"tensordesc<bf16[{bm},{n}]>", "pos_ptr": "*i64", "wq_ptr": "*bf16",
+     "wk_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_cos": "i32",
+     "M": "i32", "K": "i32", "q_heads": "i32", "k_heads": "i32", "heads": "i32", "eps": "fp32"},
+    {"BLOCK_M": bm, "HEADS": n // d, "HALF": d // 2, "BLOCK_K": bk, "GROUP_M": gm,
+     "DTYPE": tl.bfloat16, "EXACT": True},
+    warps, stages,
+)
+print(json.dumps({"gate_up": gate_up, "qkv": qkv}))
+"""
+
+
+def test_default_launches_fit_hoppers_shared_memory() -> None:
+    """Each kernel compiled for sm_90 at its default launch (bf16, Qwen3's heads) asks for no
+    more shared memory than a Hopper block may have (227 KB): a launch that does not fit fails
+    only when a GPU first runs it (a persistent qkv kernel asked for 278 KB)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env
+    )
+    if run.returncode != 0 and "ptxas" in run.stderr.lower() and "not found" in run.stderr:
+        pytest.skip("Triton's CUDA toolchain (ptxas) is not installed")
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    for kernel, size in shared.items():
+        assert 0 < size <= 232448, (kernel, size)

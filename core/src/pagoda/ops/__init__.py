@@ -151,6 +151,7 @@ def qkv_norm_rotary(
         not fused.ENABLED
         or x.shape[0] < fused.MIN_ROWS
         or positions.dim() != 1
+        or cos.shape[-1] * 2 != head_dim  # a partial rotation: the separate kernels
         or not fused.supported(x, weight, head_dim)
     ):
         return None
