@@ -4,6 +4,7 @@ cost of a draft token it measures; the keys a user gives fix their part."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from pagoda_spec_ngram.adapt import DraftLengths
 from pagoda_spec_ngram.proposer import NgramProposer
 
@@ -96,3 +97,42 @@ def test_given_keys_fix_the_draft_length_and_the_window() -> None:
     batch = _batch([wrong[:150]])
     for _ in range(20):  # whatever it would measure, every match drafts 3
         assert p.propose(batch).counts(512, batch.max_num_drafts)[0] in (0, 3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_batches_scored_a_request_at_a_time_match_the_batch_pass(seed, monkeypatch) -> None:
+    """Batches of up to ``_ROW_MAX_BATCH`` requests are scored and given lengths a request at
+    a time; larger ones by the vectorised passes. Two instances fed the same steps (and one
+    clock), one forced onto the vectorised passes, keep the same counts bit for bit and choose
+    the same lengths: drafts cut short, rejected at any position, accepted whole, not scored (no
+    token came since), and histories past the token array's last column."""
+    from pagoda_spec_ngram import adapt as a
+
+    rng = np.random.default_rng(seed)
+    k, max_match, num_rows, width = 6, 5, 6, 40
+    now = [0.0]
+    rows_path = DraftLengths(k, max_match, num_rows, clock=lambda: now[0])
+    batch_path = DraftLengths(k, max_match, num_rows, clock=lambda: now[0])
+    for _ in range(300):
+        now[0] += float(rng.uniform(0.01, 0.02))
+        n = int(rng.integers(1, a._ROW_MAX_BATCH + 1))
+        rows = rng.choice(num_rows, n, replace=False).astype(np.int64)
+        ids = rng.integers(0, 3, (num_rows, width)).astype(np.int64)
+        num = rng.integers(1, width + 3, n).astype(np.int64)  # past the end: the last column
+        match = rng.integers(0, max_match + 3, n).astype(np.int64)
+        caps = rng.integers(0, k + 1, n).astype(np.int64)
+        drafts = rng.integers(0, 3, (n, k)).astype(np.int64)
+        drafts[np.arange(k)[None, :] >= rng.integers(0, k + 1, n)[:, None]] = -1
+        req_ids = [f"q{r}" for r in rows.tolist()]
+        seen = []
+        for obj, vectorised in ((rows_path, False), (batch_path, True)):
+            if vectorised:
+                monkeypatch.setattr(a, "_ROW_MAX_BATCH", 0)
+            obj.own(req_ids, rows)
+            obj.observe(rows, ids, num)
+            seen.append((obj._gained, obj.lengths(rows, match, caps).tolist()))
+            obj.gave(rows, drafts, match, num)
+            monkeypatch.undo()
+        assert seen[0] == seen[1]
+        for name in ("hits", "trials", "g_hits", "g_trials", "first_hits", "first_trials", "given"):
+            assert np.array_equal(getattr(rows_path, name), getattr(batch_path, name)), name
