@@ -17,7 +17,7 @@ differ from the unfused path, so results agree within those roundings, not bit f
 
 Checked against float64 by ``tests/unit/test_fused_gemm_epilogues.py`` (Triton's interpreter,
 float16) and ``tests/gpu/test_fused_ops_gpu.py`` (bfloat16, Qwen3-0.6B's heads). On an H200 at
-32,768 tokens it takes 497 us against the unfused 516 (cuBLAS 389 and the norm-and-rotation
+32,768 tokens it takes 500 us against the unfused 516 (cuBLAS 389 and the norm-and-rotation
 kernel), and an embedding call of 256 prompts of 512 tokens on Qwen3-0.6B went from 247.9 ms
 to 244.5 (medians of six, interleaved). Two dots of a head's halves each, as the kernel first
 computed them, took 601 us. Unlike the gate/up kernel it is not persistent: with its epilogue the
@@ -43,8 +43,9 @@ from pagoda.ops.triton_gemm_common import (
 # False: ``ops.qkv_norm_rotary`` returns None, and the model runs the projection and the norms
 # apart.
 ENABLED = True
-# (block_m, block_k, group_m, stages, warps): the fastest of a sweep on an H200 at Qwen3-0.6B's
-# 32,768 x 1,024 x 32 heads of 128, bf16, two heads a program (one head a program: 516 us).
+# (block_m, block_k, group_m, stages, warps): among the fastest of three sweeps on an H200 at
+# Qwen3-0.6B's 32,768 x 1,024 x 32 heads of 128, bf16 (497 - 507 us for the best few), two heads
+# a program (one head a program: 516 us).
 LAUNCH = (128, 64, 8, 3, 8)
 MIN_ROWS = 4096
 
