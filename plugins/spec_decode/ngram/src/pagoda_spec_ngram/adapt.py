@@ -113,13 +113,7 @@ class DraftLengths:
         self.trials[rows] += tried
         self.hits[rows] += hit
         scored = tried[:, 0]
-        decay = _DECAY ** int(scored.sum())
-        for a, prior in ((self.g_hits, 1.0), (self.g_trials, 2.0)):
-            a *= decay
-            a += (1 - decay) * prior
-        for a, prior in ((self.first_hits, 1.0), (self.first_trials, 2.0)):
-            a *= decay
-            a += (1 - decay) * prior
+        self._decay(int(scored.sum()))
         self.g_trials += tried.sum(axis=0)
         self.g_hits += hit.sum(axis=0)
         m = self.match[rows]
@@ -128,6 +122,18 @@ class DraftLengths:
         out = np.minimum(came[scored], hit[scored].sum(axis=1) + 1)
         self._gained = float(out.mean()) if len(out) else None
         self.given[rows] = -1
+
+    def _decay(self, scored: int) -> None:
+        """Decay the engine-wide counts toward their prior, once for each of ``scored`` rows."""
+        decay = _DECAY**scored
+        for a, prior in (
+            (self.g_hits, 1.0),
+            (self.g_trials, 2.0),
+            (self.first_hits, 1.0),
+            (self.first_trials, 2.0),
+        ):
+            a *= decay
+            a += (1 - decay) * prior
 
     def _observe_rows(self, rows: list[int], token_ids: np.ndarray, num_tokens: list[int]) -> None:
         """:meth:`observe` a row at a time. A row's drafts are a prefix of its ``given`` (-1
@@ -151,13 +157,7 @@ class DraftLengths:
             scores.append((r, min(hit + 1, tried), hit, came))
         if not scores:
             return
-        decay = _DECAY ** len(scores)
-        for a, prior in ((self.g_hits, 1.0), (self.g_trials, 2.0)):
-            a *= decay
-            a += (1 - decay) * prior
-        for a, prior in ((self.first_hits, 1.0), (self.first_trials, 2.0)):
-            a *= decay
-            a += (1 - decay) * prior
+        self._decay(len(scores))
         # (the engine-wide counts summed over the rows first, then added once, as observe does)
         tried_at, hit_at = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
         for r, tried, hit, _ in scores:
