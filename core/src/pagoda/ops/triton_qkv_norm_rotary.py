@@ -31,7 +31,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from pagoda.ops.triton_gemm_common import (
     column_halves,
@@ -39,23 +38,16 @@ from pagoda.ops.triton_gemm_common import (
     join_halves,
     tma_gemm_operands,
 )
+from pagoda.ops.triton_qk_norm_rotary import _mul  # products rounded as the separate kernel's
 
-# False: ``ops.qkv_norm_rotary`` returns None, and the model runs the projection and the norms
-# apart.
+# Set to False to run the projection and the norms apart (``ops.qkv_norm_rotary`` then returns
+# None).
 ENABLED = True
 # (block_m, block_k, group_m, stages, warps): among the fastest of three sweeps on an H200 at
 # Qwen3-0.6B's 32,768 x 1,024 x 32 heads of 128, bf16 (497 - 507 us for the best few), two heads
 # a program (one head a program: 516 us).
 LAUNCH = (128, 64, 8, 3, 8)
 MIN_ROWS = 4096
-
-
-@triton.jit
-def _mul(a, b, EXACT: tl.constexpr):
-    """``a * b`` rounded on its own: never fused into an add that follows."""
-    if EXACT:
-        return libdevice.mul_rn(a, b)
-    return a * b
 
 
 @triton.jit(do_not_specialize=["M"])
