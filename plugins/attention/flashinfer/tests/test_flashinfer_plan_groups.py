@@ -674,6 +674,31 @@ def test_steps_of_new_prompts_take_the_ragged_wrapper_when_asked(
     # first step's keys from the cache: a ragged step that skipped the write fails above.
 
 
+def test_a_ragged_wrapper_plans_again_only_for_another_layout(
+    stand_in, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step of new prompts laid out as the wrapper's last plan runs on it (planning costs the
+    # host's time while the device waits); another layout, or another group, plans again, and
+    # every output stays the reference's.
+    monkeypatch.setattr(FlashInferBackend, "ragged_prefill", True)
+    specs = [PLAIN, AttentionSpec(8, 2, 64, 0.5 * 64**-0.5)]  # two groups: two wrappers
+    model = Model(specs, [7, 31, 41, 10], torch.device("cpu"), torch.float32, width=8)
+    same = [(0, 0, 5), (1, 0, 17)]
+    steps = [same, same, [(2, 0, 17), (3, 0, 5)], same]
+    plans_made = []
+    for i, step in enumerate(steps):
+        md = FlashInferBackend.build_metadata(model.common(step))
+        with torch.inference_mode():
+            for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
+                q, k, v = model.inputs(layer, step)
+                out = impl.forward(q, k, v, cache, md)
+                _check(out, model.reference(layer, step), torch.float32, f"step {i} layer {layer}")
+        plans_made.append([len(w.plans) for w in stand_in])
+    assert all(type(w) is FakeRagged for w in stand_in) and len(stand_in) == 2
+    # (a plan per wrapper and group: the second step none, the third and fourth one each)
+    assert plans_made == [[1, 1], [1, 1], [2, 2], [3, 3]]
+
+
 @pytest.mark.parametrize("setting", [None, "false"], ids=["default", "off"])
 def test_the_ragged_path_is_on_unless_the_setting_turns_it_off(
     stand_in, setting: str | None, monkeypatch: pytest.MonkeyPatch

@@ -27,7 +27,8 @@ where the layer has them rather than through the page table. On an H200, 64 prom
 (16 query and 8 KV heads of 128, causal, bf16) took 201 us there against 303 for the paged
 prefill; an embedding call of 256 such prompts on Qwen3-0.6B took 260 ms against 274 (medians
 of seven, interleaved in one process). Groups with sinks keep their own wrapper. The cache is
-still written: later steps read these prompts from it.
+still written: later steps read these prompts from it. A ragged wrapper is planned again only when
+a step's layout of queries (or the group) differs from its last plan's.
 
 Decode CUDA graphs: each captured batch size gets fixed page-table buffers, and each group its own
 wrapper made with ``use_cuda_graph`` over them (the groups' plans write the same page table). The
@@ -39,6 +40,7 @@ rewrites those buffers and the plans the captured kernels read.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -58,6 +60,11 @@ _WORKSPACE_BYTES = 256 << 20
 # needs a wrapper of a key takes the n-th, so a model needs as many as its groups, not a test
 # process as many as the groups it ever saw.
 _wrappers: dict[tuple, list[Any]] = {}
+# Each ragged wrapper's last plan: a step whose queries' layout and group match it runs on that
+# plan. A ragged plan reads only the host's indptr and the group (the run takes the step's
+# tensors); planning costs the host some 1.5 ms in a step's first layer, while the device,
+# started on the layer's first kernels, waits.
+_ragged_plans: weakref.WeakKeyDictionary[Any, tuple] = weakref.WeakKeyDictionary()
 _workspaces: dict[tuple[str, int | None], torch.Tensor] = {}
 
 # The spec's features the kernels compute; the others (chunks, a value head size of its own) they
@@ -443,6 +450,16 @@ def _plan(plan: _Plan, md: FlashInferMetadata, group: PlanGroup) -> None:
     )
     if plan.ragged:
         del common["page_size"]
+        c = md.common
+        planned = (
+            c.query_start_loc_cpu[: c.num_reqs + 1].tobytes(),
+            group.head_size,
+            group.causal,
+            *sorted(common.items()),
+        )
+        if _ragged_plans.get(plan.wrapper) == planned:
+            return
+        _ragged_plans.pop(plan.wrapper, None)  # (a plan that fails leaves none behind)
         plan.wrapper.plan(
             md.qo_indptr,
             md.qo_indptr,  # each request's keys are its own queries' rows
@@ -450,6 +467,7 @@ def _plan(plan: _Plan, md: FlashInferMetadata, group: PlanGroup) -> None:
             causal=group.causal,
             **common,
         )
+        _ragged_plans[plan.wrapper] = planned
     elif plan.prefill_form:
         plan.wrapper.plan(
             md.qo_indptr,
