@@ -13,6 +13,7 @@ import torch
 
 import pagoda.ops as ops
 from pagoda import LLM, SamplingParams
+from pagoda.attention.backend import write_kv_cache
 from pagoda.config.model import ModelConfig
 from pagoda.loader import ModelArchConfig
 from pagoda.models.layers import RotaryEmbedding
@@ -143,6 +144,19 @@ def test_qkv_norm_rotary_kernel_is_within_bf16_rounding_of_exact(tokens: int) ->
     pos = torch.randint(0, 4096, (tokens,), device="cuda")
     got = qkv_norm_rotary_triton(x, w, qh, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin)
     cos, sin = rot.cos[pos].double().unsqueeze(1), rot.sin[pos].double().unsqueeze(1)
+    # With a cache: the same output, and keys and values in their (shuffled) slots as the cache
+    # write stores them.
+    page = 16
+    slots = torch.randperm(tokens // page + 8, device="cuda")[: -(-tokens // page)] * page
+    slots = (slots[:, None] + torch.arange(page, device="cuda")).reshape(-1)[:tokens]
+    cache = torch.zeros(2, tokens // page + 8, page, kvh, d, dtype=BF16, device="cuda")
+    want_cache = torch.zeros_like(cache)
+    stored = qkv_norm_rotary_triton(x, w, qh, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin,
+                                    kv_cache=cache, slot_mapping=slots)  # fmt: skip
+    assert torch.equal(stored, got)
+    _, key, value = got.split([qh * d, kvh * d, kvh * d], -1)
+    write_kv_cache(key.view(tokens, kvh, d), value.view(tokens, kvh, d), want_cache, slots, tokens)
+    assert torch.equal(cache, want_cache)
 
     def exact(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The normalised and rotated heads, and the size of the products that make each."""
@@ -331,15 +345,21 @@ def _engine(model_dir: Path, fused: bool) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("name", MODELS)
+# Long prompts: a first step of over 4,096 rows, where Qwen3's qkv kernel runs and stores the
+# keys and values in the cache itself (the decode steps after it read them there).
+@pytest.mark.parametrize(
+    ("name", "lengths"),
+    [(m, (8, 300)) for m in MODELS] + [("qwen3-0.6b", (600, 700))],
+    ids=[*MODELS, "qwen3-0.6b-long"],
+)
 def test_engine_with_fused_ops_matches_torch_ops(
-    name: str, tmp_path: Path, fused_ops_restored: None
+    name: str, lengths: tuple[int, int], tmp_path: Path, fused_ops_restored: None
 ) -> None:
     cfg = json.loads((CONFIGS / name / "config.json").read_text())
     cfg["num_hidden_layers"] = 2
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(10, 100000, int(n)).tolist() for n in rng.integers(8, 300, 8)]
+    prompts = [rng.integers(10, 100000, int(n)).tolist() for n in rng.integers(*lengths, 8)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
     def run(llm: LLM, fused: bool) -> tuple[list[list[int]], list[torch.Tensor]]:

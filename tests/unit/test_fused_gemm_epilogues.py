@@ -83,6 +83,43 @@ def test_qkv_norm_rotary_kernel_matches_float64(head_dim: int) -> None:
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 4e-3).all()
 
 
+def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does() -> None:
+    """With a KV cache, each row's key and value heads also land in its slot (blocks taken out
+    of order, a padded row's slot -1 writing nothing), bit for bit what ``write_kv_cache``
+    stores from the projection's keys and values; the projection's output is unchanged."""
+    from pagoda.attention.backend import write_kv_cache
+    from pagoda.models.layers import RotaryEmbedding
+    from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
+
+    m, k, qh, kvh, d, eps, page = 200, 128, 4, 2, 64, 1e-6, 16
+    heads = qh + 2 * kvh
+    x, w = _rand(m, k, seed=7), _rand(heads * d, k, seed=8, scale=k**-0.5)
+    wq = (1 + _rand(d, seed=9, scale=0.5)).to(F16)
+    wk = (0.5 + _rand(d, seed=10, scale=0.5)).to(F16)
+    rot = RotaryEmbedding(d, 4096, 10000.0).to(DEVICE)
+    gen = torch.Generator().manual_seed(11)
+    pos = torch.randint(0, 4096, (m,), generator=gen).to(DEVICE)
+    blocks = torch.randperm(40, generator=gen)[: -(-m // page)]
+    slots = (blocks[:, None] * page + torch.arange(page)).reshape(-1)[:m].to(DEVICE)
+    slots[[3, m - 1]] = -1
+    cache = torch.full((2, 40, page, kvh, d), -7.0, dtype=F16, device=DEVICE)
+    want_cache = cache.clone()
+    args = (x, w, qh, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin)
+    plain = qkv_norm_rotary_triton(*args)
+    got = qkv_norm_rotary_triton(*args, kv_cache=cache, slot_mapping=slots)
+    assert torch.equal(got, plain)
+    _, key, value = plain.split([qh * d, kvh * d, kvh * d], dim=1)
+    kept = slots >= 0  # (the torch write takes real slots only)
+    n = int(kept.sum())
+    key, value = key[kept].reshape(n, kvh, d), value[kept].reshape(n, kvh, d)
+    write_kv_cache(key, value, want_cache, slots[kept], n)
+    assert torch.equal(cache, want_cache)
+    assert (cache.view(2, -1, kvh, d)[:, blocks[-1] * page + page - 1] == -7.0).all()  # slot -1
+    wrong = torch.zeros(2, 40, page, kvh, d, dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        qkv_norm_rotary_triton(*args, kv_cache=wrong, slot_mapping=slots)
+
+
 def test_qkv_norm_rotary_refuses_a_weight_of_other_heads() -> None:
     from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
 
@@ -129,9 +166,10 @@ qkv = shared(
     {"x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{n},{bk}]>",
      "out_desc": f"tensordesc<bf16[{bm},{n}]>", "pos_ptr": "*i64", "wq_ptr": "*bf16",
      "wk_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_cos": "i32",
-     "M": "i32", "K": "i32", "q_heads": "i32", "k_heads": "i32", "heads": "i32", "eps": "fp32"},
+     "M": "i32", "K": "i32", "q_heads": "i32", "k_heads": "i32", "heads": "i32", "eps": "fp32",
+     "cache_ptr": "*bf16", "slot_ptr": "*i64", "plane": "i64"},
     {"BLOCK_M": bm, "HEADS": n // d, "HALF": d // 2, "BLOCK_K": bk, "GROUP_M": gm,
-     "DTYPE": tl.bfloat16, "EXACT": True},
+     "DTYPE": tl.bfloat16, "EXACT": True, "STORE_KV": True},
     warps, stages,
 )
 print(json.dumps({"gate_up": gate_up, "qkv": qkv}))

@@ -8,6 +8,8 @@ turns it into its own metadata once, and each layer's :class:`AttentionImpl` rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -112,6 +114,15 @@ class AttentionBackend(ABC):
     #: Top-level modules the kernels import (``("flashinfer",)``): ``pagoda plugins`` names the
     #: missing ones when the backend cannot run on this machine.
     requires: ClassVar[tuple[str, ...]] = ()
+    #: Whether the impl's ``forward``, called while :func:`model_stored_kv` is true, leaves the
+    #: cache alone: the model's own kernel stored the step's keys and values (the ones
+    #: ``forward`` gets) in their slots, in the default layout (``get_kv_cache_shape``'s
+    #: default), as :func:`write_kv_cache` would, which then returns at once. A backend that
+    #: writes only through ``write_kv_cache``, into that layout, may say true; one with a layout
+    #: or a write of its own checks :func:`model_stored_kv` itself. The layer offers the cache
+    #: to the model only then (:meth:`pagoda.attention.layer.Attention.kv_store_target`), and
+    #: never for an FP8 cache.
+    accepts_model_stored_kv: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -236,6 +247,26 @@ class AttentionBackend(ABC):
         )
 
 
+_model_stored_kv = False
+
+
+def model_stored_kv() -> bool:
+    """Whether the model stored the keys and values of the layer running now in its cache itself
+    (see ``AttentionBackend.accepts_model_stored_kv``): its impl does not write them again."""
+    return _model_stored_kv
+
+
+@contextmanager
+def kv_stored_by_model() -> Iterator[None]:
+    """:func:`model_stored_kv` is true inside (the layer, around its impl's ``forward``)."""
+    global _model_stored_kv
+    prev, _model_stored_kv = _model_stored_kv, True
+    try:
+        yield
+    finally:
+        _model_stored_kv = prev
+
+
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -256,8 +287,11 @@ def write_kv_cache(
 
     One Triton kernel where :func:`pagoda.ops.kv_write_fused` says it can (a GPU's default),
     else two ``index_copy_``. Returns the key cache and the value cache, ``[num_blocks,
-    block_size, num_kv_heads, head_size]`` views of ``kv_cache``."""
+    block_size, num_kv_heads, head_size]`` views of ``kv_cache``; nothing is written while
+    :func:`model_stored_kv` says the model stored them."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
+    if _model_stored_kv:
+        return key_cache, value_cache
     if ops.kv_write_fused(key, value, kv_cache, k_scale, v_scale):
         # NOTE: Triton compiles on import: only where the kernel path runs.
         from pagoda.ops.triton_kv_write import write_kv_triton

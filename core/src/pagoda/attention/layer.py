@@ -9,23 +9,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.attention.backend import AttentionBackend
+from pagoda.attention.backend import AttentionBackend, kv_stored_by_model
 from pagoda.attention.spec import AttentionSpec
 from pagoda.loader.sharded import WeightSlice, as_slice
 from pagoda.ops.fp8 import FP8_MAX
 
 _attn_metadata: Any = None
+_slot_mapping: torch.Tensor | None = None
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[None]:
-    """Make this step's attention metadata visible to every :class:`Attention` layer."""
-    global _attn_metadata
-    prev, _attn_metadata = _attn_metadata, attn_metadata
+def set_forward_context(
+    attn_metadata: Any, slot_mapping: torch.Tensor | None = None
+) -> Iterator[None]:
+    """Make this step's attention metadata visible to every :class:`Attention` layer; with
+    ``slot_mapping`` (the step's, a slot for each of its tokens), a layer may let the model
+    store its keys and values itself (:meth:`Attention.kv_store_target`)."""
+    global _attn_metadata, _slot_mapping
+    prev = _attn_metadata, _slot_mapping
+    _attn_metadata, _slot_mapping = attn_metadata, slot_mapping
     try:
         yield
     finally:
-        _attn_metadata = prev
+        _attn_metadata, _slot_mapping = prev
 
 
 class Attention(nn.Module):
@@ -76,6 +82,7 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.v_head_size = spec.v_head_size
         self.layer_idx = layer_idx
+        self.backend = backend
         self.impl = backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         self.impl.spec = spec
         if spec.sinks:
@@ -110,15 +117,50 @@ class Attention(nn.Module):
             scale.copy_((t.abs().amax().float() / (FP8_MAX / 2)).clamp(min=1e-6).reshape(1))
         self.calibrate_kv_scales = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_store_target(
+        self, num_tokens: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a model's kernel may store this step's keys and values itself, as it computes
+        them: this layer's cache (``[2, num_blocks, block_size, num_kv_heads, head_size]``,
+        contiguous) and the step's slot mapping (a slot for each of ``num_tokens`` rows; below
+        zero: none). Only where the backend accepts it (``accepts_model_stored_kv``), the cache
+        is in ``dtype`` (no FP8, no scales to calibrate), keys and values have one head size,
+        and the runner gave the step's slots; None elsewhere. A model that stored them passes
+        ``kv_stored=True`` to :meth:`forward`."""
+        cache, slots = self.kv_cache, _slot_mapping
+        if (
+            not self.backend.accepts_model_stored_kv
+            or slots is None
+            or slots.shape[0] != num_tokens
+            or self.calibrate_kv_scales
+            or self.v_head_size != self.head_size
+            or cache.dtype != dtype
+            or cache.dim() != 5
+            or cache.shape[0] != 2
+            or cache.shape[-2:] != (self.num_kv_heads, self.head_size)
+            or not cache.is_contiguous()
+        ):
+            return None
+        return cache, slots
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
+    ) -> torch.Tensor:
+        """``kv_stored``: the model stored ``k`` and ``v`` in the cache itself, where
+        :meth:`kv_store_target` said (the impl does not write them again)."""
         n = q.shape[0]
         if self.calibrate_kv_scales:
             self._calibrate(k, v)
-        out = self.impl.forward(
+        args = (
             q.view(n, self.num_heads, self.head_size),
             k.view(n, self.num_kv_heads, self.head_size),
             v.view(n, self.num_kv_heads, self.v_head_size),
             self.kv_cache,
             _attn_metadata,
         )
+        if kv_stored:
+            with kv_stored_by_model():
+                out = self.impl.forward(*args)
+        else:
+            out = self.impl.forward(*args)
         return out.reshape(n, self.num_heads * self.v_head_size)

@@ -135,6 +135,7 @@ def _dequantize(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype)
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    accepts_model_stored_kv = True  # (its forward writes through write_kv_cache alone)
     priority = 0
 
     @classmethod

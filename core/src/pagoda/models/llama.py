@@ -123,13 +123,15 @@ class LlamaAttention(nn.Module):
         """``keep``: the rows whose output is read (every row's keys and values are cached)."""
         n = x.shape[0]
         rot = self.rotary_emb
-        qkv = None
+        qkv = store = None
         weight = _plain_weight(self.qkv_proj)
         if self.qk_norm and weight is not None:
-            # Qwen3's norms and rotation in the projection's own kernel, where it runs.
+            # Qwen3's norms and rotation in the projection's own kernel, where it runs; the
+            # kernel also stores the keys and values in the cache where the layer lets it.
+            store = self.attn.kv_store_target(n, x.dtype)
             qkv = qkv_norm_rotary(
                 x, weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                self.k_norm.weight, self.q_norm.eps, positions, rot.cos, rot.sin,
+                self.k_norm.weight, self.q_norm.eps, positions, rot.cos, rot.sin, store,
             )  # fmt: skip
         fused = qkv is not None
         if not fused:
@@ -145,7 +147,7 @@ class LlamaAttention(nn.Module):
                 )  # fmt: skip
             else:
                 q, k = rot(positions, q, k)
-        out = self.attn(q, k, v)
+        out = self.attn(q, k, v, kv_stored=fused and store is not None)
         return self.o_proj(out if keep is None else out[keep])
 
 

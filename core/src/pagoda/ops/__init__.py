@@ -137,12 +137,14 @@ def qkv_norm_rotary(
     positions: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    kv_store: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The qkv projection ``x @ weight.T`` with each q and k head normalised and rotated, as
     the projection then :func:`qk_norm_rotary` give them, in one kernel
     (:mod:`pagoda.ops.triton_qkv_norm_rotary`) where it is enabled and runs: a step of at least
     its ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
-    caller runs the two apart."""
+    caller runs the two apart. ``kv_store``: (a KV cache, the rows' slots), where the kernel
+    also stores each row's keys and values (``Attention.kv_store_target``)."""
     if batch_invariant._enabled or not _use_triton(x):
         return None
     from pagoda.ops import triton_qkv_norm_rotary as fused
@@ -155,9 +157,11 @@ def qkv_norm_rotary(
         or not fused.supported(x, weight, head_dim)
     ):
         return None
+    cache, slots = kv_store if kv_store is not None else (None, None)
     return fused.qkv_norm_rotary_triton(
-        x, weight, q_heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos, sin
-    )
+        x, weight, q_heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos, sin,
+        kv_cache=cache, slot_mapping=slots,
+    )  # fmt: skip
 
 
 def rotary_embedding(

@@ -50,6 +50,21 @@ LAUNCH = (128, 64, 8, 3, 8)
 MIN_ROWS = 4096
 
 
+@triton.jit
+def _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M: tl.constexpr,
+              COLS: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """A tile of keys (``kv_head`` below ``kv_heads``) or values (from ``kv_heads`` on), its
+    first column head ``kv_head``'s, stored in its rows' slots of the cache (``[2, slots,
+    kv_heads, D]``, ``plane`` elements apart); a slot below zero writes nothing."""
+    kind = kv_head // kv_heads  # 0: keys, 1: values
+    rows = m0 + tl.arange(0, BLOCK_M)
+    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
+    cols = tl.arange(0, COLS)
+    first = kind * plane + (kv_head - kind * kv_heads) * D
+    tl.store(cache_ptr + first + slot[:, None] * (kv_heads * D) + cols[None, :], tile,
+             mask=(slot >= 0)[:, None])  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["M"])
 def _qkv_norm_rotary_kernel(
     x_desc,
@@ -67,6 +82,9 @@ def _qkv_norm_rotary_kernel(
     k_heads,
     heads,
     eps,
+    cache_ptr,
+    slot_ptr,
+    plane,
     BLOCK_M: tl.constexpr,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -74,6 +92,7 @@ def _qkv_norm_rotary_kernel(
     GROUP_M: tl.constexpr,
     DTYPE: tl.constexpr,
     EXACT: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule).
     m0, tile = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), heads // HEADS, BLOCK_M, GROUP_M)
@@ -105,9 +124,17 @@ def _qkv_norm_rotary_kernel(
         o1 = _mul(y1, cos, EXACT) - _mul(y2, sin, EXACT)
         o2 = _mul(y2, cos, EXACT) + _mul(y1, sin, EXACT)
         # (rows past M are dropped by the descriptor)
-        out_desc.store([m0, n0], join_halves(o1, o2, BLOCK_M, HEADS, HALF).to(DTYPE))
+        out = join_halves(o1, o2, BLOCK_M, HEADS, HALF).to(DTYPE)
+        out_desc.store([m0, n0], out)
+        if STORE_KV and head >= q_heads:
+            _store_kv(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane, BLOCK_M,
+                      HEADS * 2 * HALF, 2 * HALF)  # fmt: skip
     else:
-        out_desc.store([m0, n0], acc.to(DTYPE))
+        out = acc.to(DTYPE)
+        out_desc.store([m0, n0], out)
+        if STORE_KV:
+            _store_kv(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane, BLOCK_M,
+                      HEADS * 2 * HALF, 2 * HALF)  # fmt: skip
 
 
 def heads_per_tile(q_heads: int, kv_heads: int, head_dim: int) -> int:
@@ -140,11 +167,16 @@ def qkv_norm_rotary_triton(
     cos: torch.Tensor,
     sin: torch.Tensor,
     launch: tuple[int, int, int, int, int] | None = None,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` ([M, (q_heads + 2 * kv_heads) * head_dim]: q's heads, k's, v's) with each
     q and k head normalised (``q_weight``, ``k_weight``: [head_dim]) then rotated at
     ``positions`` (``cos``/``sin``: [max_position, head_dim // 2], float32, rows of one stride).
-    The caller checks :func:`supported`."""
+    With ``kv_cache`` (``[2, num_blocks, block_size, kv_heads, head_dim]``, contiguous, ``x``'s
+    dtype), each row's key and value heads are also stored in its slot, ``slot_mapping[row]``
+    (int64, M of them; below zero: none), as :func:`pagoda.attention.backend.write_kv_cache`
+    stores them. The caller checks :func:`supported`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_m, block_k, group_m, stages, warps = launch or LAUNCH
@@ -156,6 +188,20 @@ def qkv_norm_rotary_triton(
             f"{heads * head_dim}"
         )
     per_tile = heads_per_tile(q_heads, kv_heads, head_dim)
+    store = kv_cache is not None
+    if store and (
+        kv_cache.dtype != x.dtype
+        or not kv_cache.is_contiguous()
+        or kv_cache.shape[0] != 2
+        or kv_cache.shape[-2:] != (kv_heads, head_dim)
+        or slot_mapping is None
+        or slot_mapping.shape[0] < m
+    ):
+        raise ValueError(
+            f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}: the kernel stores into a "
+            f"contiguous [2, blocks, block_size, {kv_heads}, {head_dim}] cache of {x.dtype}, "
+            f"with a slot for each of the {m} rows"
+        )
     out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, block_m) * (heads // per_tile),)
     _qkv_norm_rotary_kernel[grid](
@@ -174,6 +220,9 @@ def qkv_norm_rotary_triton(
         kv_heads,
         heads,
         eps,
+        kv_cache if store else out,
+        slot_mapping if store else positions,
+        kv_cache[0].numel() if store else 0,
         BLOCK_M=block_m,
         HEADS=per_tile,
         HALF=head_dim // 2,
@@ -182,6 +231,7 @@ def qkv_norm_rotary_triton(
         DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
         # NOTE: mul_rn is the device's; the interpreter's products are never fused anyway.
         EXACT=os.environ.get("TRITON_INTERPRET") != "1",
+        STORE_KV=store,
         num_stages=stages,
         num_warps=warps,
     )

@@ -638,7 +638,8 @@ class ModelRunner:
                 in_flight.launched(out)
                 return out
         else:
-            with set_forward_context(self.attn_backend.build_metadata(common)):
+            metadata = self.attn_backend.build_metadata(common)
+            with set_forward_context(metadata, common.slot_mapping):
                 if eager:
                     pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
                     hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)

@@ -167,6 +167,7 @@ class FlashInferMetadata:
 class FlashInferBackend(AttentionBackend):
     name = "flashinfer"
     requires = ("flashinfer",)
+    accepts_model_stored_kv = True  # (its forward writes through write_kv_cache alone)
     priority = 100
     supports_cuda_graph = True
     # Steps of new prompts only attend over their own keys (`plugins.flashinfer.ragged_prefill`).

@@ -27,6 +27,7 @@ from pagoda.attention.backend import (
     AttentionBackend,
     AttentionImpl,
     CommonAttentionMetadata,
+    model_stored_kv,
     write_kv_cache,
 )
 from pagoda.attention.spec import AttentionSpec
@@ -74,6 +75,8 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     requires = ("triton",)
     priority = 50
+    # (its forward skips its own write of keys and values the model stored: see below)
+    accepts_model_stored_kv = True
     # Launch parameters depend only on the batch size and worst-case length the runner captures
     # with; lengths and block tables are read from device buffers at replay.
     supports_cuda_graph = True
@@ -281,7 +284,9 @@ class TritonAttentionImpl(AttentionImpl):
         transposed = kv_cache.dtype == torch.float8_e4m3fn and self.fp8_transposed_values
         if transposed and not kv_cache.is_contiguous():
             raise ValueError("an FP8 cache with transposed value pages must be contiguous")
-        if transposed or _fused_write(kv_cache, key, value):
+        if model_stored_kv():  # (never an FP8 cache: the layer offers one in the model's dtype)
+            key_cache, value_cache = kv_cache[0], kv_cache[1]
+        elif transposed or _fused_write(kv_cache, key, value):
             # (the core's one-kernel write; where write_kv_cache would take it anyway, this
             # path also runs it on the interpreter's CPU)
             write_kv_triton(
