@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagoda.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    kv_stored_by_model,
+    write_kv_cache,
+)
 from pagoda.attention.spec import AttentionSpec
 from pagoda.ops.fp8 import FP8_DTYPE, from_fp8, to_fp8
 
@@ -323,21 +328,26 @@ def run_attention_case(
     dtype: torch.dtype = torch.float32,
     reference_spec: AttentionSpec | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    model_stores: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run every step of ``case`` through ``backend``; (output, float64 reference) per step.
     The reference follows ``reference_spec``'s rules (default: the case's ``spec``; a negative
     control passes one with a feature dropped). ``kv_cache_dtype`` (None: ``dtype``) is the
-    cache's; an FP8 one holds keys and values scaled by :data:`FP8_KV_SCALES`."""
+    cache's; an FP8 one holds keys and values scaled by :data:`FP8_KV_SCALES`.
+    ``model_stores``: each step's keys and values are stored before its forward, as a model's
+    kernel would (``accepts_model_stored_kv``), and the forward runs under
+    ``kv_stored_by_model``; ``AssertionError`` where it changes the cache."""
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
     cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores)
     if device.type != "cpu":
-        return _run(backend, case, device, dtype, ref_spec, cache_dtype)
+        return _run(*args)
     # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(backend, case, device, dtype, ref_spec, cache_dtype)
+        return _run(*args)
     finally:
         torch.set_num_threads(threads)
 
@@ -349,6 +359,7 @@ def _run(
     dtype: torch.dtype,
     ref_spec: AttentionSpec,
     cache_dtype: torch.dtype,
+    model_stores: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
     bs, d, spec = case.block_size, case.head_size, case.spec
@@ -382,7 +393,20 @@ def _run(
         v = torch.cat([lay.v[r][s:e] for r, s, e in step]).to(dtype).to(device)
         md = backend.build_metadata(common)
         with torch.inference_mode():
-            out = impl.forward(q, k, v, kv_cache, md)
+            if model_stores:
+                n = q.shape[0]
+                write_kv_cache(k, v, kv_cache, common.slot_mapping, n)  # the model's store
+                stored = kv_cache.clone()
+                with kv_stored_by_model():
+                    out = impl.forward(q, k, v, kv_cache, md)
+                if not torch.equal(kv_cache, stored):
+                    raise AssertionError(
+                        f"{backend.__name__} says accepts_model_stored_kv, but its forward "
+                        f"changed the cache the model had stored the step's keys and values "
+                        f"in ({case.name}, step {list(step)})"
+                    )
+            else:
+                out = impl.forward(q, k, v, kv_cache, md)
         ref = torch.cat(
             [
                 reference_attention(
@@ -434,12 +458,14 @@ def check_attention_backend(
     tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
     reference_spec: AttentionSpec | None = None,
     kv_cache_dtype: torch.dtype | None = None,
+    model_stores: bool = False,
 ) -> None:
     """Run ``case`` and raise ``AssertionError`` at the first step whose output differs from the
     float64 reference (of ``reference_spec``, default the case's) by more than the tolerance of
     ``dtype`` (with an FP8 ``kv_cache_dtype``: :data:`FP8_KV_TOLERANCES`'s, unless
     ``tolerances`` says). A case whose spec the backend's ``unsupported`` rejects, or a cache
-    dtype its ``supports_kv_cache_dtype`` does not, raises ``ValueError``."""
+    dtype its ``supports_kv_cache_dtype`` does not, raises ``ValueError``. ``model_stores``:
+    the keys and values come stored by the model (see :func:`run_attention_case`)."""
     missing = backend.unsupported(case.spec)
     if missing is not None:
         raise ValueError(f"{backend.__name__} does not support {missing}, which {case.name} needs")
@@ -448,7 +474,9 @@ def check_attention_backend(
         raise ValueError(f"{backend.__name__} does not read a KV cache of {kv_cache_dtype}")
     base = FP8_KV_TOLERANCES if fp8 else DEFAULT_TOLERANCES
     atol, rtol = {**base, **(tolerances or {})}[dtype]
-    steps = run_attention_case(backend, case, device, dtype, reference_spec, kv_cache_dtype)
+    steps = run_attention_case(
+        backend, case, device, dtype, reference_spec, kv_cache_dtype, model_stores
+    )
     for i, (out, ref) in enumerate(steps):
         err = (out - ref).abs().max().item() if out.shape == ref.shape else float("nan")
 

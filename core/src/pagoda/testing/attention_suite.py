@@ -79,6 +79,22 @@ class AttentionBackendConformance:
         if not ran:
             pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")
 
+    @pytest.mark.parametrize("case", attention_cases()[:3], ids=lambda c: c.name)
+    def test_leaves_the_keys_and_values_the_model_stored(self, case: AttentionCase) -> None:
+        """A backend that says ``accepts_model_stored_kv``: with each step's keys and values
+        already in the cache in the default layout (the model's kernel stored them), its forward
+        under ``kv_stored_by_model`` leaves the cache as the model stored it and matches the
+        reference (a backend with a layout of its own reads other bytes and fails)."""
+        cls = self.backend_class()
+        if not cls.accepts_model_stored_kv:
+            pytest.skip(f"{cls.__name__} does not take keys and values the model stored")
+        device = torch.device(self.device)
+        dtypes = [dt for dt in self.dtypes if cls.supports(device, dt, case.head_size)]
+        if not dtypes:
+            pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")
+        for dtype in dtypes:
+            check_attention_backend(cls, case, device, dtype, self.tolerances, model_stores=True)
+
     @pytest.mark.parametrize("case", fp8_kv_cases(), ids=lambda c: c.name)
     def test_fp8_kv_cache_matches_float64_reference(self, case: AttentionCase) -> None:
         cls = self.backend_class()
