@@ -7,7 +7,10 @@ Unfused, a prefill step writes the projection ``[tokens, (H + 2 * KV) * D]``, th
 118. Here a program computes the columns of one or two heads (:func:`heads_per_tile`) for
 ``BLOCK_M`` rows as one dot, takes each head's first half and second (the two operands of the
 neox rotation) apart in registers, and normalises and rotates q and k heads before they are
-stored; v heads are stored as computed.
+stored; v heads are stored as computed. Given the layer's KV cache, the programs of k and v heads
+also store their tile in its rows' slots (scattered rows: blocks need not be in order), so that
+the layer's cache write, which would read them back, is skipped: at 32,768 rows the stores add 41
+us to the kernel, and the write took 73.
 
 The arithmetic after the dot is the separate kernels': the projection's value rounded to the
 activation's dtype, each row's sum of squares in float32, the normalised value rounded, times
