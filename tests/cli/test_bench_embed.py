@@ -23,8 +23,11 @@ def test_bench_embed_reports_both_engines_and_a_profile(tmp_path, monkeypatch) -
     results = got["results"]
     assert got["pooling"] == "LAST" and got["workload"] == {"num_prompts": 6, "input_len": 24}
     assert got["attention_backend"] == "torch_native"  # (a CPU without the interpreter)
+    assert got["repeats"] == 3
     for engine in ("pagoda", "sentence_transformers"):
         assert results[engine]["elapsed_s"] > 0 and results[engine]["requests_per_s"] > 0
+        runs = results[engine]["runs_s"]  # each run's time; the rates are at their median
+        assert len(runs) == 3 and abs(results[engine]["elapsed_s"] - sorted(runs)[1]) < 1e-3
     assert results["min_cosine"] > 0.999  # the same last-token embeddings, both engines
     profile = results["pagoda_profile"]
     ops = profile["operators"]
