@@ -631,6 +631,15 @@ EAGER_STEPS = [
 ]
 
 
+def _run_layers(model: Model, step: list, md: Any, dtype: torch.dtype, what: str) -> None:
+    """Every layer of ``model`` over ``step`` (its metadata ``md``), each checked against the
+    reference."""
+    with torch.inference_mode():
+        for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
+            out = impl.forward(*model.inputs(layer, step), cache, md)
+            _check(out, model.reference(layer, step), dtype, f"{what} layer {layer}")
+
+
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_a_mix_of_layers_plans_each_group_once_a_step(where, mix: str) -> None:
     device, dtype = where
@@ -638,11 +647,7 @@ def test_a_mix_of_layers_plans_each_group_once_a_step(where, mix: str) -> None:
     model = Model(specs, [7, 31, 41, 10], device, dtype, width=8)
     for i, step in enumerate(EAGER_STEPS):
         md = FlashInferBackend.build_metadata(model.common(step))
-        with torch.inference_mode():
-            for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
-                q, k, v = model.inputs(layer, step)
-                out = impl.forward(q, k, v, cache, md)
-                _check(out, model.reference(layer, step), dtype, f"{mix} step {i} layer {layer}")
+        _run_layers(model, step, md, dtype, f"{mix} step {i}")
         assert set(md.plans) == _groups(specs)
 
 
@@ -661,11 +666,7 @@ def test_steps_of_new_prompts_take_the_ragged_wrapper_when_asked(
     for i, step in enumerate(EAGER_STEPS[:2]):
         md = FlashInferBackend.build_metadata(model.common(step))
         assert md.fresh == (i == 0)
-        with torch.inference_mode():
-            for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
-                q, k, v = model.inputs(layer, step)
-                out = impl.forward(q, k, v, cache, md)
-                _check(out, model.reference(layer, step), dtype, f"{mix} step {i} layer {layer}")
+        _run_layers(model, step, md, dtype, f"{mix} step {i}")
         kinds.append({g.sinks: p.ragged for g, p in md.plans.items()})
     # The first step's plain groups ragged, sink groups not; the second step's none.
     assert kinds[0] == {s.sinks: not s.sinks for s in specs}
@@ -688,11 +689,7 @@ def test_a_ragged_wrapper_plans_again_only_for_another_layout(
     plans_made = []
     for i, step in enumerate(steps):
         md = FlashInferBackend.build_metadata(model.common(step))
-        with torch.inference_mode():
-            for layer, (impl, cache) in enumerate(zip(model.impls, model.caches)):
-                q, k, v = model.inputs(layer, step)
-                out = impl.forward(q, k, v, cache, md)
-                _check(out, model.reference(layer, step), torch.float32, f"step {i} layer {layer}")
+        _run_layers(model, step, md, torch.float32, f"step {i}")
         plans_made.append([len(w.plans) for w in stand_in])
     assert all(type(w) is FakeRagged for w in stand_in) and len(stand_in) == 2
     # (a plan per wrapper and group: the second step none, the third and fourth one each)
