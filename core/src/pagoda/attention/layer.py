@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -151,16 +151,12 @@ class Attention(nn.Module):
         n = q.shape[0]
         if self.calibrate_kv_scales:
             self._calibrate(k, v)
-        args = (
-            q.view(n, self.num_heads, self.head_size),
-            k.view(n, self.num_kv_heads, self.head_size),
-            v.view(n, self.num_kv_heads, self.v_head_size),
-            self.kv_cache,
-            _attn_metadata,
-        )
-        if kv_stored:
-            with kv_stored_by_model():
-                out = self.impl.forward(*args)
-        else:
-            out = self.impl.forward(*args)
+        with kv_stored_by_model() if kv_stored else nullcontext():
+            out = self.impl.forward(
+                q.view(n, self.num_heads, self.head_size),
+                k.view(n, self.num_kv_heads, self.head_size),
+                v.view(n, self.num_kv_heads, self.v_head_size),
+                self.kv_cache,
+                _attn_metadata,
+            )
         return out.reshape(n, self.num_heads * self.v_head_size)

@@ -62,6 +62,8 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     from pagoda.bench.report import commit, hardware
     from pagoda.engine.llm_engine import LLMEngine
 
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats}: want at least 1")
     overrides: dict[str, Any] = {}
     weights = None
     if args.random_weights:
@@ -85,13 +87,11 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     # (a full step of them, so that the timed steps' shapes have run once)
     warm = max(8, min(args.num_prompts, info.max_num_batched_tokens // max(args.input_len, 1)))
     _embed(llm, gen.integers(low, info.shape.vocab_size, (warm, args.input_len)).tolist())
-    if args.repeats < 1:
-        raise ValueError(f"--repeats {args.repeats}: want at least 1")
     # Each repeat embeds prompts of its own (new ones: none of them in the prefix cache); the
     # first repeat's embeddings are the ones compared with sentence-transformers'.
     runs = []
+    shape = (args.num_prompts, args.input_len)
     for r in range(args.repeats):
-        shape = (args.num_prompts, args.input_len)
         prompts = ids if r == 0 else gen.integers(low, info.shape.vocab_size, shape).tolist()
         start = time.perf_counter()
         out = _embed(llm, prompts)

@@ -21,6 +21,7 @@ format's rounding.
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -393,20 +394,17 @@ def _run(
         v = torch.cat([lay.v[r][s:e] for r, s, e in step]).to(dtype).to(device)
         md = backend.build_metadata(common)
         with torch.inference_mode():
-            if model_stores:
-                n = q.shape[0]
-                write_kv_cache(k, v, kv_cache, common.slot_mapping, n)  # the model's store
+            if model_stores:  # the model's store, before the forward
+                write_kv_cache(k, v, kv_cache, common.slot_mapping, q.shape[0])
                 stored = kv_cache.clone()
-                with kv_stored_by_model():
-                    out = impl.forward(q, k, v, kv_cache, md)
-                if not torch.equal(kv_cache, stored):
-                    raise AssertionError(
-                        f"{backend.__name__} says accepts_model_stored_kv, but its forward "
-                        f"changed the cache the model had stored the step's keys and values "
-                        f"in ({case.name}, step {list(step)})"
-                    )
-            else:
+            with kv_stored_by_model() if model_stores else nullcontext():
                 out = impl.forward(q, k, v, kv_cache, md)
+            if model_stores and not torch.equal(kv_cache, stored):
+                raise AssertionError(
+                    f"{backend.__name__} says accepts_model_stored_kv, but its forward changed "
+                    f"the cache the model had stored the step's keys and values in "
+                    f"({case.name}, step {list(step)})"
+                )
         ref = torch.cat(
             [
                 reference_attention(
