@@ -55,8 +55,9 @@ def test_embeddings_match_sentence_transformers(st_dirs, body, pooling, normaliz
 
 def test_last_token_steps_run_the_last_layer_for_the_pooled_rows_alone(st_dirs) -> None:
     """A step whose every request pools its last token and ends its prompt there runs the last
-    layer past attention for those rows alone (``keeps_rows``); the embeddings stay
-    sentence-transformers'."""
+    layer for those rows alone (``keeps_rows``): their queries attend as a step of one query a
+    request over the cached keys (every row's keys and values written first), and only they go
+    on past attention; the embeddings stay sentence-transformers'."""
     folder = st_dirs("qwen3", "lasttoken", True)
     llm = LLM(model=str(folder), **ENGINE)
     model = llm.engine.engine_core.executor.worker.model_runner.model
@@ -68,8 +69,26 @@ def test_last_token_steps_run_the_last_layer_for_the_pooled_rows_alone(st_dirs) 
         return forward(*args, keep=keep, **kwargs)
 
     model.forward = spy
+    # Queries each layer's attention computed in each step, and the keys its cache held after.
+    layers = model.model.layers
+    attended: dict[int, list[tuple[int, int]]] = {0: [], len(layers) - 1: []}
+    for i in attended:
+        attn = layers[i].self_attn.attn
+        impl_forward = attn.impl.forward
+
+        def impl_spy(q, k, v, cache, md, _i=i, _f=impl_forward, _attn=attn):
+            out = _f(q, k, v, cache, md)
+            attended[_i].append((q.shape[0], int((_attn.kv_cache[0] != 0).any(-1).any(-1).sum())))
+            return out
+
+        attn.impl.forward = impl_spy
     _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
     assert sum(n or 0 for n in kept) == len(TEXTS), kept  # every prompt's last row, once
+    first, last = attended[0], attended[len(layers) - 1]
+    assert sum(q for q, _ in last) == len(TEXTS), last  # the last layer: one query a prompt
+    assert sum(q for q, _ in first) > 2 * len(TEXTS), first  # the first: every token
+    # ...over keys of every token in both layers' caches (slots holding a nonzero key)
+    assert [slots for _, slots in last] == [slots for _, slots in first]
 
 
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean", "cls"])

@@ -115,6 +115,13 @@ def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does() -> Non
     write_kv_cache(key, value, want_cache, slots[kept], n)
     assert torch.equal(cache, want_cache)
     assert (cache.view(2, -1, kvh, d)[:, blocks[-1] * page + page - 1] == -7.0).all()  # slot -1
+    # Keys and values alone (no q heads: the weight's k and v rows), as a model's last layer
+    # runs them when it reads a few rows: the same columns and the same cache.
+    kv_cache = torch.full_like(cache, -7.0)
+    kv_args = (x, w[qh * d :], 0, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin)
+    kv = qkv_norm_rotary_triton(*kv_args, kv_cache=kv_cache, slot_mapping=slots)
+    assert torch.equal(kv, plain[:, qh * d :])
+    assert torch.equal(kv_cache, want_cache)
     wrong = torch.zeros(2, 40, page, kvh, d, dtype=torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="contiguous"):
         qkv_norm_rotary_triton(*args, kv_cache=wrong, slot_mapping=slots)

@@ -45,6 +45,28 @@ class CommonAttentionMetadata:
     seq_lens_cpu: np.ndarray
     block_size: int
 
+    def last_rows(
+        self, rows: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> CommonAttentionMetadata:
+        """The step's last token of each request alone, as a step of one query a request over
+        the same contexts (each query at its request's position ``seq_lens[i] - 1``, its keys
+        and values in the cache by then). ``rows``: those tokens' rows of this step (int64, on
+        the device); ``query_start_loc``: ``0 .. num_reqs`` (int32, on the device)."""
+        n = self.num_reqs
+        return CommonAttentionMetadata(
+            num_reqs=n,
+            num_actual_tokens=n,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_start_loc=query_start_loc[: n + 1],
+            seq_lens=self.seq_lens,
+            block_table=self.block_table,
+            slot_mapping=self.slot_mapping.index_select(0, rows),
+            query_start_loc_cpu=np.arange(n + 1, dtype=np.int64),
+            seq_lens_cpu=self.seq_lens_cpu,
+            block_size=self.block_size,
+        )
+
 
 class AttentionImpl(ABC):
     """One attention layer's computation over the paged KV cache.

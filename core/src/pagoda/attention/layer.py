@@ -9,29 +9,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.attention.backend import AttentionBackend, kv_stored_by_model
+from pagoda.attention.backend import AttentionBackend, kv_stored_by_model, write_kv_cache
 from pagoda.attention.spec import AttentionSpec
 from pagoda.loader.sharded import WeightSlice, as_slice
 from pagoda.ops.fp8 import FP8_MAX
 
 _attn_metadata: Any = None
 _slot_mapping: torch.Tensor | None = None
+_kept_metadata: Any = None
 
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: Any, slot_mapping: torch.Tensor | None = None
+    attn_metadata: Any, slot_mapping: torch.Tensor | None = None, kept_metadata: Any = None
 ) -> Iterator[None]:
     """Make this step's attention metadata visible to every :class:`Attention` layer; with
     ``slot_mapping`` (the step's, a slot for each of its tokens), a layer may let the model
-    store its keys and values itself (:meth:`Attention.kv_store_target`)."""
-    global _attn_metadata, _slot_mapping
-    prev = _attn_metadata, _slot_mapping
-    _attn_metadata, _slot_mapping = attn_metadata, slot_mapping
+    store its keys and values itself (:meth:`Attention.kv_store_target`). ``kept_metadata``:
+    the backend's metadata of the step's last row a request alone, as a step of one query a
+    request over the same contexts (:meth:`CommonAttentionMetadata.last_rows`), where the
+    model reads only those rows of its last layer (``Attention.forward``'s ``keep``)."""
+    global _attn_metadata, _slot_mapping, _kept_metadata
+    prev = _attn_metadata, _slot_mapping, _kept_metadata
+    _attn_metadata, _slot_mapping, _kept_metadata = attn_metadata, slot_mapping, kept_metadata
     try:
         yield
     finally:
-        _attn_metadata, _slot_mapping = prev
+        _attn_metadata, _slot_mapping, _kept_metadata = prev
 
 
 class Attention(nn.Module):
@@ -143,20 +147,61 @@ class Attention(nn.Module):
             return None
         return cache, slots
 
+    def attends_kept_rows(self) -> bool:
+        """Whether this step's kept rows (``forward``'s ``keep``) attend as a step of their own:
+        the runner gave their metadata. Then a model that stored the keys and values itself may
+        hand ``forward`` the kept rows' queries alone."""
+        return _kept_metadata is not None
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_stored: bool = False,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``kv_stored``: the model stored ``k`` and ``v`` in the cache itself, where
-        :meth:`kv_store_target` said (the impl does not write them again)."""
+        :meth:`kv_store_target` said (the impl does not write them again).
+
+        ``keep``: the rows whose output is read (the step's last row a request; the output has
+        those rows alone). Every row's keys and values are still cached. Where the runner gave
+        the kept rows' metadata and the cache takes the default write, only the kept rows'
+        queries attend, as a step of one query a request over the cached contexts (a decode
+        step's work, not a prefill's); ``q`` may then hold the kept rows' queries alone (with
+        ``kv_stored``, after :meth:`attends_kept_rows`). Elsewhere every row attends and the
+        kept rows are picked from the output."""
         n = q.shape[0]
         if self.calibrate_kv_scales:
             self._calibrate(k, v)
+        md = _attn_metadata
+        if keep is not None and _kept_metadata is not None:
+            target = None if kv_stored else self.kv_store_target(k.shape[0], k.dtype)
+            if kv_stored or target is not None:
+                if target is not None:  # every row's keys and values, before the kept attend
+                    rows = k.shape[0]
+                    write_kv_cache(
+                        k.view(rows, self.num_kv_heads, self.head_size),
+                        v.view(rows, self.num_kv_heads, self.v_head_size),
+                        *target,
+                        rows,
+                    )
+                if n != keep.shape[0]:
+                    q = q[keep]
+                k, v = k[keep], v[keep]
+                md, kv_stored, n, keep = _kept_metadata, True, keep.shape[0], None
+        if keep is not None and n != k.shape[0]:
+            raise ValueError(
+                f"q has {n} rows, k {k.shape[0]}: the kept rows' queries alone need the step's "
+                "kept-rows metadata and keys and values the model stored (attends_kept_rows)"
+            )
         with kv_stored_by_model() if kv_stored else nullcontext():
             out = self.impl.forward(
                 q.view(n, self.num_heads, self.head_size),
                 k.view(n, self.num_kv_heads, self.head_size),
                 v.view(n, self.num_kv_heads, self.v_head_size),
                 self.kv_cache,
-                _attn_metadata,
+                md,
             )
-        return out.reshape(n, self.num_heads * self.v_head_size)
+        out = out.reshape(n, self.num_heads * self.v_head_size)
+        return out if keep is None else out[keep]

@@ -122,24 +122,44 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """``keep``: the rows whose output is read (every row's keys and values are cached)."""
         n = x.shape[0]
-        rot = self.rotary_emb
         qkv = store = None
         weight = _plain_weight(self.qkv_proj)
         if self.qk_norm and weight is not None:
             # Qwen3's norms and rotation in the projection's own kernel, where it runs; the
             # kernel also stores the keys and values in the cache where the layer lets it.
             store = self.attn.kv_store_target(n, x.dtype)
+            if keep is not None and store is not None and self.attn.attends_kept_rows():
+                # Every row's keys and values (stored), the kept rows' queries alone.
+                kv = qkv_norm_rotary(
+                    x, weight[self.q_size :], 0, self.num_kv_heads, self.head_dim,
+                    self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions,
+                    self.rotary_emb.cos, self.rotary_emb.sin, store,
+                )  # fmt: skip
+                if kv is not None:
+                    k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
+                    q, _, _ = self._qkv(x[keep], positions[keep], None)
+                    return self.o_proj(self.attn(q, k, v, kv_stored=True, keep=keep))
             qkv = qkv_norm_rotary(
                 x, weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
-                self.k_norm.weight, self.q_norm.eps, positions, rot.cos, rot.sin, store,
+                self.k_norm.weight, self.q_norm.eps, positions, self.rotary_emb.cos,
+                self.rotary_emb.sin, store,
             )  # fmt: skip
         fused = qkv is not None
-        if not fused:
-            qkv = self.qkv_proj(x)
+        q, k, v = self._qkv(x, positions, qkv)
+        return self.o_proj(self.attn(q, k, v, kv_stored=fused and store is not None, keep=keep))
+
+    def _qkv(
+        self, x: torch.Tensor, positions: torch.Tensor, fused: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of the rows of ``x``, normalised (Qwen3) and rotated; ``fused``: the
+        fused kernel's projection, which did both already."""
+        n = x.shape[0]
+        qkv = self.qkv_proj(x) if fused is None else fused
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        if not fused:
+        if fused is None:
+            rot = self.rotary_emb
             if self.qk_norm:  # Qwen3: per-head norms, then the rotation, in one kernel
                 q, k = qk_norm_rotary(
                     positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -147,8 +167,7 @@ class LlamaAttention(nn.Module):
                 )  # fmt: skip
             else:
                 q, k = rot(positions, q, k)
-        out = self.attn(q, k, v, kv_stored=fused and store is not None)
-        return self.o_proj(out if keep is None else out[keep])
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):

@@ -639,12 +639,19 @@ class ModelRunner:
                 return out
         else:
             metadata = self.attn_backend.build_metadata(common)
-            with set_forward_context(metadata, common.slot_mapping):
+            rows_read, kept = {}, None
+            if keep is not None:
+                # (the last layer's kept rows attend as a step of one query a request)
+                rows_read["keep"] = buffers.as_device(keep)
+                qsl_kept = buffers.as_device(buffers.arange[: num_reqs + 1].astype(np.int32))
+                kept = self.attn_backend.build_metadata(
+                    common.last_rows(rows_read["keep"], qsl_kept)
+                )
+            with set_forward_context(metadata, common.slot_mapping, kept):
                 if eager:
                     pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
                     hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)
                 else:
-                    rows_read = {} if keep is None else {"keep": buffers.as_device(keep)}
                     hidden = self.model(
                         buffers.input_ids[:total], buffers.positions[:total], **rows_read
                     )
