@@ -1,6 +1,7 @@
 """The collector tuning of the engine-core process (``pagoda.process``): objects alive at
 start are frozen, the youngest generation's threshold goes up (never down, and a collector turned
-off stays off), and ``tuned_gc`` undoes both, so that a benchmark's process goes on as before."""
+off stays off), and ``tuned_gc`` undoes both, so that a benchmark's process goes on as before;
+``steps_gc``, around ``LLM``'s batch calls, freezes for the call alone."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import weakref
 
 import pytest
 
-from pagoda.process import GEN0, tune_gc, tuned_gc
+from pagoda.process import GEN0, steps_gc, tune_gc, tuned_gc
 
 
 @pytest.fixture(autouse=True)
@@ -55,3 +56,65 @@ def test_tuned_gc_undoes_itself_and_cycles_made_before_it_are_collected_after() 
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert alive() is None
+
+
+def test_steps_gc_freezes_for_the_call_alone_and_collects_nothing_first() -> None:
+    gc.set_threshold(700, 10, 10)
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # garbage once dropped: only the collector frees it
+    alive = weakref.ref(a)
+    del a, b
+    with steps_gc():
+        assert gc.get_threshold() == (GEN0, 10, 10)
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+        assert alive() is not None  # (garbage from before the call waits for after it)
+    assert gc.get_threshold() == (700, 10, 10)
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None
+
+
+def test_steps_gc_inside_a_frozen_process_leaves_its_freeze() -> None:
+    gc.set_threshold(700, 10, 10)
+    with tuned_gc():
+        frozen = gc.get_freeze_count()
+        with steps_gc():
+            assert gc.get_threshold() == (GEN0, 10, 10)
+        assert gc.get_freeze_count() == frozen > 0  # not unfrozen by the inner call
+    gc.disable()
+    try:
+        with steps_gc():
+            assert gc.get_freeze_count() == 0  # a collector turned off: nothing to do
+    finally:
+        gc.enable()
+
+
+def test_llm_calls_run_their_steps_frozen(monkeypatch) -> None:
+    """``LLM``'s batch calls step the engine inside ``steps_gc`` (the threshold raised while
+    the engine steps, back after)."""
+    from pagoda.entrypoints import llm as llm_module
+
+    gc.set_threshold(700, 10, 10)
+    seen = []
+
+    class Engine:
+        def has_unfinished_requests(self):
+            return True
+
+        def step(self):
+            seen.append((gc.get_threshold()[0], gc.get_freeze_count() > 0))
+            return [type("Out", (), {"finished": True, "request_id": "r"})()]
+
+        def abort_request(self, ids):
+            pass
+
+    llm = object.__new__(llm_module.LLM)
+    llm.engine = Engine()
+    assert len(llm._run(["r"], False)) == 1
+    assert seen == [(GEN0, True)]
+    assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0

@@ -13,9 +13,11 @@ process of ``pagoda serve`` and ``AsyncLLM``, a tensor-parallel worker process):
 once, freezes what is alive (the collector never walks it again) and lets the youngest
 generation grow to ``gen0`` objects before it is collected. :func:`tuned_gc` does the same for a
 while and undoes it, for a process that goes on to other work (a benchmark). An engine built by
-``LLM(...)`` in a user's process leaves the collector alone: frozen objects are never collected,
+``LLM(...)`` in a user's process does not freeze for good: frozen objects are never collected,
 and an engine dropped without ``shutdown()`` would keep its reference cycles (and the device
-memory they hold) for good.
+memory they hold) for good. Its batch calls freeze for their own length (:func:`steps_gc`),
+which took about 1 ms off the host's work before an embedding call's first step (256 prompts
+of 512 tokens, a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -57,6 +59,33 @@ def tuned_gc(gen0: int = GEN0) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+@contextmanager
+def steps_gc(gen0: int = GEN0) -> Iterator[None]:
+    """For a batch call's steps in a user's process (``LLM.generate``, ``LLM.embed``): what is
+    alive when it starts stays frozen until it returns (the collections during the call walk
+    only what the call made, not the model, the caches and every imported module), and the
+    youngest generation grows to ``gen0`` meanwhile; then everything is collectable again and
+    the thresholds are back. Unlike :func:`tune_gc` it collects nothing first (a full
+    collection costs milliseconds a call): garbage from before the call waits for a collection
+    after it. Where something froze objects already (:func:`tune_gc`), it leaves the freeze as
+    it is and only raises the threshold; with the collector off it does nothing."""
+    if not gc.isenabled():
+        yield
+        return
+    before = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    if 0 < before[0] < gen0:
+        gc.set_threshold(gen0, *before[1:])
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
         gc.set_threshold(*before)
 
 

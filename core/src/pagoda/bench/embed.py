@@ -157,6 +157,7 @@ def _embed(engine: Any, ids: list[list[int]]) -> Any:
 
     from pagoda.engine.admission import StepAdmission
     from pagoda.pooling_params import PoolingParams
+    from pagoda.process import steps_gc
 
     params = PoolingParams(task="embed")
 
@@ -166,10 +167,11 @@ def _embed(engine: Any, ids: list[list[int]]) -> Any:
 
     admission = StepAdmission(engine, len(ids), add)
     done: dict[str, Any] = {}
-    while len(done) < len(ids):
-        admission.top_up()
-        for out in engine.step():
-            done[out.request_id] = out.outputs.data
+    with steps_gc():  # (as ``LLM``'s calls run their steps)
+        while len(done) < len(ids):
+            admission.top_up()
+            for out in engine.step():
+                done[out.request_id] = out.outputs.data
     return np.stack([done[r] for r in admission.ids]).astype(np.float32)
 
 
@@ -253,6 +255,8 @@ def _sentence_transformers(
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
+    from pagoda.process import steps_gc
+
     if (Path(folder) / "modules.json").is_file():
         st = SentenceTransformer(folder, device=str(device))
     else:
@@ -276,8 +280,9 @@ def _sentence_transformers(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            parts = [run(tensor[i : i + batch]) for i in range(0, len(ids), batch)]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            with steps_gc():  # (the collector as Pagoda's timed calls have it)
+                parts = [run(tensor[i : i + batch]) for i in range(0, len(ids), batch)]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
             runs.append(time.perf_counter() - start)
     return runs, np.concatenate([p.cpu().numpy() for p in parts])

@@ -27,6 +27,7 @@ from pagoda.outputs import (
 )
 from pagoda.pooling.ops import cosine, maxsim
 from pagoda.pooling_params import PoolingParams
+from pagoda.process import steps_gc
 from pagoda.sampling_params import SamplingParams
 from pagoda.spec_decode.metrics import SpecDecodingStats
 
@@ -297,15 +298,16 @@ class LLM:
         finished: dict[str, Any] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not show_progress)
         try:
-            while len(finished) < len(request_ids):
-                if admission is not None:
-                    admission.top_up()
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError("the engine stopped with requests unfinished")
-                for out in self.engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out if convert is None else convert(out)
-                        bar.update(1)
+            with steps_gc():  # (the collector walks only what the call makes)
+                while len(finished) < len(request_ids):
+                    if admission is not None:
+                        admission.top_up()
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError("the engine stopped with requests unfinished")
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out if convert is None else convert(out)
+                            bar.update(1)
         except BaseException:
             added = request_ids if admission is None else admission.added
             self.engine.abort_request([r for r in added if r not in finished])
