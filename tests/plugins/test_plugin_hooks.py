@@ -283,6 +283,28 @@ def test_hook_admit_request_first_reason_wins() -> None:
             sched.add_request(_request("bad", [13]))
 
 
+def test_a_single_first_result_implementation_is_called_directly_as_pluggy_would() -> None:
+    """With the core's own admission rule alone, the scheduler calls it without pluggy's
+    dispatch, with the arguments it names; a plugin beside it brings pluggy back."""
+    from pagoda.plugins.seams import seam
+
+    hook = seam("admit_request")
+    assert not hasattr(hook, "get_hookimpls")  # the function itself, not the hook caller
+    sched = Scheduler(
+        SchedulerConfig(max_waiting_requests=1),
+        CacheConfig(block_size=4),
+        KVCacheManager(num_blocks=64, block_size=4, max_model_len=64),
+        max_model_len=64,
+    )
+    sched.add_request(_request("first", [1, 2]))
+    with pytest.raises(RequestRejectedError, match=r"1 requests are already waiting"):
+        sched.add_request(_request("second", [1, 2]))
+    with plugin_registered(RejectsEverything()):  # (it takes ``request`` alone)
+        assert hasattr(seam("admit_request"), "get_hookimpls")
+        with pytest.raises(RequestRejectedError, match="closed"):
+            _scheduler().add_request(_request("bad", [1]))
+
+
 # ---- KV cache manager: eviction -----------------------------------------------------------------
 
 
