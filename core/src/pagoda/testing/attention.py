@@ -330,6 +330,7 @@ def run_attention_case(
     reference_spec: AttentionSpec | None = None,
     kv_cache_dtype: torch.dtype | None = None,
     model_stores: bool = False,
+    last_rows: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run every step of ``case`` through ``backend``; (output, float64 reference) per step.
     The reference follows ``reference_spec``'s rules (default: the case's ``spec``; a negative
@@ -337,11 +338,16 @@ def run_attention_case(
     cache's; an FP8 one holds keys and values scaled by :data:`FP8_KV_SCALES`.
     ``model_stores``: each step's keys and values are stored before its forward, as a model's
     kernel would (``accepts_model_stored_kv``), and the forward runs under
-    ``kv_stored_by_model``; ``AssertionError`` where it changes the cache."""
+    ``kv_stored_by_model``; ``AssertionError`` where it changes the cache. ``last_rows`` (with
+    ``model_stores``): then only each request's last query of the step attends, through the
+    metadata of :meth:`CommonAttentionMetadata.last_rows` (a pooling model's last layer), and
+    the reference is those rows'."""
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
     cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
-    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores)
+    if last_rows and not model_stores:
+        raise ValueError("last_rows attends over keys and values stored first: model_stores")
+    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores, last_rows)
     if device.type != "cpu":
         return _run(*args)
     # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
@@ -361,6 +367,7 @@ def _run(
     ref_spec: AttentionSpec,
     cache_dtype: torch.dtype,
     model_stores: bool = False,
+    last_rows: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
     bs, d, spec = case.block_size, case.head_size, case.spec
@@ -392,13 +399,23 @@ def _run(
         q = torch.cat([lay.q[r][s:e] for r, s, e in step]).to(dtype).to(device)
         k = torch.cat([lay.k[r][s:e] for r, s, e in step]).to(dtype).to(device)
         v = torch.cat([lay.v[r][s:e] for r, s, e in step]).to(dtype).to(device)
-        md = backend.build_metadata(common)
+        kept = None
+        if last_rows:  # each request's last query, as a step of its own
+            kept = torch.from_numpy(common.query_start_loc_cpu[1:] - 1).to(device)
+            n = common.num_reqs
+            kept_qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
+            md = backend.build_metadata(common.last_rows(kept, kept_qsl))
+        else:
+            md = backend.build_metadata(common)
         with torch.inference_mode():
             if model_stores:  # the model's store, before the forward
                 write_kv_cache(k, v, kv_cache, common.slot_mapping, q.shape[0])
                 stored = kv_cache.clone()
             with kv_stored_by_model() if model_stores else nullcontext():
-                out = impl.forward(q, k, v, kv_cache, md)
+                if kept is None:
+                    out = impl.forward(q, k, v, kv_cache, md)
+                else:
+                    out = impl.forward(q[kept], k[kept], v[kept], kv_cache, md)
             if model_stores and not torch.equal(kv_cache, stored):
                 raise AssertionError(
                     f"{backend.__name__} says accepts_model_stored_kv, but its forward changed "
@@ -409,11 +426,16 @@ def _run(
             [
                 reference_attention(
                     lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
+                )[-1:]
+                if last_rows
+                else reference_attention(
+                    lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
                 )
                 for r, s, e in step
             ]
         )
-        results.append((out[: q.shape[0]].double().cpu(), ref))
+        rows = q.shape[0] if kept is None else kept.shape[0]
+        results.append((out[:rows].double().cpu(), ref))
     return results
 
 
@@ -457,13 +479,15 @@ def check_attention_backend(
     reference_spec: AttentionSpec | None = None,
     kv_cache_dtype: torch.dtype | None = None,
     model_stores: bool = False,
+    last_rows: bool = False,
 ) -> None:
     """Run ``case`` and raise ``AssertionError`` at the first step whose output differs from the
     float64 reference (of ``reference_spec``, default the case's) by more than the tolerance of
     ``dtype`` (with an FP8 ``kv_cache_dtype``: :data:`FP8_KV_TOLERANCES`'s, unless
     ``tolerances`` says). A case whose spec the backend's ``unsupported`` rejects, or a cache
     dtype its ``supports_kv_cache_dtype`` does not, raises ``ValueError``. ``model_stores``:
-    the keys and values come stored by the model (see :func:`run_attention_case`)."""
+    the keys and values come stored by the model, and with ``last_rows`` only each request's
+    last query attends (see :func:`run_attention_case`)."""
     missing = backend.unsupported(case.spec)
     if missing is not None:
         raise ValueError(f"{backend.__name__} does not support {missing}, which {case.name} needs")
@@ -473,7 +497,7 @@ def check_attention_backend(
     base = FP8_KV_TOLERANCES if fp8 else DEFAULT_TOLERANCES
     atol, rtol = {**base, **(tolerances or {})}[dtype]
     steps = run_attention_case(
-        backend, case, device, dtype, reference_spec, kv_cache_dtype, model_stores
+        backend, case, device, dtype, reference_spec, kv_cache_dtype, model_stores, last_rows
     )
     for i, (out, ref) in enumerate(steps):
         err = (out - ref).abs().max().item() if out.shape == ref.shape else float("nan")

@@ -95,6 +95,24 @@ class AttentionBackendConformance:
         for dtype in dtypes:
             check_attention_backend(cls, case, device, dtype, self.tolerances, model_stores=True)
 
+    @pytest.mark.parametrize("case", attention_cases()[:3], ids=lambda c: c.name)
+    def test_attends_each_requests_last_row_alone(self, case: AttentionCase) -> None:
+        """A backend that says ``accepts_model_stored_kv``: with a step's keys and values
+        stored first, the step's last row of each request attends alone through the metadata
+        of ``CommonAttentionMetadata.last_rows`` (one query a request over the same contexts,
+        as a pooling model's last layer runs) and matches the reference's last rows."""
+        cls = self.backend_class()
+        if not cls.accepts_model_stored_kv:
+            pytest.skip(f"{cls.__name__} does not take keys and values the model stored")
+        device = torch.device(self.device)
+        dtypes = [dt for dt in self.dtypes if cls.supports(device, dt, case.head_size)]
+        if not dtypes:
+            pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")
+        for dtype in dtypes:
+            check_attention_backend(
+                cls, case, device, dtype, self.tolerances, model_stores=True, last_rows=True
+            )
+
     @pytest.mark.parametrize("case", fp8_kv_cases(), ids=lambda c: c.name)
     def test_fp8_kv_cache_matches_float64_reference(self, case: AttentionCase) -> None:
         cls = self.backend_class()
