@@ -46,10 +46,12 @@ from pagoda.ops.triton_qk_norm_rotary import _mul  # products rounded as the sep
 # Set to False to run the projection and the norms apart (``ops.qkv_norm_rotary`` then returns
 # None).
 ENABLED = True
-# (block_m, block_k, group_m, stages, warps): among the fastest of three sweeps on an H200 at
-# Qwen3-0.6B's 32,768 x 1,024 x 32 heads of 128, bf16 (497 - 507 us for the best few), two heads
-# a program (one head a program: 516 us).
-LAUNCH = (128, 64, 8, 3, 8)
+# (block_m, block_k, group_m, stages, warps), and heads a program (where two fit: heads_per_tile).
+# On an H200 at Qwen3-0.6B's 32,768 x 1,024 x 32 heads of 128, bf16, the same tiles' plain GEMM
+# (the epilogue only storing) took 478 us at two heads and 8 warps, 431 at one head and 4 warps
+# (one warp group; cuBLAS 409), and the fused kernel 492 at two heads and 8 warps.
+LAUNCH = (128, 64, 8, 3, 4)
+HEADS_PER_PROGRAM = 1
 MIN_ROWS = 4096
 
 
@@ -140,10 +142,15 @@ def _qkv_norm_rotary_kernel(
                       HEADS * 2 * HALF, 2 * HALF)  # fmt: skip
 
 
-def heads_per_tile(q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """Heads a program computes: two where pairs never straddle q's, k's and v's heads and two
-    heads fit a descriptor's box (256 columns), else one."""
-    return 2 if q_heads % 2 == 0 and kv_heads % 2 == 0 and head_dim <= 128 else 1
+def heads_per_tile(
+    q_heads: int, kv_heads: int, head_dim: int, preferred: int = HEADS_PER_PROGRAM
+) -> int:
+    """Heads a program computes: ``preferred`` (1 or 2); two only where pairs never straddle
+    q's, k's and v's heads and two heads fit a descriptor's box (256 columns), else one."""
+    if preferred not in (1, 2):
+        raise ValueError(f"heads a program: 1 or 2, not {preferred}")
+    fits = q_heads % 2 == 0 and kv_heads % 2 == 0 and head_dim <= 128
+    return 2 if preferred == 2 and fits else 1
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, head_dim: int) -> bool:
@@ -172,6 +179,7 @@ def qkv_norm_rotary_triton(
     launch: tuple[int, int, int, int, int] | None = None,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    heads_per_program: int = HEADS_PER_PROGRAM,
 ) -> torch.Tensor:
     """``x @ weight.T`` ([M, (q_heads + 2 * kv_heads) * head_dim]: q's heads, k's, v's) with each
     q and k head normalised (``q_weight``, ``k_weight``: [head_dim]) then rotated at
@@ -179,7 +187,9 @@ def qkv_norm_rotary_triton(
     With ``kv_cache`` (``[2, num_blocks, block_size, kv_heads, head_dim]``, contiguous, ``x``'s
     dtype), each row's key and value heads are also stored in its slot, ``slot_mapping[row]``
     (int64, M of them; below zero: none), as :func:`pagoda.attention.backend.write_kv_cache`
-    stores them. The caller checks :func:`supported`."""
+    stores them. ``launch`` and ``heads_per_program`` (:func:`heads_per_tile`'s preference):
+    the defaults, :data:`LAUNCH` and :data:`HEADS_PER_PROGRAM`, unless a sweep says. The caller
+    checks :func:`supported`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_m, block_k, group_m, stages, warps = launch or LAUNCH
@@ -190,7 +200,7 @@ def qkv_norm_rotary_triton(
             f"weight has {weight.shape[0]} rows; {heads} heads of {head_dim} need "
             f"{heads * head_dim}"
         )
-    per_tile = heads_per_tile(q_heads, kv_heads, head_dim)
+    per_tile = heads_per_tile(q_heads, kv_heads, head_dim, heads_per_program)
     store = kv_cache is not None
     if store and (
         kv_cache.dtype != x.dtype
