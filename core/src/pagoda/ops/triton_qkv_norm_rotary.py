@@ -47,13 +47,14 @@ from pagoda.ops.triton_qk_norm_rotary import _mul  # products rounded as the sep
 # None).
 ENABLED = True
 # (block_m, block_k, group_m, stages, warps), and heads a program (where two fit: heads_per_tile).
-# On an H200 at Qwen3-0.6B's 32,768 x 1,024 x 32 heads of 128, bf16, storing the KV cache: 543 us
-# at two heads and 8 warps; one head on one warp group 546 (2 stages 536, 4 stages 634), though
-# the same tiles' plain GEMM (the epilogue only storing) took 431 us there against 478 at two
-# heads and 8 warps (cuBLAS 409): the epilogue's registers take back what the one warp group's
-# main loop gains. The kernel without its epilogue's arithmetic: 478 - 492.
-LAUNCH = (128, 64, 8, 3, 8)
-HEADS_PER_PROGRAM = 2
+# On an H200 at Qwen3-0.6B's 32,768 x 1,024 x 32 heads of 128, bf16: the same tiles' plain GEMM
+# (the epilogue only storing) took 431 us at one head on one warp group against 478 at two heads
+# and 8 warps (cuBLAS 409). With the epilogue and the KV store, alone (L2 flushed, slots
+# shuffled): 546 us against 543 (2 stages 536, 4 stages 634); in an embedding call of 256 x 512
+# tokens the kernel summed 59.8 ms against 63.9 for two heads (two calls, two machines, the
+# other kernels 1 - 2% slower in the first).
+LAUNCH = (128, 64, 8, 3, 4)
+HEADS_PER_PROGRAM = 1
 MIN_ROWS = 4096
 
 
