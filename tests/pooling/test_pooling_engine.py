@@ -88,6 +88,13 @@ def test_offline_bad_input_is_refused_by_field(st_dirs) -> None:
         llm.embed(["hello"], PoolingParams(dimensions=65))
     full = llm.embed(["w3 " * 256], PoolingParams(truncate_prompt_tokens=-1))
     assert len(full[0].prompt_token_ids) == 256  # a pooling prompt may fill the context
+    # Parameters this engine resolved come back as they are (a batch's shared object, resolved
+    # once); any other object is checked again, a bad one refused after a good one.
+    engine = llm.engine
+    resolved = engine.resolve_pooling(PoolingParams())
+    assert engine.resolve_pooling(resolved) is resolved and resolved.pooling_type == "MEAN"
+    with pytest.raises(ValueError, match="PoolingParams.dimensions=65"):
+        engine.resolve_pooling(PoolingParams(dimensions=65))
 
 
 def test_late_interaction_token_embeddings_and_maxsim(st_dirs, qwen3_dir) -> None:

@@ -86,3 +86,36 @@ def test_a_random_row_is_never_plain_greedy_but_its_metadata_can_be_plain() -> N
     processed.logits_processors.append(lambda logits, md: logits)
     assert not processed.plain(md)
     assert not _md(rows, 2).plain  # top-k filters the second row's draw
+
+
+def _row_state(rows: SamplingRows, row: int) -> dict:
+    """Every per-row field of ``rows`` at ``row`` (arrays with a row a request, and the padded
+    lists' rows), found by walking its attributes: a field added later is compared too."""
+    out = {}
+    for name, value in vars(rows).items():
+        if isinstance(value, np.ndarray) and value.shape[:1] == (8,) and name != "_no_history":
+            out[name] = value[row].tolist()
+        for part in ("ids", "values", "words", "has"):
+            inner = getattr(value, part, None)
+            if isinstance(inner, np.ndarray):
+                out[f"{name}.{part}"] = inner[row].tolist()
+    return out
+
+
+def test_an_unsampled_row_holds_what_a_default_greedy_request_would() -> None:
+    """A pooling request's row (``add_unsampled``) is left as ``add`` leaves a greedy request
+    that asks for nothing, over a row whose former request set everything a row holds."""
+    everything = SamplingParams(
+        temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=7, logprobs=2, prompt_logprobs=1,
+        min_tokens=2, stop_token_ids=[4], allowed_token_ids=[1, 2, 3], logit_bias={3: 1.0},
+        presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1,
+    )  # fmt: skip
+    everything.bad_words_token_ids = [[5, 6]]
+    want = _rows(everything, everything)
+    want.add(1, SamplingParams(max_tokens=1, temperature=0.0), prompt_ids=[1, 2, 3], output_ids=[])
+    got = _rows(everything, everything)
+    assert _row_state(got, 1) != _row_state(want, 1)  # (the former request's settings)
+    got.add_unsampled(1)
+    assert _row_state(got, 1) == _row_state(want, 1)
+    assert _row_state(got, 0) == _row_state(want, 0)  # the other row untouched
+    assert not got.needs_token_history(np.array([1])) and got.plain[1]

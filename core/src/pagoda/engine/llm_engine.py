@@ -24,6 +24,10 @@ from pagoda.request import Request
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output.manager import validate_structured_outputs
 
+# A pooling request's sampling parameters: one object for all of them (never sampled, never
+# changed once a request is submitted).
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
+
 
 class LLMEngine:
     """Input processing, an engine core and output processing.
@@ -37,6 +41,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, engine_core: Any = None) -> None:
         self.config = config
         self.info = ModelInfo.from_config(config)
+        # The last PoolingParams resolve_pooling returned: given back, it is returned as is.
+        self._last_resolved: PoolingParams | None = None
         self.tokenizer = load_model_tokenizer(self.info, config.model.trust_remote_code)
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         # Other ids that end a turn (generation_config.json, config.json) stop like EOS.
@@ -188,6 +194,8 @@ class LLMEngine:
     def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
         """``params`` checked against the model's pooling config and filled in; ``ValueError``
         naming the field when the model cannot serve it."""
+        if params is self._last_resolved:  # (resolved here already: a batch's shared params)
+            return params
         task = params.task or "embed"
         if self.info.pooler is None:
             raise ValueError(
@@ -195,7 +203,8 @@ class LLMEngine:
                 f"{', '.join(self.info.tasks)} only (model.task / --task embed makes a model with "
                 "an LM head serve embeddings too)"
             )
-        return self.info.pooler.resolve(params)
+        self._last_resolved = self.info.pooler.resolve(params)
+        return self._last_resolved
 
     def add_pooling(
         self,
@@ -216,7 +225,7 @@ class LLMEngine:
                 Request(
                     request_id=request_id,
                     prompt_token_ids=prompt_token_ids,
-                    sampling_params=SamplingParams(max_tokens=1),
+                    sampling_params=_POOLING_SAMPLING,
                     priority=priority,
                     pooling_params=resolved,
                 )

@@ -106,6 +106,32 @@ class SamplingRows:
         else:
             self.plain[row] = False
 
+    def add_unsampled(self, row: int) -> None:
+        """Take over a row for a request that is never sampled (a pooling request): the
+        settings :meth:`add` gives a greedy request that asks for nothing else, written without
+        working them out. Steps read some fields of every row they schedule (whether any needs
+        its token history, prompt logprobs, plainness), so a former request's must not stay."""
+        self.greedy[row] = True
+        self.temperature[row] = 1.0
+        self.top_k[row] = 0
+        self.top_p[row] = 1.0
+        self.min_p[row] = 0.0
+        self.seeded[row] = False
+        self.seed[row] = 0
+        self.logprobs[row] = -1
+        self.prompt_logprobs[row] = -1
+        self.min_tokens[row] = 0
+        for ragged in (self.stop_ids, self.allowed, self.bias):
+            if ragged.has[row]:
+                ragged.set(row, ())
+        if self.bad_words.has[row]:
+            self.bad_words.set(row, ())
+        self.presence[row] = 0.0
+        self.frequency[row] = 0.0
+        self.repetition[row] = 1.0
+        self.penalized[row] = False
+        self.plain[row] = True
+
     def _reset_penalty_state(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         if self._counts is None:
             shape = (len(self.temperature), self.vocab_size)

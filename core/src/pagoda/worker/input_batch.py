@@ -50,7 +50,10 @@ class InputBatch:
         self.num_blocks[row] = 0
         self.pooling[row] = req.pooling_params is not None
         self.append_blocks(row, req.block_ids)
-        self.sampling.add(row, req.sampling_params, req.prompt_token_ids, req.output_token_ids)
+        if req.pooling_params is None:
+            self.sampling.add(row, req.sampling_params, req.prompt_token_ids, req.output_token_ids)
+        else:  # pooled, never sampled
+            self.sampling.add_unsampled(row)
         return row
 
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
