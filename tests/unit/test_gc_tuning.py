@@ -37,19 +37,25 @@ def test_a_higher_threshold_or_a_collector_turned_off_stays() -> None:
     assert gc.get_threshold() == (0, 10, 10)
 
 
+class _Node:
+    pass
+
+
+def _cycle() -> tuple[_Node, weakref.ref]:
+    """A reference cycle (once its one holder lets go, only the collector frees it): one of its
+    nodes, and a weak reference to it."""
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    return a, weakref.ref(a)
+
+
 def test_tuned_gc_undoes_itself_and_cycles_made_before_it_are_collected_after() -> None:
     gc.set_threshold(700, 10, 10)
-
-    class Node:
-        pass
-
-    a, b = Node(), Node()
-    a.other, b.other = b, a  # a reference cycle: only the collector frees it
-    alive = weakref.ref(a)
+    held, alive = _cycle()
     with tuned_gc():
         assert gc.get_threshold() == (GEN0, 10, 10)
         assert gc.get_freeze_count() > 0
-        del a, b
+        del held
         gc.collect()
         assert alive() is not None  # frozen: the collector does not walk it
     assert gc.get_threshold() == (700, 10, 10)
@@ -60,14 +66,8 @@ def test_tuned_gc_undoes_itself_and_cycles_made_before_it_are_collected_after() 
 
 def test_steps_gc_freezes_for_the_call_alone_and_collects_nothing_first() -> None:
     gc.set_threshold(700, 10, 10)
-
-    class Node:
-        pass
-
-    a, b = Node(), Node()
-    a.other, b.other = b, a  # garbage once dropped: only the collector frees it
-    alive = weakref.ref(a)
-    del a, b
+    held, alive = _cycle()
+    del held  # garbage before the call: steps_gc does not collect it first
     with steps_gc():
         assert gc.get_threshold() == (GEN0, 10, 10)
         assert gc.get_freeze_count() > 0

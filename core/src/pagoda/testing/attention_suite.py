@@ -85,13 +85,7 @@ class AttentionBackendConformance:
         already in the cache in the default layout (the model's kernel stored them), its forward
         under ``kv_stored_by_model`` leaves the cache as the model stored it and matches the
         reference (a backend with a layout of its own reads other bytes and fails)."""
-        cls = self.backend_class()
-        if not cls.accepts_model_stored_kv:
-            pytest.skip(f"{cls.__name__} does not take keys and values the model stored")
-        device = torch.device(self.device)
-        dtypes = [dt for dt in self.dtypes if cls.supports(device, dt, case.head_size)]
-        if not dtypes:
-            pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")
+        cls, device, dtypes = self._takes_stored_kv(case)
         for dtype in dtypes:
             check_attention_backend(cls, case, device, dtype, self.tolerances, model_stores=True)
 
@@ -101,6 +95,17 @@ class AttentionBackendConformance:
         stored first, the step's last row of each request attends alone through the metadata
         of ``CommonAttentionMetadata.last_rows`` (one query a request over the same contexts,
         as a pooling model's last layer runs) and matches the reference's last rows."""
+        cls, device, dtypes = self._takes_stored_kv(case)
+        for dtype in dtypes:
+            check_attention_backend(
+                cls, case, device, dtype, self.tolerances, model_stores=True, last_rows=True
+            )
+
+    def _takes_stored_kv(
+        self, case: AttentionCase
+    ) -> tuple[type[AttentionBackend], torch.device, list[torch.dtype]]:
+        """The backend, the device and the dtypes to run ``case`` in over keys and values the
+        model stored; the test is skipped where the backend takes none or none of the dtypes."""
         cls = self.backend_class()
         if not cls.accepts_model_stored_kv:
             pytest.skip(f"{cls.__name__} does not take keys and values the model stored")
@@ -108,10 +113,7 @@ class AttentionBackendConformance:
         dtypes = [dt for dt in self.dtypes if cls.supports(device, dt, case.head_size)]
         if not dtypes:
             pytest.skip(f"{cls.__name__} does not support head size {case.head_size} here")
-        for dtype in dtypes:
-            check_attention_backend(
-                cls, case, device, dtype, self.tolerances, model_stores=True, last_rows=True
-            )
+        return cls, device, dtypes
 
     @pytest.mark.parametrize("case", fp8_kv_cases(), ids=lambda c: c.name)
     def test_fp8_kv_cache_matches_float64_reference(self, case: AttentionCase) -> None:
