@@ -53,12 +53,20 @@ def test_embeddings_match_sentence_transformers(st_dirs, body, pooling, normaliz
     _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
 
 
-def test_last_token_steps_run_the_last_layer_for_the_pooled_rows_alone(st_dirs) -> None:
-    """A step whose every request pools its last token and ends its prompt there runs the last
-    layer for those rows alone (``keeps_rows``): their queries attend as a step of one query a
-    request over the cached keys (every row's keys and values written first), and only they go
-    on past attention; the embeddings stay sentence-transformers'."""
-    folder = st_dirs("qwen3", "lasttoken", True)
+@pytest.mark.parametrize(
+    "body,pooling", [("qwen3", "lasttoken"), ("bert", "cls"), ("bert", "lasttoken")]
+)
+def test_steps_of_one_pooled_row_a_request_run_the_last_layer_for_those_rows(
+    st_dirs, body, pooling
+) -> None:
+    """A step whose every request pools one row and ends its prompt there (its last token;
+    an encoder's first or last) runs the last layer for those rows alone (``keeps_rows``):
+    their queries attend as a step of one query a request over the cached keys (every row's
+    keys and values written first), and only they go on past attention; the embeddings stay
+    sentence-transformers'."""
+    from pagoda.attention.layer import Attention
+
+    folder = st_dirs(body, pooling, True)
     llm = LLM(model=str(folder), **ENGINE)
     model = llm.engine.engine_core.executor.worker.model_runner.model
     kept: list[int | None] = []
@@ -70,10 +78,10 @@ def test_last_token_steps_run_the_last_layer_for_the_pooled_rows_alone(st_dirs) 
 
     model.forward = spy
     # Queries each layer's attention computed in each step, and the keys its cache held after.
-    layers = model.model.layers
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
     attended: dict[int, list[tuple[int, int]]] = {0: [], len(layers) - 1: []}
     for i in attended:
-        attn = layers[i].self_attn.attn
+        attn = layers[i]
         impl_forward = attn.impl.forward
 
         def impl_spy(q, k, v, cache, md, _i=i, _f=impl_forward, _attn=attn):
@@ -83,7 +91,7 @@ def test_last_token_steps_run_the_last_layer_for_the_pooled_rows_alone(st_dirs) 
 
         attn.impl.forward = impl_spy
     _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
-    assert sum(n or 0 for n in kept) == len(TEXTS), kept  # every prompt's last row, once
+    assert sum(n or 0 for n in kept) == len(TEXTS), kept  # every prompt's kept row, once
     first, last = attended[0], attended[len(layers) - 1]
     assert sum(q for q, _ in last) == len(TEXTS), last  # the last layer: one query a prompt
     assert sum(q for q, _ in first) > 2 * len(TEXTS), first  # the first: every token

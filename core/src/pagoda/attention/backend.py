@@ -45,12 +45,13 @@ class CommonAttentionMetadata:
     seq_lens_cpu: np.ndarray
     block_size: int
 
-    def last_rows(
+    def kept_rows(
         self, rows: torch.Tensor, query_start_loc: torch.Tensor
     ) -> CommonAttentionMetadata:
-        """The step's last token of each request alone, as a step of one query a request over
-        the same contexts (each query at its request's position ``seq_lens[i] - 1``, its keys
-        and values in the cache by then). ``rows``: those tokens' rows of this step (int64, on
+        """One row of each request alone, as a step of one query a request over the same
+        contexts (each query at its request's position ``seq_lens[i] - 1``, every key and value
+        in the cache by then): a request's last token, or in a bidirectional layer (whose
+        queries see every key) any of its tokens. ``rows``: those rows of this step (int64, on
         the device); ``query_start_loc``: ``0 .. num_reqs`` (int32, on the device)."""
         n = self.num_reqs
         return CommonAttentionMetadata(

@@ -27,7 +27,7 @@ def set_forward_context(
     ``slot_mapping`` (the step's, a slot for each of its tokens), a layer may let the model
     store its keys and values itself (:meth:`Attention.kv_store_target`). ``kept_metadata``:
     the backend's metadata of the step's last row a request alone, as a step of one query a
-    request over the same contexts (:meth:`CommonAttentionMetadata.last_rows`), where the
+    request over the same contexts (:meth:`CommonAttentionMetadata.kept_rows`), where the
     model reads only those rows of its last layer (``Attention.forward``'s ``keep``)."""
     global _attn_metadata, _slot_mapping, _kept_metadata
     prev = _attn_metadata, _slot_mapping, _kept_metadata
@@ -147,11 +147,13 @@ class Attention(nn.Module):
             return None
         return cache, slots
 
-    def attends_kept_rows(self) -> bool:
+    def attends_kept_rows(self, num_tokens: int, dtype: torch.dtype) -> bool:
         """Whether this step's kept rows (``forward``'s ``keep``) attend as a step of their own:
-        the runner gave their metadata. Then a model that stored the keys and values itself may
-        hand ``forward`` the kept rows' queries alone."""
-        return _kept_metadata is not None
+        the runner gave their metadata, and the keys and values of the step's ``num_tokens``
+        rows go into the cache first (by the model's kernel or the layer's write: see
+        :meth:`kv_store_target`). Then the model may hand ``forward`` the kept rows' queries
+        alone."""
+        return _kept_metadata is not None and self.kv_store_target(num_tokens, dtype) is not None
 
     def forward(
         self,
@@ -168,9 +170,10 @@ class Attention(nn.Module):
         those rows alone). Every row's keys and values are still cached. Where the runner gave
         the kept rows' metadata and the cache takes the default write, only the kept rows'
         queries attend, as a step of one query a request over the cached contexts (a decode
-        step's work, not a prefill's); ``q`` may then hold the kept rows' queries alone (with
-        ``kv_stored``, after :meth:`attends_kept_rows`). Elsewhere every row attends and the
-        kept rows are picked from the output."""
+        step's work, not a prefill's); ``q`` may then hold the kept rows' queries alone (where
+        :meth:`attends_kept_rows` said so). Elsewhere every row attends and the kept rows are
+        picked from the output. A bidirectional layer's kept row may be any of its request's
+        (its keys are all of them either way)."""
         n = q.shape[0]
         if self.calibrate_kv_scales:
             self._calibrate(k, v)

@@ -160,8 +160,12 @@ class _SelfAttention(nn.Module):
             backend, spec.num_heads, spec.head_size, spec.scale, spec.num_kv_heads, idx, spec
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.attn(self.query(x), self.key(x), self.value(x))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep``: the rows whose output is read (every row's keys and values are cached)."""
+        if keep is not None and self.attn.attends_kept_rows(x.shape[0], x.dtype):
+            # (only the kept rows' queries; every row's keys and values, which the layer writes)
+            return self.attn(self.query(x[keep]), self.key(x), self.value(x), keep=keep)
+        return self.attn(self.query(x), self.key(x), self.value(x), keep=keep)
 
 
 class _DenseNorm(nn.Module):
@@ -182,8 +186,8 @@ class _Attention(nn.Module):
         self.self = _SelfAttention(cfg, backend, idx)
         self.output = _DenseNorm(cfg.hidden_size, cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.self(x), x)
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.self(x, keep), x if keep is None else x[keep])
 
 
 class _Intermediate(nn.Module):
@@ -205,8 +209,8 @@ class _Layer(nn.Module):
         self.intermediate = _Intermediate(cfg)
         self.output = _DenseNorm(cfg.intermediate_size, cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attention(x)
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.attention(x, keep)
         return self.output(self.intermediate(x), x)
 
 
@@ -215,9 +219,10 @@ class _Encoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(_Layer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layer:
-            x = layer(x)
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        last = len(self.layer) - 1
+        for i, layer in enumerate(self.layer):
+            x = layer(x, keep if i == last else None)
         return x
 
 
@@ -237,8 +242,10 @@ class _BertBody(nn.Module):
         self.encoder = _Encoder(cfg, backend)
         self.pooler = _Pooler(cfg) if pooler else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.encoder(self.embeddings(input_ids, positions))
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.encoder(self.embeddings(input_ids, positions), keep)
 
 
 class _RobertaHead(nn.Module):
@@ -263,6 +270,9 @@ class BertEncoderModel(nn.Module):
     attention_specs = staticmethod(attention_specs)
     #: No LM head: the engine pools this model's hidden states and never samples from it.
     pooling_only = True
+    #: ``forward(..., keep=rows)`` runs the last layer for those rows alone (every layer sees
+    #: the whole prompt, so a request's first row may be the one kept) and returns theirs.
+    keeps_rows = True
 
     def __init__(self, cfg: BertArchConfig, backend: type[AttentionBackend]) -> None:
         super().__init__()
@@ -286,9 +296,12 @@ class BertEncoderModel(nn.Module):
     def body(self) -> _BertBody:
         return self.bert if self.config.layout == "bert" else self.roberta
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states of every token of the flat batch: [num_tokens, hidden_size]."""
-        return self.body(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Hidden states of every token of the flat batch: [num_tokens, hidden_size] (with
+        ``keep``, of those rows alone, in its order)."""
+        return self.body(input_ids, positions, keep)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """The classification head's logits of pooled hidden states: [rows, num_labels]."""

@@ -128,7 +128,7 @@ class LlamaAttention(nn.Module):
             # Qwen3's norms and rotation in the projection's own kernel, where it runs; the
             # kernel also stores the keys and values in the cache where the layer lets it.
             store = self.attn.kv_store_target(n, x.dtype)
-            if keep is not None and store is not None and self.attn.attends_kept_rows():
+            if keep is not None and store is not None and self.attn.attends_kept_rows(n, x.dtype):
                 # Every row's keys and values (stored), the kept rows' queries alone.
                 kv = qkv_norm_rotary(
                     x, weight[self.q_size :], 0, self.num_kv_heads, self.head_dim,

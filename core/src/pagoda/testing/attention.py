@@ -340,7 +340,7 @@ def run_attention_case(
     kernel would (``accepts_model_stored_kv``), and the forward runs under
     ``kv_stored_by_model``; ``AssertionError`` where it changes the cache. ``last_rows`` (with
     ``model_stores``): then only each request's last query of the step attends, through the
-    metadata of :meth:`CommonAttentionMetadata.last_rows` (a pooling model's last layer), and
+    metadata of :meth:`CommonAttentionMetadata.kept_rows` (a pooling model's last layer), and
     the reference is those rows'."""
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
@@ -404,7 +404,7 @@ def _run(
             kept = torch.from_numpy(common.query_start_loc_cpu[1:] - 1).to(device)
             n = common.num_reqs
             kept_qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
-            md = backend.build_metadata(common.last_rows(kept, kept_qsl))
+            md = backend.build_metadata(common.kept_rows(kept, kept_qsl))
         else:
             md = backend.build_metadata(common)
         with torch.inference_mode():

@@ -93,7 +93,7 @@ class AttentionBackendConformance:
     def test_attends_each_requests_last_row_alone(self, case: AttentionCase) -> None:
         """A backend that says ``accepts_model_stored_kv``: with a step's keys and values
         stored first, the step's last row of each request attends alone through the metadata
-        of ``CommonAttentionMetadata.last_rows`` (one query a request over the same contexts,
+        of ``CommonAttentionMetadata.kept_rows`` (one query a request over the same contexts,
         as a pooling model's last layer runs) and matches the reference's last rows."""
         cls, device, dtypes = self._takes_stored_kv(case)
         for dtype in dtypes:

@@ -240,7 +240,8 @@ class ModelRunner:
                 self.config.lora, self.model, self.shape.config, self.buffers, self.device
             )
         if self.pooler is not None:
-            self.pooling = PoolingRunner(self.model, self.pooler)
+            bidirectional = not any(spec.causal for spec in self.stage_attention)
+            self.pooling = PoolingRunner(self.model, self.pooler, bidirectional)
         if hasattr(self.model, "embed_multimodal"):
             self.encoder = EncoderRunner(self.model, self.device)
         if self.device.type == "cuda":
@@ -604,9 +605,9 @@ class ModelRunner:
         if self.lora is not None:
             graph_tokens = None if bucket is None else bucket * graphs.query_len
             self.lora.prepare(req_ids, counts, qsl, graph_tokens)
-        # An embedding step that reads each request's last token alone runs the last layer
-        # past attention for those rows (``keeps_rows``): 1/num_layers of the MLP and output
-        # projection's work on most rows saved.
+        # An embedding step that reads one row a request (the last token; an encoder's first)
+        # runs the last layer for those rows alone (``keeps_rows``): their queries attend, and
+        # only they go on past attention.
         keep = pooled = None
         if self.pooling is not None:
             # The step's pooling requests, and which of them end their prompt here.
@@ -624,7 +625,7 @@ class ModelRunner:
             and getattr(self.model, "keeps_rows", False)
             and pooled.all()
         ):
-            keep = self.pooling.last_rows(req_ids, qsl, prompt_done)
+            keep = self.pooling.kept_rows(req_ids, qsl, prompt_done, starts)
         if bucket is not None:
             hidden = graphs.run(common, bucket)
         elif verified is not None:
@@ -645,7 +646,7 @@ class ModelRunner:
                 rows_read["keep"] = buffers.as_device(keep)
                 qsl_kept = buffers.as_device(buffers.arange[: num_reqs + 1].astype(np.int32))
                 kept = self.attn_backend.build_metadata(
-                    common.last_rows(rows_read["keep"], qsl_kept)
+                    common.kept_rows(rows_read["keep"], qsl_kept)
                 )
             with set_forward_context(metadata, common.slot_mapping, kept):
                 if eager:

@@ -47,9 +47,14 @@ class PooledStep:
 
 
 class PoolingRunner:
-    def __init__(self, model: torch.nn.Module, config: PoolerConfig) -> None:
+    def __init__(
+        self, model: torch.nn.Module, config: PoolerConfig, bidirectional: bool = False
+    ) -> None:
+        """``bidirectional``: every attention layer of the model sees the whole prompt (an
+        encoder), so any one row a request may attend alone in its last layer."""
         self.model = model
         self.config = config
+        self.bidirectional = bidirectional
         self.states: dict[str, _State] = {}
         self.dtype = next(model.parameters()).dtype
 
@@ -60,17 +65,26 @@ class PoolingRunner:
         for rid in req_ids:
             self.states.pop(rid, None)
 
-    def last_rows(self, req_ids: list[str], qsl: np.ndarray, done: np.ndarray) -> np.ndarray | None:
-        """The step's last token a request, when that is all the step reads: every request of
-        the step (``req_ids``) pools its last token and ends its prompt here. None otherwise."""
-        states = self.states
-        for rid in req_ids:
-            st = states.get(rid)
-            if st is None or st.params.pooling_type != "LAST":
-                return None
+    def kept_rows(
+        self, req_ids: list[str], qsl: np.ndarray, done: np.ndarray, starts: np.ndarray
+    ) -> np.ndarray | None:
+        """The one row a request the step reads, when that is all it reads: every request of
+        the step (``req_ids``, their rows ``qsl``) ends its prompt here and pools its last
+        token, or (a bidirectional model, the prompt whole in this step: ``starts`` 0) its
+        first. None otherwise."""
         if not done.all():
             return None
-        return qsl[1:] - 1
+        states = self.states
+        rows = qsl[1:] - 1
+        for i, rid in enumerate(req_ids):
+            st = states.get(rid)
+            kind = None if st is None else st.params.pooling_type
+            if kind == "LAST":
+                continue
+            if kind != "CLS" or not self.bidirectional or starts[i] != 0:
+                return None
+            rows[i] = qsl[i]
+        return rows
 
     def pool(
         self,
