@@ -339,9 +339,10 @@ def run_attention_case(
     ``model_stores``: each step's keys and values are stored before its forward, as a model's
     kernel would (``accepts_model_stored_kv``), and the forward runs under
     ``kv_stored_by_model``; ``AssertionError`` where it changes the cache. ``last_rows`` (with
-    ``model_stores``): then only each request's last query of the step attends, through the
-    metadata of :meth:`CommonAttentionMetadata.kept_rows` (a pooling model's last layer), and
-    the reference is those rows'."""
+    ``model_stores``): then only one query a request attends, its last of the step (a
+    bidirectional case's first), through the metadata of
+    :meth:`CommonAttentionMetadata.kept_rows` (a pooling model's last layer), and the reference
+    is those rows'."""
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
     cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
@@ -400,8 +401,10 @@ def _run(
         k = torch.cat([lay.k[r][s:e] for r, s, e in step]).to(dtype).to(device)
         v = torch.cat([lay.v[r][s:e] for r, s, e in step]).to(dtype).to(device)
         kept = None
-        if last_rows:  # each request's last query, as a step of its own
-            kept = torch.from_numpy(common.query_start_loc_cpu[1:] - 1).to(device)
+        if last_rows:  # one query a request, as a step of its own
+            qsl = common.query_start_loc_cpu
+            # (a bidirectional query sees every key: its request's first row stands for any)
+            kept = torch.from_numpy(qsl[1:] - 1 if spec.causal else qsl[:-1].copy()).to(device)
             n = common.num_reqs
             kept_qsl = torch.arange(n + 1, dtype=torch.int32, device=device)
             md = backend.build_metadata(common.kept_rows(kept, kept_qsl))
@@ -426,7 +429,7 @@ def _run(
             [
                 reference_attention(
                     lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
-                )[-1:]
+                )[slice(-1, None) if spec.causal else slice(0, 1)]
                 if last_rows
                 else reference_attention(
                     lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
