@@ -26,9 +26,10 @@ def set_forward_context(
     """Make this step's attention metadata visible to every :class:`Attention` layer; with
     ``slot_mapping`` (the step's, a slot for each of its tokens), a layer may let the model
     store its keys and values itself (:meth:`Attention.kv_store_target`). ``kept_metadata``:
-    the backend's metadata of the step's last row a request alone, as a step of one query a
-    request over the same contexts (:meth:`CommonAttentionMetadata.kept_rows`), where the
-    model reads only those rows of its last layer (``Attention.forward``'s ``keep``)."""
+    the backend's metadata of one row a request alone (its last; in a bidirectional model, any),
+    as a step of one query a request over the same contexts
+    (:meth:`CommonAttentionMetadata.kept_rows`), where the model reads only those rows of its
+    last layer (``Attention.forward``'s ``keep``)."""
     global _attn_metadata, _slot_mapping, _kept_metadata
     prev = _attn_metadata, _slot_mapping, _kept_metadata
     _attn_metadata, _slot_mapping, _kept_metadata = attn_metadata, slot_mapping, kept_metadata
@@ -166,8 +167,8 @@ class Attention(nn.Module):
         """``kv_stored``: the model stored ``k`` and ``v`` in the cache itself, where
         :meth:`kv_store_target` said (the impl does not write them again).
 
-        ``keep``: the rows whose output is read (the step's last row a request; the output has
-        those rows alone). Every row's keys and values are still cached. Where the runner gave
+        ``keep``: the rows whose output is read (one a request, its last; the output has those
+        rows alone). Every row's keys and values are still cached. Where the runner gave
         the kept rows' metadata and the cache takes the default write, only the kept rows'
         queries attend, as a step of one query a request over the cached contexts (a decode
         step's work, not a prefill's); ``q`` may then hold the kept rows' queries alone (where
