@@ -154,9 +154,7 @@ class KVCacheManager:
             # A decoding request within the blocks it holds (most calls): nothing to take.
             self._cache_computed_blocks(request, num_computed)
             return []
-        num_evictable = (
-            sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
-        )
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_evictable > self.block_pool.get_num_free_blocks():
             return None
 

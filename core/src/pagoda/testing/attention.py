@@ -330,7 +330,7 @@ def run_attention_case(
     reference_spec: AttentionSpec | None = None,
     kv_cache_dtype: torch.dtype | None = None,
     model_stores: bool = False,
-    last_rows: bool = False,
+    kept_rows: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run every step of ``case`` through ``backend``; (output, float64 reference) per step.
     The reference follows ``reference_spec``'s rules (default: the case's ``spec``; a negative
@@ -338,7 +338,7 @@ def run_attention_case(
     cache's; an FP8 one holds keys and values scaled by :data:`FP8_KV_SCALES`.
     ``model_stores``: each step's keys and values are stored before its forward, as a model's
     kernel would (``accepts_model_stored_kv``), and the forward runs under
-    ``kv_stored_by_model``; ``AssertionError`` where it changes the cache. ``last_rows`` (with
+    ``kv_stored_by_model``; ``AssertionError`` where it changes the cache. ``kept_rows`` (with
     ``model_stores``): then only one query a request attends, its last of the step (a
     bidirectional case's first), through the metadata of
     :meth:`CommonAttentionMetadata.kept_rows` (a pooling model's last layer), and the reference
@@ -346,9 +346,9 @@ def run_attention_case(
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
     cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
-    if last_rows and not model_stores:
-        raise ValueError("last_rows attends over keys and values stored first: model_stores")
-    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores, last_rows)
+    if kept_rows and not model_stores:
+        raise ValueError("kept_rows attend over keys and values stored first: model_stores")
+    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores, kept_rows)
     if device.type != "cpu":
         return _run(*args)
     # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
@@ -368,7 +368,7 @@ def _run(
     ref_spec: AttentionSpec,
     cache_dtype: torch.dtype,
     model_stores: bool = False,
-    last_rows: bool = False,
+    kept_rows: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
     bs, d, spec = case.block_size, case.head_size, case.spec
@@ -401,7 +401,7 @@ def _run(
         k = torch.cat([lay.k[r][s:e] for r, s, e in step]).to(dtype).to(device)
         v = torch.cat([lay.v[r][s:e] for r, s, e in step]).to(dtype).to(device)
         kept = None
-        if last_rows:  # one query a request, as a step of its own
+        if kept_rows:  # one query a request, as a step of its own
             qsl = common.query_start_loc_cpu
             # (a bidirectional query sees every key: its request's first row stands for any)
             kept = torch.from_numpy(qsl[1:] - 1 if spec.causal else qsl[:-1].copy()).to(device)
@@ -430,7 +430,7 @@ def _run(
                 reference_attention(
                     lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
                 )[slice(-1, None) if spec.causal else slice(0, 1)]
-                if last_rows
+                if kept_rows
                 else reference_attention(
                     lay.q[r][s:e], lay.k[r][:e], lay.v[r][:e], s, ref_spec.scale, **rules
                 )
@@ -482,15 +482,15 @@ def check_attention_backend(
     reference_spec: AttentionSpec | None = None,
     kv_cache_dtype: torch.dtype | None = None,
     model_stores: bool = False,
-    last_rows: bool = False,
+    kept_rows: bool = False,
 ) -> None:
     """Run ``case`` and raise ``AssertionError`` at the first step whose output differs from the
     float64 reference (of ``reference_spec``, default the case's) by more than the tolerance of
     ``dtype`` (with an FP8 ``kv_cache_dtype``: :data:`FP8_KV_TOLERANCES`'s, unless
     ``tolerances`` says). A case whose spec the backend's ``unsupported`` rejects, or a cache
     dtype its ``supports_kv_cache_dtype`` does not, raises ``ValueError``. ``model_stores``:
-    the keys and values come stored by the model, and with ``last_rows`` only each request's
-    last query attends (see :func:`run_attention_case`)."""
+    the keys and values come stored by the model, and with ``kept_rows`` only one query a
+    request attends (see :func:`run_attention_case`)."""
     missing = backend.unsupported(case.spec)
     if missing is not None:
         raise ValueError(f"{backend.__name__} does not support {missing}, which {case.name} needs")
@@ -500,7 +500,7 @@ def check_attention_backend(
     base = FP8_KV_TOLERANCES if fp8 else DEFAULT_TOLERANCES
     atol, rtol = {**base, **(tolerances or {})}[dtype]
     steps = run_attention_case(
-        backend, case, device, dtype, reference_spec, kv_cache_dtype, model_stores, last_rows
+        backend, case, device, dtype, reference_spec, kv_cache_dtype, model_stores, kept_rows
     )
     for i, (out, ref) in enumerate(steps):
         err = (out - ref).abs().max().item() if out.shape == ref.shape else float("nan")

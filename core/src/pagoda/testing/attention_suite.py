@@ -102,11 +102,12 @@ class AttentionBackendConformance:
         its first (whose keys are all in the cache, not only up to it); each matches the
         reference's row."""
         cls, device, dtypes = self._takes_stored_kv(case)
-        if case.spec.features() and cls.unsupported(case.spec) is not None:
-            pytest.skip(f"{cls.__name__} does not support {cls.unsupported(case.spec)}")
+        missing = cls.unsupported(case.spec)
+        if missing is not None:
+            pytest.skip(f"{cls.__name__} does not support {missing}")
         for dtype in dtypes:
             check_attention_backend(
-                cls, case, device, dtype, self.tolerances, model_stores=True, last_rows=True
+                cls, case, device, dtype, self.tolerances, model_stores=True, kept_rows=True
             )
 
     def _takes_stored_kv(
