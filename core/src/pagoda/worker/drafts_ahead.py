@@ -26,6 +26,14 @@ It applies to steps where every request verified drafts in N, keeps its row, has
 slots (``q = k + 1`` tokens: a verification graph with no padding), and gets its drafts from
 ``SpeculativeProposer.drafts_ahead``; the attention backend must read sequence lengths on the
 device (no re-planning before a replay: Triton, not FlashInfer).
+
+A proposer that reads only history (n-gram, suffix) cannot know N + 1's drafts before N is read,
+but it can guess them (``SpeculativeProposer.guess_ahead``): from the history as it would be if N
+accepts every draft, the token N then samples and the ``k`` after it. N + 1's inputs are built on
+the device from N's true outcome as above, with those drafts; a wrong guess is rejected by the
+verification like any wrong draft (the output is the target's own either way) and costs that
+step, which then adds one token. Where the guess misses its first draft in some request, or a
+request's drafts run out after the guessed token, the step waits for N as before.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda.spec_decode.proposer import ProposalBatch
 from pagoda.step import SchedulerOutput, is_draft_slots
 from pagoda.utils import cdiv
 from pagoda.worker.speculation import Speculation
@@ -50,7 +59,9 @@ class AheadPlan:
     sel: np.ndarray  # [n]: each request's index among ``last``'s sampling rows
     rows: np.ndarray  # [n]: their rows
     reach: np.ndarray  # [n]: the farthest each reaches (``last`` accepts every draft)
-    dev_drafts: torch.Tensor  # [n, k] on the device (``SpeculativeProposer.drafts_ahead``)
+    # [n, k] on the device (``SpeculativeProposer.drafts_ahead``); None: ``host_drafts`` are
+    # the proposer's guess (``guess_ahead``), copied to the device at the launch.
+    dev_drafts: torch.Tensor | None
     host_drafts: torch.Tensor  # [n, k] on the host (in flight until ``last`` is read)
 
 
@@ -93,16 +104,53 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
     reach = last.sample_pos[sel] + last.num_drafts[sel] + q
     if int(reach.max()) > spec.max_model_len:
         return None
-    got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
+    k = spec.num_spec_tokens
+    if spec.needs_hidden_states:
+        got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
+    else:
+        got = _guess(spec, req_ids, rows, last.num_drafts[sel], k)
     if got is None:
         return None
-    k = spec.num_spec_tokens
     if got[1].shape[-1] != k:  # the documented bound holds in this mode too: k columns exactly
         raise ValueError(
             f"a proposer's drafts_ahead returned {got[1].shape[-1]} draft columns; want "
             f"speculative.num_speculative_tokens={k}"
         )
     return AheadPlan(last, sel, rows, reach, *got)
+
+
+def _guess(
+    spec: Speculation, req_ids: list[str], rows: np.ndarray, num_drafts: np.ndarray, k: int
+) -> tuple[None, torch.Tensor] | None:
+    """The proposer's guess of the drafts after the step in flight (``guess_ahead``): from each
+    row's history with that step's drafts as if accepted (``InputBatch.write_drafts`` put them
+    after the known tokens). None where a request has no guessed token or no draft after it;
+    drafts that run out earlier are padded with their last (a draft past the target's choice is
+    rejected whatever it holds)."""
+    ib = spec.input_batch
+    num_tokens = ib.num_tokens[rows] + num_drafts
+    batch = ProposalBatch(
+        req_ids=req_ids,
+        rows=rows,
+        token_ids=ib.token_ids,
+        num_tokens=num_tokens,
+        num_prompt_tokens=ib.num_prompt[rows],
+        max_num_drafts=np.full(len(rows), k, dtype=np.int64),
+    )
+    got = spec.proposer.guess_ahead(batch)
+    if got is None:
+        return None
+    if got.shape != (len(rows), k + 1):
+        raise ValueError(
+            f"a proposer's guess_ahead returned shape {tuple(got.shape)}; want "
+            f"({len(rows)}, {k + 1}): the guessed token and k={k} drafts a request"
+        )
+    drafts = np.array(got[:, 1:], dtype=np.int64)
+    if (got[:, 0] < 0).any() or (drafts[:, 0] < 0).any():
+        return None
+    for j in range(1, k):  # (pad: the last draft again)
+        np.copyto(drafts[:, j], drafts[:, j - 1], where=drafts[:, j] < 0)
+    return None, torch.from_numpy(drafts)
 
 
 def launch_ahead(
@@ -131,7 +179,10 @@ def launch_ahead(
         buffers.seq_lens,
         buffers.query_start_loc,
     )
-    build_inputs(tokens, emitted, base, plan.dev_drafts, buffers.block_table, bs, out)
+    dev_drafts = plan.dev_drafts
+    if dev_drafts is None:  # (the proposer's guess, made on the host)
+        dev_drafts = buffers.as_device(plan.host_drafts.numpy())
+    build_inputs(tokens, emitted, base, dev_drafts, buffers.block_table, bs, out)
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
     hidden = graphs.run(buffers.uniform_step(n, q, plan.reach), bucket)
     spec.ahead_launches += 1

@@ -503,7 +503,7 @@ class ModelRunner:
         if in_flight.unread and in_flight.unread[-1].pending is not None:
             in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None
-        if scheduled and spec is not None and spec.needs_hidden_states:
+        if scheduled and spec is not None and (spec.needs_hidden_states or spec.guesses_ahead):
             # The verification graph replays behind the step in flight, which is read next
             # (``pagoda.worker.drafts_ahead``).
             plan = plan_ahead(spec, so)

@@ -59,6 +59,12 @@ class Speculation:
     def needs_hidden_states(self) -> bool:
         return self.proposer.needs_hidden_states
 
+    @property
+    def guesses_ahead(self) -> bool:
+        """Whether the proposer guesses drafts for the step after the one in flight from
+        history (``SpeculativeProposer.guess_ahead``)."""
+        return type(self.proposer).guess_ahead is not SpeculativeProposer.guess_ahead
+
     def forget(self, req_ids: Collection[str]) -> None:
         """Requests that finished, were aborted or preempted."""
         for req_id in req_ids:

@@ -6,7 +6,6 @@ step's inputs with those the host builds once the step before is read."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,48 +15,12 @@ from eagle_helpers import TINY_LLAMA, write_random_head
 from pagoda_spec_eagle.chain import DenseChain
 
 from pagoda import LLM, SamplingParams
-from pagoda.attention.layer import set_forward_context
 from pagoda.bench.random_weights import ensure_random_weights
+from pagoda.testing.verify_graphs import eager_verify_graphs
 from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 
 ENGINE = {"device": "cpu", "max_model_len": 256, "max_num_seqs": 4, "enable_prefix_caching": False}
 K = 3
-
-
-class EagerVerifyGraphs:
-    """``DecodeGraphs`` for q = K + 1 tokens a request without CUDA: ``run`` reads the same
-    buffers a replay reads; sequence lengths come from the device buffer (a captured graph
-    never reads the host's)."""
-
-    replans = False
-
-    def __init__(self, runner, max_batch: int = 4) -> None:
-        self.runner = runner
-        self.query_len = K + 1
-        self.buckets = list(range(1, max_batch + 1))
-        self._arange = torch.arange(max_batch + 1, dtype=torch.int32)
-        self.replays = 0
-
-    @property
-    def max_batch(self) -> int:
-        return self.buckets[-1]
-
-    def bucket_for(self, n: int) -> int | None:
-        return n if n <= self.max_batch else None
-
-    def run(self, common, b: int) -> torch.Tensor:
-        r, q, n = self.runner, self.query_len, common.num_reqs
-        buffers = r.buffers
-        seq_lens = buffers.seq_lens[:n].numpy().astype(np.int64)
-        real = dataclasses.replace(
-            common,
-            max_seq_len=int(seq_lens.max()),
-            seq_lens_cpu=seq_lens,
-            query_start_loc_cpu=np.arange(n + 1) * q,
-        )
-        self.replays += 1
-        with set_forward_context(r.attn_backend.build_metadata(real)):
-            return r.model(buffers.input_ids[: n * q], buffers.positions[: n * q])
 
 
 def _engine(target: str, head: Path | None, tail: bool = True) -> LLM:
@@ -67,14 +30,12 @@ def _engine(target: str, head: Path | None, tail: bool = True) -> LLM:
         return LLM(model=target, **ENGINE)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "adaptive": False}
     llm = LLM(model=target, **ENGINE, speculative_config=spec)
-    runner = llm.engine.engine_core.executor.worker.model_runner
+    runner = eager_verify_graphs(llm)
     spec = runner.spec
-    spec.verify_graphs = EagerVerifyGraphs(runner)
     if tail:
         spec.greedy_graphs = GreedyVerifyGraphs(
             runner.model, runner.buffers.input_ids, spec.verify_graphs, graphs=False
         )
-    spec.check_ahead = True
     return llm
 
 
