@@ -332,7 +332,10 @@ def _graph_replays(llm: LLM) -> dict[str, int]:
     runner = llm.engine.engine_core.executor.worker.model_runner
     graphs = {"decode": getattr(runner, "decode_graphs", None)}
     graphs["verify"] = runner.spec.verify_graphs if runner.spec is not None else None
-    return {k: g.replays for k, g in graphs.items() if g is not None}
+    got = {k: g.replays for k, g in graphs.items() if g is not None}
+    if runner.spec is not None:  # (verifications replayed before the step in flight was read)
+        got["verify_ahead"] = runner.spec.ahead_launches
+    return got
 
 
 def _profile(engines: dict[str, LLM], batch: list[dict], params: SamplingParams, n: int) -> None:
