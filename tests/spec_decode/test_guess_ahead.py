@@ -99,6 +99,37 @@ def test_wrong_guesses_are_rejected_and_cost_only_their_step(
     assert runner.spec.ahead_launches > 0
     stats = llm.engine.engine_core.scheduler.spec_stats_total
     assert stats.num_accepted_tokens < stats.num_draft_tokens
+    # A guess whose premise failed (the step before did not sample the guessed token) is not
+    # guessed from again: at most every other verification is launched ahead.
+    assert runner.spec.ahead_launches <= stats.num_drafts // 2 + 2, (
+        runner.spec.ahead_launches,
+        stats.num_drafts,
+    )
+
+
+def test_guesses_are_not_built_on_guesses_that_failed(target: str, monkeypatch):
+    """The target picks token 0 always, the proposer's own drafts are zeros, and its guesses
+    guess the right token after the drafts but wrong drafts after it (7s). A guess made while a
+    wrong guess is in flight would be built on those 7s; with the premise checked, each
+    verification after a wrong guess waits and drafts zeros again, so half the steps accept
+    everything."""
+    llm, runner = _engine(target, "ngram", zero_norm=True)
+    cls = type(runner.spec.proposer)
+    guess = cls.guess_ahead
+    seen = []
+
+    def wrong_after_first(self, batch):
+        got = guess(self, batch)
+        if got is None:
+            return None
+        seen.append(batch.token_ids[batch.rows, batch.num_tokens - 1].tolist())
+        return np.where(got[:, :1] >= 0, np.where(np.arange(got.shape[1]) == 0, got, 7), got)
+
+    monkeypatch.setattr(cls, "guess_ahead", wrong_after_first)
+    assert _generate(llm, _prompts(1)) == [[0] * 40]
+    assert runner.spec.ahead_launches > 0
+    # No guess was asked from a history that ends with a failed guess's drafts.
+    assert all(t != [7] for t in seen), seen
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])

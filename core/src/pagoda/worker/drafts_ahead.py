@@ -32,8 +32,12 @@ but it can guess them (``SpeculativeProposer.guess_ahead``): from the history as
 accepts every draft, the token N then samples and the ``k`` after it. N + 1's inputs are built on
 the device from N's true outcome as above, with those drafts; a wrong guess is rejected by the
 verification like any wrong draft (the output is the target's own either way) and costs that
-step, which then adds one token. Where the guess misses its first draft in some request, or a
-request's drafts run out after the guessed token, the step waits for N as before.
+step, which then adds one token. Where the guess has no first draft in some request, the step
+waits for N as before. Once N is read the runner knows whether the guess's premise held (N
+accepted every draft and sampled the guessed token) and whether the proposer, asked from the
+history now known, drafts what was guessed; where not, N + 1's drafts are likely wrong, and the
+step after N + 1 is not guessed from them (it waits for N + 1): guesses built on guesses that
+failed would miss for as long as they found matches.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class AheadPlan:
     # the proposer's guess (``guess_ahead``), copied to the device at the launch.
     dev_drafts: torch.Tensor | None
     host_drafts: torch.Tensor  # [n, k] on the host (in flight until ``last`` is read)
+    # For a guess: each request's tokens if ``last`` accepts every draft, and the token guessed
+    # to follow them (``last``'s own sampled token): what must hold for the drafts to be right.
+    premise: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -73,6 +80,8 @@ class AheadLaunch:
     starts: np.ndarray  # the scheduler's starts (``ModelRunner._update_states``)
     drafts: torch.Tensor  # [n, k] on the host (in flight until the step before is read)
     hidden: torch.Tensor  # [n * q, hidden]: the graph's output
+    rows: np.ndarray | None = None  # [n] their rows (for a guess's premise)
+    premise: tuple[np.ndarray, np.ndarray] | None = None  # ``AheadPlan.premise``
 
 
 def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
@@ -93,7 +102,7 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
     # Each request's index among the step in flight's sampling rows.
     at = {last.req_ids[i]: j for j, i in enumerate(last.sample_idx.tolist())}
     sel = np.fromiter((at.get(r, -1) for r in req_ids), dtype=np.int64, count=n)
-    if (sel < 0).any():
+    if (sel < 0).any() or any(r in spec.wrong_drafts for r in req_ids):
         return None
     rows = last.sample_rows[sel]
     if any(ib.row_of.get(r) != row for r, row in zip(req_ids, rows.tolist())):
@@ -121,7 +130,7 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
 
 def _guess(
     spec: Speculation, req_ids: list[str], rows: np.ndarray, num_drafts: np.ndarray, k: int
-) -> tuple[None, torch.Tensor] | None:
+) -> tuple[None, torch.Tensor, tuple[np.ndarray, np.ndarray]] | None:
     """The proposer's guess of the drafts after the step in flight (``guess_ahead``): from each
     row's history with that step's drafts as if accepted (``InputBatch.write_drafts`` put them
     after the known tokens). None where a request has no guessed token or no draft after it;
@@ -150,7 +159,7 @@ def _guess(
         return None
     for j in range(1, k):  # (pad: the last draft again)
         np.copyto(drafts[:, j], drafts[:, j - 1], where=drafts[:, j] < 0)
-    return None, torch.from_numpy(drafts)
+    return None, torch.from_numpy(drafts), (num_tokens, np.array(got[:, 0], dtype=np.int64))
 
 
 def launch_ahead(
@@ -186,7 +195,7 @@ def launch_ahead(
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
     hidden = graphs.run(buffers.uniform_step(n, q, plan.reach), bucket)
     spec.ahead_launches += 1
-    return AheadLaunch(req_ids, starts, plan.host_drafts, hidden)
+    return AheadLaunch(req_ids, starts, plan.host_drafts, hidden, plan.rows, plan.premise)
 
 
 def _fits(spec: Speculation, last: StepOutput, so: SchedulerOutput) -> bool:
@@ -219,7 +228,20 @@ def take_drafts(spec: Speculation, ahead: AheadLaunch) -> None:
     slots (``spec.proposals``), whatever the proposer returned when that step was read.
     (A new dict: the one there is also that step's output.)"""
     host = ahead.drafts.numpy().tolist()
-    spec.proposals = {**spec.proposals, **dict(zip(ahead.req_ids, host))}
+    fresh = spec.proposals
+    spec.proposals = {**fresh, **dict(zip(ahead.req_ids, host))}
+    spec.wrong_drafts = set()
+    if ahead.premise is not None:  # (a guess: the step before is read now; did it hold?)
+        ib, (length, token) = spec.input_batch, ahead.premise
+        rows = ahead.rows
+        held = ib.num_tokens[rows] == length + 1
+        held[held] = ib.token_ids[rows[held], length[held]] == token[held]
+        # NOTE: and the proposer, asked from the history now known, drafts what was guessed
+        # (a proposer that drafts nothing now has nothing better to build on either).
+        for i, (req_id, drafts) in enumerate(zip(ahead.req_ids, host)):
+            now = fresh.get(req_id)
+            if not held[i] or (now and now[0] != drafts[0]):
+                spec.wrong_drafts.add(req_id)
 
 
 def check_ahead(

@@ -525,6 +525,8 @@ class ModelRunner:
             req_ids, starts = ahead.req_ids, ahead.starts
             take_drafts(spec, ahead)
         else:
+            if spec is not None:
+                spec.wrong_drafts = set()  # (this step's drafts, if any, are fresh)
             buffers.next_launch()
             if so.kv_transfers is not None and self.kv_offload is not None:
                 self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait

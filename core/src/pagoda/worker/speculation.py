@@ -53,6 +53,9 @@ class Speculation:
     verify_graphs: DecodeGraphs | None = None
     greedy_graphs: GreedyVerifyGraphs | None = None
     ahead_launches: int = 0  # verifications launched before the step in flight was read
+    # Requests whose step in flight verifies guessed drafts whose premise failed
+    # (``pagoda.worker.drafts_ahead``): the next step is not guessed from them.
+    wrong_drafts: set[str] = field(default_factory=set)
     check_ahead: bool = False  # (tests) compare their inputs with the host's, waiting
 
     @property
