@@ -445,18 +445,8 @@ def main() -> None:
     p.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="speculative.disable_by_batch_size"
     )
-    p.add_argument(
-        "--no-guess-ahead",
-        action="store_true",
-        help="history proposers guess no drafts ahead (every verification waits for the step "
-        "in flight): the A/B of SpeculativeProposer.guess_ahead",
-    )
     args = p.parse_args()
     args.method_given = "--method" in sys.argv
-    if args.no_guess_ahead:
-        from pagoda.worker.speculation import Speculation
-
-        Speculation.guesses_ahead = property(lambda self: False)  # type: ignore[assignment]
     if args.suite:
         run_suite(args)
         return

@@ -273,18 +273,6 @@ class SpeculativeProposer(ABC):
         (``pagoda.worker.drafts_ahead``). Default None."""
         return None
 
-    def guess_ahead(self, batch: ProposalBatch) -> np.ndarray | None:
-        """Optional, for a proposer that reads only history: drafts for the step after the one
-        in flight, before that step is read, on the guess that it accepts every draft it
-        verifies. ``batch``'s histories end with those drafts (``num_tokens`` counts them).
-        Returns [n, 1 + k] int64: the token expected to follow them (the step's own sampled
-        token) and the ``k`` drafts expected after that one, -1 where none; or None. Any ids
-        are safe to return (verification keeps only what the target itself produces); wrong
-        ones cost the step they are verified in. The runner uses the drafts of a step where
-        every request has the first two; ``propose`` is still called once the step is read.
-        Must not change the proposer's state. Default None."""
-        return None
-
     def remove(self, req_ids: Iterable[str]) -> None:  # noqa: B027 (optional to override)
         """Forget the requests ``req_ids``: finished, aborted or preempted (their ids may come
         back later, as a resumed request, with the same history). Returns nothing."""

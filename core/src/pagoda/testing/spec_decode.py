@@ -12,14 +12,11 @@ What a proposer must do, whatever it proposes:
   implementation cannot mix rows up);
 - leave ``batch.token_ids`` unchanged, and take ``remove`` of ids it never saw;
 - where it promises drafts ahead (``drafts_ahead``, after ``draft_after_verify``), return
-  exactly those from its next ``propose``, whatever the verification accepted;
-- where it guesses drafts ahead (``guess_ahead``), return ``[n, 1 + k]`` ids or -1 and leave its
-  state as it was.
+  exactly those from its next ``propose``, whatever the verification accepted.
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -301,61 +298,3 @@ def check_drafts_ahead(
             f"{got.token_ids.tolist()} (accepted counts {(emitted - 1).tolist()})"
         )
     return n
-
-
-def _pickled(proposer: SpeculativeProposer) -> bytes | None:
-    """The proposer's state, pickled (None where it does not pickle: not compared)."""
-    try:
-        return pickle.dumps(proposer.__dict__)
-    except Exception:
-        return None
-
-
-def check_guess_ahead(
-    cls: type[SpeculativeProposer], config: SpeculativeConfig, device="cpu"
-) -> int:
-    """For a proposer that overrides ``guess_ahead``: propose for a batch, then guess from each
-    history with its drafts after it (as the runner asks while the step that verifies them is in
-    flight): the guess is [n, 1 + k] int64 of token ids or -1, ``token_ids`` and the proposer's
-    state (compared pickled, where it pickles) are what they were, and a second guess is the
-    same. Returns the requests guessed a token and a draft after it (0: the method is not
-    overridden, or it guessed nothing)."""
-    if cls.guess_ahead is SpeculativeProposer.guess_ahead:
-        return 0
-    ctx = make_context(config, device)
-    proposer = _build(cls, ctx)
-    case = proposer_cases()[2]
-    batch = make_batch(case, ctx, proposer.hidden_state_layers)
-    k, vocab, n = ctx.num_speculative_tokens, ctx.vocab_size, len(case.rows)
-    drafts = proposer.propose(batch)
-    nd = drafts.counts(vocab, batch.max_num_drafts)
-    token_ids = batch.token_ids.copy()
-    for i, (row, h) in enumerate(zip(case.rows, case.histories)):
-        token_ids[row, len(h) : len(h) + nd[i]] = drafts.token_ids[i, : nd[i]]
-    ahead = ProposalBatch(
-        req_ids=batch.req_ids,
-        rows=batch.rows,
-        token_ids=token_ids,
-        num_tokens=batch.num_tokens + nd,
-        num_prompt_tokens=batch.num_prompt_tokens,
-        max_num_drafts=np.full(n, k, dtype=np.int64),
-    )
-    before, ids = _pickled(proposer), token_ids.copy()
-    got = proposer.guess_ahead(ahead)
-    if got is None:
-        return 0
-    if not isinstance(got, np.ndarray) or got.shape != (n, k + 1) or got.dtype != np.int64:
-        raise AssertionError(
-            f"guess_ahead returned {type(got).__name__} {getattr(got, 'shape', None)} "
-            f"{getattr(got, 'dtype', None)}; want int64 [{n}, {k + 1}]"
-        )
-    if ((got < -1) | (got >= vocab)).any():
-        raise AssertionError(f"guess_ahead returned ids outside [-1, {vocab}): {got.tolist()}")
-    if not np.array_equal(ids, token_ids):
-        raise AssertionError("guess_ahead wrote into batch.token_ids")
-    if before is not None and _pickled(proposer) != before:
-        raise AssertionError("guess_ahead changed the proposer's state")
-    again = proposer.guess_ahead(ahead)
-    if again is None or not np.array_equal(again, got):
-        raise AssertionError("guess_ahead guessed differently from the same histories")
-    return int(((got[:, 0] >= 0) & (got[:, 1] >= 0)).sum())

@@ -23,7 +23,6 @@ from pagoda.spec_decode import ProposerContext, SpeculativeProposer, TargetModel
 from pagoda.testing.spec_decode import (
     ProposerCase,
     check_drafts_ahead,
-    check_guess_ahead,
     check_proposer_case,
     proposer_cases,
 )
@@ -73,11 +72,3 @@ class SpeculativeProposerConformance:
             pytest.skip("this proposer promises no drafts ahead (drafts_ahead not overridden)")
         n = check_drafts_ahead(cls, self.config, self.device, self._target())
         assert n > 0, "drafts_ahead promised nothing for fresh requests whose drafts verified"
-
-    def test_guesses_ahead_leave_the_proposer_as_it_was(self) -> None:
-        cls = self.proposer_class()
-        if cls.guess_ahead is SpeculativeProposer.guess_ahead:
-            pytest.skip("this proposer guesses no drafts ahead (guess_ahead not overridden)")
-        n = check_guess_ahead(cls, self.config, self.device)
-        if self.proposes_something:
-            assert n > 0, "guess_ahead guessed nothing after histories that repeat"

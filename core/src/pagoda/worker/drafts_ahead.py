@@ -26,18 +26,6 @@ It applies to steps where every request verified drafts in N, keeps its row, has
 slots (``q = k + 1`` tokens: a verification graph with no padding), and gets its drafts from
 ``SpeculativeProposer.drafts_ahead``; the attention backend must read sequence lengths on the
 device (no re-planning before a replay: Triton, not FlashInfer).
-
-A proposer that reads only history (n-gram, suffix) cannot know N + 1's drafts before N is read,
-but it can guess them (``SpeculativeProposer.guess_ahead``): from the history as it would be if N
-accepts every draft, the token N then samples and the ``k`` after it. N + 1's inputs are built on
-the device from N's true outcome as above, with those drafts; a wrong guess is rejected by the
-verification like any wrong draft (the output is the target's own either way) and costs that
-step, which then adds one token. Where the guess has no first draft in some request, the step
-waits for N as before. Once N is read the runner knows whether the guess's premise held (N
-accepted every draft and sampled the guessed token) and whether the proposer, asked from the
-history now known, drafts what was guessed; where not, N + 1's drafts are likely wrong, and the
-step after N + 1 is not guessed from them (it waits for N + 1): guesses built on guesses that
-failed would miss for as long as they found matches.
 """
 
 from __future__ import annotations
@@ -47,7 +35,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagoda.spec_decode.proposer import ProposalBatch
 from pagoda.step import SchedulerOutput, is_draft_slots
 from pagoda.utils import cdiv
 from pagoda.worker.speculation import Speculation
@@ -63,13 +50,8 @@ class AheadPlan:
     sel: np.ndarray  # [n]: each request's index among ``last``'s sampling rows
     rows: np.ndarray  # [n]: their rows
     reach: np.ndarray  # [n]: the farthest each reaches (``last`` accepts every draft)
-    # [n, k] on the device (``SpeculativeProposer.drafts_ahead``); None: ``host_drafts`` are
-    # the proposer's guess (``guess_ahead``), copied to the device at the launch.
-    dev_drafts: torch.Tensor | None
+    dev_drafts: torch.Tensor  # [n, k] on the device (``SpeculativeProposer.drafts_ahead``)
     host_drafts: torch.Tensor  # [n, k] on the host (in flight until ``last`` is read)
-    # For a guess: each request's tokens if ``last`` accepts every draft, and the token guessed
-    # to follow them (``last``'s own sampled token): what must hold for the drafts to be right.
-    premise: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -80,8 +62,6 @@ class AheadLaunch:
     starts: np.ndarray  # the scheduler's starts (``ModelRunner._update_states``)
     drafts: torch.Tensor  # [n, k] on the host (in flight until the step before is read)
     hidden: torch.Tensor  # [n * q, hidden]: the graph's output
-    rows: np.ndarray | None = None  # [n] their rows (for a guess's premise)
-    premise: tuple[np.ndarray, np.ndarray] | None = None  # ``AheadPlan.premise``
 
 
 def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
@@ -102,7 +82,7 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
     # Each request's index among the step in flight's sampling rows.
     at = {last.req_ids[i]: j for j, i in enumerate(last.sample_idx.tolist())}
     sel = np.fromiter((at.get(r, -1) for r in req_ids), dtype=np.int64, count=n)
-    if (sel < 0).any() or any(r in spec.wrong_drafts for r in req_ids):
+    if (sel < 0).any():
         return None
     rows = last.sample_rows[sel]
     if any(ib.row_of.get(r) != row for r, row in zip(req_ids, rows.tolist())):
@@ -113,53 +93,16 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
     reach = last.sample_pos[sel] + last.num_drafts[sel] + q
     if int(reach.max()) > spec.max_model_len:
         return None
-    k = spec.num_spec_tokens
-    if spec.needs_hidden_states:
-        got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
-    else:
-        got = _guess(spec, req_ids, rows, last.num_drafts[sel], k)
+    got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
     if got is None:
         return None
+    k = spec.num_spec_tokens
     if got[1].shape[-1] != k:  # the documented bound holds in this mode too: k columns exactly
         raise ValueError(
             f"a proposer's drafts_ahead returned {got[1].shape[-1]} draft columns; want "
             f"speculative.num_speculative_tokens={k}"
         )
     return AheadPlan(last, sel, rows, reach, *got)
-
-
-def _guess(
-    spec: Speculation, req_ids: list[str], rows: np.ndarray, num_drafts: np.ndarray, k: int
-) -> tuple[None, torch.Tensor, tuple[np.ndarray, np.ndarray]] | None:
-    """The proposer's guess of the drafts after the step in flight (``guess_ahead``): from each
-    row's history with that step's drafts as if accepted (``InputBatch.write_drafts`` put them
-    after the known tokens). None where a request has no guessed token or no draft after it;
-    drafts that run out earlier are padded with their last (a draft past the target's choice is
-    rejected whatever it holds)."""
-    ib = spec.input_batch
-    num_tokens = ib.num_tokens[rows] + num_drafts
-    batch = ProposalBatch(
-        req_ids=req_ids,
-        rows=rows,
-        token_ids=ib.token_ids,
-        num_tokens=num_tokens,
-        num_prompt_tokens=ib.num_prompt[rows],
-        max_num_drafts=np.full(len(rows), k, dtype=np.int64),
-    )
-    got = spec.proposer.guess_ahead(batch)
-    if got is None:
-        return None
-    if got.shape != (len(rows), k + 1):
-        raise ValueError(
-            f"a proposer's guess_ahead returned shape {tuple(got.shape)}; want "
-            f"({len(rows)}, {k + 1}): the guessed token and k={k} drafts a request"
-        )
-    drafts = np.array(got[:, 1:], dtype=np.int64)
-    if (got[:, 0] < 0).any() or (drafts[:, 0] < 0).any():
-        return None
-    for j in range(1, k):  # (pad: the last draft again)
-        np.copyto(drafts[:, j], drafts[:, j - 1], where=drafts[:, j] < 0)
-    return None, torch.from_numpy(drafts), (num_tokens, np.array(got[:, 0], dtype=np.int64))
 
 
 def launch_ahead(
@@ -188,14 +131,11 @@ def launch_ahead(
         buffers.seq_lens,
         buffers.query_start_loc,
     )
-    dev_drafts = plan.dev_drafts
-    if dev_drafts is None:  # (the proposer's guess, made on the host)
-        dev_drafts = buffers.as_device(plan.host_drafts.numpy())
-    build_inputs(tokens, emitted, base, dev_drafts, buffers.block_table, bs, out)
+    build_inputs(tokens, emitted, base, plan.dev_drafts, buffers.block_table, bs, out)
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
     hidden = graphs.run(buffers.uniform_step(n, q, plan.reach), bucket)
     spec.ahead_launches += 1
-    return AheadLaunch(req_ids, starts, plan.host_drafts, hidden, plan.rows, plan.premise)
+    return AheadLaunch(req_ids, starts, plan.host_drafts, hidden)
 
 
 def _fits(spec: Speculation, last: StepOutput, so: SchedulerOutput) -> bool:
@@ -228,20 +168,7 @@ def take_drafts(spec: Speculation, ahead: AheadLaunch) -> None:
     slots (``spec.proposals``), whatever the proposer returned when that step was read.
     (A new dict: the one there is also that step's output.)"""
     host = ahead.drafts.numpy().tolist()
-    fresh = spec.proposals
-    spec.proposals = {**fresh, **dict(zip(ahead.req_ids, host))}
-    spec.wrong_drafts = set()
-    if ahead.premise is not None:  # (a guess: the step before is read now; did it hold?)
-        ib, (length, token) = spec.input_batch, ahead.premise
-        rows = ahead.rows
-        held = ib.num_tokens[rows] == length + 1
-        held[held] = ib.token_ids[rows[held], length[held]] == token[held]
-        # NOTE: and the proposer, asked from the history now known, drafts what was guessed
-        # (a proposer that drafts nothing now has nothing better to build on either).
-        for i, (req_id, drafts) in enumerate(zip(ahead.req_ids, host)):
-            now = fresh.get(req_id)
-            if not held[i] or (now and now[0] != drafts[0]):
-                spec.wrong_drafts.add(req_id)
+    spec.proposals = {**spec.proposals, **dict(zip(ahead.req_ids, host))}
 
 
 def check_ahead(

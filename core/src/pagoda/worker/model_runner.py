@@ -503,7 +503,7 @@ class ModelRunner:
         if in_flight.unread and in_flight.unread[-1].pending is not None:
             in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None
-        if scheduled and spec is not None and (spec.needs_hidden_states or spec.guesses_ahead):
+        if scheduled and spec is not None and spec.needs_hidden_states:
             # The verification graph replays behind the step in flight, which is read next
             # (``pagoda.worker.drafts_ahead``).
             plan = plan_ahead(spec, so)
@@ -525,8 +525,6 @@ class ModelRunner:
             req_ids, starts = ahead.req_ids, ahead.starts
             take_drafts(spec, ahead)
         else:
-            if spec is not None:
-                spec.wrong_drafts = set()  # (this step's drafts, if any, are fresh)
             buffers.next_launch()
             if so.kv_transfers is not None and self.kv_offload is not None:
                 self.kv_offload.submit(so.kv_transfers)  # before the forward, which may wait

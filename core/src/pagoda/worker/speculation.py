@@ -53,20 +53,11 @@ class Speculation:
     verify_graphs: DecodeGraphs | None = None
     greedy_graphs: GreedyVerifyGraphs | None = None
     ahead_launches: int = 0  # verifications launched before the step in flight was read
-    # Requests whose step in flight verifies guessed drafts whose premise failed
-    # (``pagoda.worker.drafts_ahead``): the next step is not guessed from them.
-    wrong_drafts: set[str] = field(default_factory=set)
     check_ahead: bool = False  # (tests) compare their inputs with the host's, waiting
 
     @property
     def needs_hidden_states(self) -> bool:
         return self.proposer.needs_hidden_states
-
-    @property
-    def guesses_ahead(self) -> bool:
-        """Whether the proposer guesses drafts for the step after the one in flight from
-        history (``SpeculativeProposer.guess_ahead``)."""
-        return type(self.proposer).guess_ahead is not SpeculativeProposer.guess_ahead
 
     def forget(self, req_ids: Collection[str]) -> None:
         """Requests that finished, were aborted or preempted."""

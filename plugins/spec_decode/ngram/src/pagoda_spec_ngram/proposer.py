@@ -232,21 +232,6 @@ class NgramProposer(SpeculativeProposer):
             pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0)
         return Drafts(ids)
 
-    def guess_ahead(self, batch: ProposalBatch) -> np.ndarray | None:
-        """The ``1 + k`` tokens after the match of each history (which ends with the drafts of
-        the step in flight), where the match is one this proposer drafts from (its measured
-        lengths, at the defaults); -1 past what the history holds. The state is only read."""
-        rows, num_tokens, k = batch.rows, batch.num_tokens, self.k
-        end, match = ngram_match(batch.token_ids, rows, num_tokens, self.min_n, self.max_n, k + 1)
-        caps = np.full(len(rows), k + 1, dtype=np.int64)
-        adapt = self.adapt
-        if adapt is not None:
-            # (a match this proposer would not draft from now guesses nothing)
-            if any(adapt.owner[r] != q for r, q in zip(rows.tolist(), batch.req_ids)):
-                return None
-            caps[adapt.lengths(rows, match, np.full(len(rows), k)) == 0] = 0
-        return drafts_after(batch.token_ids, rows, num_tokens, end, caps, k + 1)
-
     def remove(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
         if self.adapt is not None:

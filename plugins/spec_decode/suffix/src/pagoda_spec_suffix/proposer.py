@@ -100,36 +100,6 @@ class SuffixProposer(SpeculativeProposer):
         self.pause.update(batch.req_ids, batch.num_tokens, out[:, 0] >= 0)
         return Drafts(out)
 
-    def guess_ahead(self, batch: ProposalBatch) -> np.ndarray | None:
-        """Each request's cursors followed (not added) over the tokens its history gained
-        since the last call, the drafts of the step in flight last, and the draft of ``1 + k``
-        tokens from there, as :meth:`propose` drafts. The trees and cursors are only read."""
-        n, k = len(batch), self.k
-        out = np.full((n, k + 1), -1, dtype=np.int64)
-        s = self.settings
-        longest = max(1, self.depth - k - 1)
-        use_global = bool(self.cached)
-        floor = max(s.min_token_prob, self.cost.threshold(n))
-        for i, req_id in enumerate(batch.req_ids):
-            req = self.requests.get(req_id)
-            if req is None:
-                return None
-            new = batch.token_ids[batch.rows[i], len(req.tokens) : int(batch.num_tokens[i])]
-            cursor, global_cursor = req.cursor, req.global_cursor
-            for t in new.tolist():
-                cursor = req.tree.follow(cursor, t, longest)
-                if use_global:
-                    global_cursor = self.global_tree.follow(global_cursor, t, longest)
-            best, score, _ = req.tree.draft(cursor[:longest], k + 1, floor, s.max_spec_factor)
-            if use_global:
-                got, g_score, _ = self.global_tree.draft(
-                    global_cursor, k + 1, floor, s.max_spec_factor
-                )
-                if g_score > score:
-                    best = got
-            out[i, : len(best)] = best
-        return out
-
     def _catch_up(
         self, req_id: str, batch: ProposalBatch, i: int, longest: int
     ) -> tuple[_Request, int | None]:

@@ -7,11 +7,10 @@ suffixes that end at the last token added, shortest first) is extended by the to
 sequence takes its counts back and frees the nodes that reach zero, so a tree over a window of
 sequences stays bounded by the tokens in the window times the depth.
 
-Drafting (:meth:`SuffixTree.draft`) starts at the node of a suffix of a context that has a
-continuation, and follows the most frequent child while the product of the children's
+Drafting (:meth:`SuffixTree.draft`) starts at the node of the longest suffix of a context that
+has a continuation, and follows the most frequent child while the product of the children's
 frequencies (each child's count over its siblings' total) stays above a floor: a substring
 always followed by the same tokens drafts long, one with many continuations short or not at all.
-The longest such suffix is tried first, shorter ones while they could give more.
 
 NOTE: nodes are integers and edges one dictionary of integer keys (``node * 2**24 + token``),
 so that a tree of hundreds of thousands of nodes holds no Python object the garbage collector
@@ -116,21 +115,15 @@ class SuffixTree:
     def draft(
         self, cursor: Sequence[int], max_len: int, min_prob: float, factor: float
     ) -> tuple[list[int], float, int]:
-        """The best draft from the suffixes in ``cursor`` that have a continuation: (tokens,
-        their expected accepted count (the sum of each prefix's probability), the suffix's
-        length). At most ``max_len`` tokens and ``factor`` times the suffix's length. The
-        longest suffix is tried first; a shorter one wins only with a higher expected count
-        (the longest match can end where the context itself ends: in a run of one token, the
-        longest earlier occurrence is followed by one token, a short one by many)."""
+        """The draft from the longest suffix in ``cursor`` with a continuation: (tokens, their
+        expected accepted count (the sum of each prefix's probability), the suffix's length).
+        At most ``max_len`` tokens and ``factor`` times the suffix's length."""
         count, total, best, best_tok = self.count, self.total, self.best, self.best_tok
-        chosen: tuple[list[int], float, int] = ([], 0.0, 0)
         for m in range(len(cursor), 0, -1):
             node = cursor[m - 1]
             if node == NONE or not count[node] or not total[node] or best[node] == NONE:
                 continue
             limit = min(max_len, max(1, int(factor * m)))
-            if limit <= chosen[1]:  # (the expected count is at most the length)
-                break
             out: list[int] = []
             prob = 1.0
             score = 0.0
@@ -142,8 +135,5 @@ class SuffixTree:
                 out.append(best_tok[node])
                 score += prob
                 node = child
-            if score > chosen[1]:
-                chosen = (out, score, m)
-            if score >= max_len:
-                break
-        return chosen
+            return out, score, m
+        return [], 0.0, 0
