@@ -83,7 +83,7 @@ class TritonAttentionBackend(AttentionBackend):
     # Steps of new prompts only attend over their own keys (`plugins.triton.ragged_prefill`).
     ragged_prefill = True
     # FP8 caches store value pages transposed (`plugins.triton.fp8_transposed_values`).
-    fp8_transposed_values = False
+    fp8_transposed_values = True
 
     @classmethod
     def configure(cls, config: AttentionConfig) -> None:

@@ -12,7 +12,7 @@ class TritonSettings(BaseModel):
         " keys with a flash-attention kernel instead of the paged one; false: the paged one",
     )
     fp8_transposed_values: bool = Field(
-        False,
+        True,
         description="an FP8 KV cache stores each value page transposed ([heads, head_dim,"
         " block_size]), so that decode reads values in vectors where one-byte values in token"
         " rows reach the p.v dot a byte at a time; the dots then run in float16",
