@@ -24,6 +24,8 @@ def test_bench_embed_reports_both_engines_and_a_profile(tmp_path, monkeypatch) -
     assert got["pooling"] == "LAST" and got["workload"] == {"num_prompts": 6, "input_len": 24}
     assert got["attention_backend"] == "torch_native"  # (a CPU without the interpreter)
     assert got["repeats"] == 3
+    # (a CPU: no clocks sampled, for either engine)
+    assert got["clocks"] == {"pagoda": None, "sentence_transformers": None}
     for engine in ("pagoda", "sentence_transformers"):
         assert results[engine]["elapsed_s"] > 0 and results[engine]["requests_per_s"] > 0
         runs = results[engine]["runs_s"]  # each run's time; the rates are at their median

@@ -118,3 +118,93 @@ class KernelCompiles:
     def __exit__(self, *exc: object) -> None:
         if self.supported:
             self._knobs.jit_post_compile_hook = self._before
+
+
+# Throttle reasons (NVML's ``clocks_event_reasons``) in nvidia-smi's bit mask: power and heat.
+_POWER_CAP = 0x4 | 0x80  # the software power cap, the hardware power brake
+_THERMAL = 0x20 | 0x40  # software and hardware thermal slowdown
+
+
+class ClockWatch:
+    """The GPU's SM clock, power draw and throttle reasons while a block runs, sampled by
+    ``nvidia-smi`` every ``interval_ms`` in a process beside it: a GPU at its power limit lowers
+    its clock, so two timings on one board compare only at their clocks (one engine's kernels
+    may hold the board at its limit where another's leave it at full clock). ``summary()`` is
+    None where ``nvidia-smi`` is missing or sampled nothing, or with ``enabled`` false (a CPU).
+
+    .. code-block:: python
+
+        with ClockWatch(0) as watch:
+            run()
+        report["clocks"] = watch.summary()
+    """
+
+    def __init__(self, device_index: int = 0, interval_ms: int = 100, enabled: bool = True) -> None:
+        import os
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [x.strip() for x in visible.split(",")] if visible else []
+        # (nvidia-smi -i takes an index, a UUID or a PCI bus id, as CUDA_VISIBLE_DEVICES may hold)
+        self.target = ids[device_index] if device_index < len(ids) else str(device_index)
+        self.interval_ms = interval_ms
+        self.samples: list[tuple[float, float, int]] = []  # (SM MHz, watts, reasons)
+        self.enabled = enabled
+        self._proc: Any = None
+
+    def __enter__(self) -> ClockWatch:
+        import shutil
+        import subprocess
+
+        exe = shutil.which("nvidia-smi") if self.enabled else None
+        if exe is None:
+            return self
+        query = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+        cmd = [exe, "-i", self.target, f"--query-gpu={query}", "--format=csv,noheader,nounits"]
+        self._proc = subprocess.Popen(
+            [*cmd, "-lms", str(self.interval_ms)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            out, _ = proc.communicate(timeout=5)
+        except Exception:
+            proc.kill()
+            out, _ = proc.communicate()
+        self.samples = [s for s in map(_clock_sample, out.splitlines()) if s is not None]
+
+    def summary(self) -> dict[str, Any] | None:
+        """The samples' median and lowest SM clock (MHz), highest power (W), and the share of
+        samples throttled for power and for heat; None without samples."""
+        import statistics
+
+        if not self.samples:
+            return None
+        mhz = [s[0] for s in self.samples]
+        n = len(self.samples)
+        return {
+            "samples": n,
+            "sm_mhz_median": statistics.median(mhz),
+            "sm_mhz_min": min(mhz),
+            "power_w_max": max(s[1] for s in self.samples),
+            "power_capped_share": round(sum(1 for s in self.samples if s[2] & _POWER_CAP) / n, 3),
+            "thermal_share": round(sum(1 for s in self.samples if s[2] & _THERMAL) / n, 3),
+        }
+
+
+def _clock_sample(line: str) -> tuple[float, float, int] | None:
+    """One ``nvidia-smi`` line of ``clocks.sm, power.draw, reasons`` (no units), or None."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) != 3:
+        return None
+    try:
+        return float(parts[0]), float(parts[1]), int(parts[2], 16)
+    except ValueError:  # ("[N/A]" where the board does not say)
+        return None

@@ -15,6 +15,7 @@ each run's seconds are listed (``runs_s``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
@@ -91,15 +92,19 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     # first repeat's embeddings are the ones compared with sentence-transformers'.
     runs = []
     shape = (args.num_prompts, args.input_len)
-    for r in range(args.repeats):
-        prompts = ids if r == 0 else gen.integers(low, info.shape.vocab_size, shape).tolist()
-        start = time.perf_counter()
-        out = _embed(llm, prompts)
-        runs.append(time.perf_counter() - start)
-        if r == 0:
-            ours = out
+    watch = _clock_watch(info.device)
+    with watch:
+        for r in range(args.repeats):
+            prompts = ids if r == 0 else gen.integers(low, info.shape.vocab_size, shape).tolist()
+            start = time.perf_counter()
+            out = _embed(llm, prompts)
+            runs.append(time.perf_counter() - start)
+            if r == 0:
+                ours = out
     pagoda_s = statistics.median(runs)
     results: dict[str, Any] = {"pagoda": _rates(args.num_prompts, n_tokens, pagoda_s, runs)}
+    # (a GPU at its power limit lowers its clock: the engines compare at the clocks they ran at)
+    clocks = {"pagoda": watch.summary()}
     if args.profile:
         prompts = gen.integers(low, info.shape.vocab_size, (args.num_prompts, args.input_len))
         results["pagoda_profile"] = _profile(llm, prompts.tolist(), info.device)
@@ -109,9 +114,12 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         del llm
         if info.device.type == "cuda":
             torch.cuda.empty_cache()
+        watch = _clock_watch(info.device)
         st_runs, theirs = _sentence_transformers(
-            info.hf_dir, pooler, ids, args.st_batch_size, info.device, info.dtype, args.repeats
-        )
+            info.hf_dir, pooler, ids, args.st_batch_size, info.device, info.dtype, args.repeats,
+            watch,
+        )  # fmt: skip
+        clocks["sentence_transformers"] = watch.summary()
         st_s = statistics.median(st_runs)
         results["sentence_transformers"] = _rates(args.num_prompts, n_tokens, st_s, st_runs)
         results["pagoda_over_sentence_transformers"] = round(st_s / pagoda_s, 3)
@@ -133,12 +141,23 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         # (``attention.backend: auto`` picks by priority and by what is compiled: the figure's)
         "attention_backend": backend,
         "results": results,
+        # SM clock, power and throttling while each engine's timed runs ran (None: not a GPU,
+        # or no nvidia-smi)
+        "clocks": clocks,
     }
     text = json.dumps(report, indent=2)
     print(text)
     if args.output_json:
         Path(args.output_json).write_text(text + "\n")
     return 0
+
+
+def _clock_watch(device: Any) -> Any:
+    """A :class:`~pagoda.bench.device.ClockWatch` of ``device`` (one that samples nothing on a
+    CPU)."""
+    from pagoda.bench.device import ClockWatch
+
+    return ClockWatch(device.index or 0, enabled=device.type == "cuda")
 
 
 def _attention_backend(engine: Any) -> str | None:
@@ -245,11 +264,12 @@ def _sentence_transformers(
     device: Any,
     dtype: Any,
     repeats: int = 1,
+    watch: Any = None,
 ) -> tuple[list[float], Any]:
     """sentence-transformers' seconds over ``ids``, ``repeats`` times (its forward, batch by
-    batch, after one warm-up batch), and its embeddings. A folder without its files gets the
-    pipeline the engine pooled with (Transformer, Pooling of the same kind, Normalize when
-    normalised)."""
+    batch, after one warm-up batch; under ``watch`` where given), and its embeddings. A folder
+    without its files gets the pipeline the engine pooled with (Transformer, Pooling of the
+    same kind, Normalize when normalised)."""
     import numpy as np
     import torch
     from sentence_transformers import SentenceTransformer
@@ -274,7 +294,7 @@ def _sentence_transformers(
         return st(feats)["sentence_embedding"].float()
 
     runs = []
-    with torch.inference_mode():
+    with torch.inference_mode(), watch if watch is not None else contextlib.nullcontext():
         run(tensor[:batch])
         for _ in range(repeats):
             if device.type == "cuda":
