@@ -376,3 +376,21 @@ def test_engine_with_fused_ops_matches_torch_ops(
     ops.set_fused_ops(False)
     for p, w, g in zip(prompts, want, got):
         check_same_or_near_tie(ref, p, w, g)
+
+
+def test_linear_add_adds_a_large_steps_projection_into_the_residual_in_place() -> None:
+    """``residual += x @ W.T`` in cuBLAS's epilogue for a step of at least
+    ``RESIDUAL_IN_EPILOGUE_MIN_ROWS`` rows: the sum within one bf16 rounding of float64 (it
+    is rounded once, from fp32); a smaller step is left to the caller, its residual as it was."""
+    rows = ops.RESIDUAL_IN_EPILOGUE_MIN_ROWS
+    x, w = _rand(rows, 2048, seed=1), _rand(1024, 2048, seed=2) / 32
+    residual = _rand(rows, 1024, seed=3)
+    want = residual.double() + x.double() @ w.double().T
+    store = residual.data_ptr()
+    assert ops.linear_add_(residual, x, w)
+    assert residual.data_ptr() == store
+    err = (residual.double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-3).all(), float(err.max())
+    small = residual[:100].clone()
+    assert not ops.linear_add_(small, x[:100], w)
+    assert torch.equal(small, residual[:100])

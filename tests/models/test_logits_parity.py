@@ -146,3 +146,40 @@ def test_dropping_the_window_changes_the_logits(name: str) -> None:
         want = hf(torch.tensor([prompt])).logits[0]
     assert (got[:8] - want[:8]).abs().max() < 1e-4  # the window is not reached yet
     assert (got - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3_rope"])
+def test_residual_added_in_the_projections_epilogue_gives_transformers_logits(
+    name: str, monkeypatch
+) -> None:
+    """Where a step is large, the output and down projections add into the residual in place
+    (``pagoda.ops.linear_add_``, a GPU's path) and the next norm normalises the sum alone: forced
+    here on every step, the logits stay transformers', and the embedding table is not written
+    (the first layer's residual is the caller's input, never added into)."""
+    from pagoda.models import llama
+
+    added: list[int] = []
+
+    def always(residual, x, weight):
+        residual.addmm_(x, weight.t())
+        added.append(x.shape[0])
+        return True
+
+    monkeypatch.setattr(llama, "linear_add_", always)
+    hf, ours = _build(name)
+    table = ours.model.embed_tokens.weight.detach().clone()
+    prompt = torch.randint(0, 256, (29,), generator=torch.Generator().manual_seed(2)).tolist()
+    seq = _PagedSequence(ours, 48)
+    got = torch.cat([seq.run(prompt[:13]), seq.run(prompt[13:])])
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    got = seq.run([int(got[-1].argmax())])
+    with torch.inference_mode():
+        want = hf(torch.tensor([[*prompt, int(want[-1].argmax())]])).logits[0, -1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Each layer's output projection but the first's (its residual is the input) and every
+    # layer's down projection, in each of the three steps.
+    layers = hf.config.num_hidden_layers
+    assert len(added) == 3 * (2 * layers - 1)
+    assert torch.equal(ours.model.embed_tokens.weight, table)

@@ -197,3 +197,27 @@ def test_classification_logits_and_probs_match_transformers(pool_dir, cls_name) 
     assert np.abs(np.array([o.outputs.probs for o in got]) - logits.numpy()).max() < TOL
     probs = np.array([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
     assert np.abs(probs - logits.softmax(-1).numpy()).max() < TOL
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_residual_added_in_the_projections_epilogue_keeps_the_embeddings(
+    st_dirs, pooling, monkeypatch
+) -> None:
+    """The residual added into in place by the output and down projections (a large step's path
+    on a GPU, ``pagoda.ops.linear_add_``), forced on every step here: through the last layer's
+    kept rows (last-token pooling) and through the final norm of every row (mean), the
+    embeddings stay sentence-transformers'."""
+    from pagoda.models import llama
+
+    added: list[int] = []
+
+    def always(residual, x, weight):
+        residual.addmm_(x, weight.t())
+        added.append(x.shape[0])
+        return True
+
+    monkeypatch.setattr(llama, "linear_add_", always)
+    folder = st_dirs("qwen3", pooling, True)
+    llm = LLM(model=str(folder), **ENGINE)
+    _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
+    assert added

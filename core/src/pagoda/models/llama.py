@@ -15,7 +15,7 @@ from torch import nn
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.attention.spec import AttentionSpec
-from pagoda.distributed import is_first_stage, is_last_stage, stage_layers, tp_shape
+from pagoda.distributed import get_tp_size, is_first_stage, is_last_stage, stage_layers, tp_shape
 from pagoda.loader.arch import ModelArchConfig
 from pagoda.loader.sharded import WeightSlice
 from pagoda.models.layers import RMSNorm, RotaryEmbedding
@@ -28,7 +28,7 @@ from pagoda.models.parallel_layers import (
     copy_weight,
     split_evenly,
 )
-from pagoda.ops import gate_up_silu, qk_norm_rotary, qkv_norm_rotary, silu_and_mul
+from pagoda.ops import gate_up_silu, linear_add_, qk_norm_rotary, qkv_norm_rotary, silu_and_mul
 from pagoda.quantization import LinearMethod, QuantizationMethod, kv_scale_of
 
 
@@ -62,6 +62,28 @@ def _plain_weight(proj: nn.Module) -> torch.Tensor | None:
     if type(proj) is ColumnParallelLinear and proj.quant_method is None and proj.bias is None:
         return proj.weight
     return None
+
+
+def _project_into(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
+    """``proj(x)``; or, where ``proj`` is a plain matmul on one rank (no quantization, no bias, no
+    LoRA layer, no all-reduce) and :func:`linear_add_` takes the step, ``residual`` plus it,
+    added in place in the GEMM's epilogue, and None returned (the sum is in ``residual``)."""
+    if (
+        residual is not None
+        and type(proj) is RowParallelLinear
+        and proj.quant_method is None
+        and proj.bias is None
+        and get_tp_size() == 1
+        and linear_add_(residual, x, proj.weight)
+    ):
+        return None
+    return proj(x)
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+    """The model's last norm over the last layer's ``(x, residual)`` (x None: the residual holds
+    the sum already, :meth:`LlamaDecoderLayer.forward`)."""
+    return norm(residual) if x is None else norm(x, residual)[0]
 
 
 class LlamaAttention(nn.Module):
@@ -118,9 +140,15 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, keep: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``keep``: the rows whose output is read (every row's keys and values are cached)."""
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        keep: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """``keep``: the rows whose output is read (every row's keys and values are cached).
+        ``residual`` (the caller's own, of the output's rows): where the output projection
+        can add into it in place, it does and None is returned."""
         n = x.shape[0]
         qkv = store = None
         weight = _plain_weight(self.qkv_proj)
@@ -138,7 +166,8 @@ class LlamaAttention(nn.Module):
                 if kv is not None:
                     k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
                     q, _, _ = self._qkv(x[keep], positions[keep], None)
-                    return self.o_proj(self.attn(q, k, v, kv_stored=True, keep=keep))
+                    out = self.attn(q, k, v, kv_stored=True, keep=keep)
+                    return _project_into(self.o_proj, out, residual)
             qkv = qkv_norm_rotary(
                 x, weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
                 self.k_norm.weight, self.q_norm.eps, positions, self.rotary_emb.cos,
@@ -146,7 +175,8 @@ class LlamaAttention(nn.Module):
             )  # fmt: skip
         fused = qkv is not None
         q, k, v = self._qkv(x, positions, qkv)
-        return self.o_proj(self.attn(q, k, v, kv_stored=fused and store is not None, keep=keep))
+        out = self.attn(q, k, v, kv_stored=fused and store is not None, keep=keep)
+        return _project_into(self.o_proj, out, residual)
 
     def _qkv(
         self, x: torch.Tensor, positions: torch.Tensor, fused: torch.Tensor | None
@@ -190,11 +220,14 @@ class LlamaMLP(nn.Module):
             quant=_linear_method(quant, prefix, ("down_proj",)),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``residual`` (the caller's own): where the down projection can add into it in place,
+        it does and None is returned."""
         # A large step's projection and activation in one kernel where it runs; else apart.
         weight = _plain_weight(self.gate_up_proj)
         h = None if weight is None else gate_up_silu(x, weight)
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)) if h is None else h)
+        h = silu_and_mul(self.gate_up_proj(x)) if h is None else h
+        return _project_into(self.down_proj, h, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -215,22 +248,32 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        x: torch.Tensor | None,
         residual: torch.Tensor | None,
         keep: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``keep``: only these rows go on past attention (the model's last layer, when the
-        caller reads a few rows: an embedding step's last tokens)."""
+        caller reads a few rows: an embedding step's last tokens).
+
+        Returns ``(x, residual)``, the layer's output and the residual to add to it; x is None
+        where the down projection added it into the residual already (a large step on a GPU:
+        :func:`pagoda.ops.linear_add_`), and takes the same None as input."""
         if residual is None:
-            residual = x
+            # (the input is the caller's: nothing is added into it in place)
+            residual, owned = x, False
             x = self.input_layernorm(x)
+        elif x is None:
+            x, owned = self.input_layernorm(residual), True
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, keep)
+            (x, residual), owned = self.input_layernorm(x, residual), True
         if keep is not None:
-            residual = residual[keep]
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            residual, owned = residual[keep], True
+        x = self.self_attn(positions, x, keep, residual if owned else None)
+        if x is None:
+            x = self.post_attention_layernorm(residual)
+        else:
+            x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x, residual), residual
 
 
 class LlamaModel(nn.Module):
@@ -290,9 +333,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(layers):
             x, residual = layer(positions, x, residual, keep if i == len(layers) - 1 else None)
         if not self.last:
-            return torch.stack((x, residual))
-        x, _ = self.norm(x, residual)
-        return x
+            return torch.stack((torch.zeros_like(residual) if x is None else x, residual))
+        return final_norm(self.norm, x, residual)
 
 
 class LlamaForCausalLM(nn.Module):

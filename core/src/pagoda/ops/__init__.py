@@ -26,6 +26,7 @@ __all__ = [
     "gate_up_silu",
     "kv_write_fused",
     "linear",
+    "linear_add_",
     "qk_norm_rotary",
     "qkv_norm_rotary",
     "rms_norm",
@@ -97,6 +98,39 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if batch_invariant._enabled:
         return batch_invariant.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# Steps of at least this many rows add a residual projection into the residual in the GEMM's
+# epilogue (:func:`linear_add_`); smaller ones (decode, captured in CUDA graphs) project and
+# add apart. False: never (for A/B measurements).
+RESIDUAL_IN_EPILOGUE = True
+RESIDUAL_IN_EPILOGUE_MIN_ROWS = 4096
+
+
+def linear_add_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``residual += x @ weight.T`` in place, in the GEMM's epilogue (cuBLAS reads ``residual``
+    as its C with beta 1), where it pays: on a GPU, a step of at least
+    ``RESIDUAL_IN_EPILOGUE_MIN_ROWS`` rows, outside batch-invariant mode. Returns whether it
+    did; where it did not, nothing was done and the caller projects and adds apart (the next
+    norm's fused add).
+
+    Against projecting then letting the norm add: the projection's output is never written and
+    read back (a large step's activations pass through memory once less a norm), and the sum is
+    rounded once, from the fp32 accumulator, where apart the projection is rounded before the
+    add. ``residual`` must be the caller's own tensor: it is overwritten."""
+    if not (
+        RESIDUAL_IN_EPILOGUE
+        and residual.is_cuda
+        and not batch_invariant._enabled
+        and x.dim() == 2
+        and x.shape[0] >= RESIDUAL_IN_EPILOGUE_MIN_ROWS
+        and residual.shape == (x.shape[0], weight.shape[0])
+        and residual.dtype == x.dtype == weight.dtype
+        and residual.is_contiguous()
+    ):
+        return False
+    residual.addmm_(x, weight.t())
+    return True
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,8 @@ class HiddenFeed:
     def _copier(self, lo: int, hi: int, arg: int):
         def hook(module: torch.nn.Module, args: tuple) -> None:
             x, residual = args[arg], args[arg + 1] if len(args) > arg + 1 else None
-            stream = x if residual is None else x + residual
+            # (a layer's x is None where the last one added it into the residual already)
+            stream = x if residual is None else residual if x is None else x + residual
             self.buf[: stream.shape[0], lo:hi].copy_(stream)
 
         return hook

@@ -22,7 +22,7 @@ from pagoda.distributed import check_tensor_parallel
 from pagoda.loader.arch import ModelArchConfig
 from pagoda.loader.sharded import WeightSlice
 from pagoda.models.layers import RotaryEmbedding
-from pagoda.models.llama import LlamaForCausalLM, attention_specs
+from pagoda.models.llama import LlamaForCausalLM, attention_specs, final_norm
 from pagoda.models.shape import ModelShape
 from pagoda.ops import reference
 from pagoda_models_vision.processor import Qwen2_5_VLProcessor
@@ -314,8 +314,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         residual = None
         for layer in m.layers:
             x, residual = layer(positions, x, residual)
-        x, _ = m.norm(x, residual)
-        return x
+        return final_norm(m.norm, x, residual)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language.compute_logits(hidden_states)
