@@ -378,10 +378,13 @@ def test_engine_with_fused_ops_matches_torch_ops(
         check_same_or_near_tie(ref, p, w, g)
 
 
-def test_linear_add_adds_a_large_steps_projection_into_the_residual_in_place() -> None:
+def test_linear_add_adds_a_large_steps_projection_into_the_residual_in_place(
+    monkeypatch,
+) -> None:
     """``residual += x @ W.T`` in cuBLAS's epilogue for a step of at least
     ``RESIDUAL_IN_EPILOGUE_MIN_ROWS`` rows: the sum within one bf16 rounding of float64 (it
     is rounded once, from fp32); a smaller step is left to the caller, its residual as it was."""
+    monkeypatch.setattr(ops, "RESIDUAL_IN_EPILOGUE", True)
     rows = ops.RESIDUAL_IN_EPILOGUE_MIN_ROWS
     x, w = _rand(rows, 2048, seed=1), _rand(1024, 2048, seed=2) / 32
     residual = _rand(rows, 1024, seed=3)

@@ -66,8 +66,16 @@ def _embed(llm: LLM, prompts: list[list[int]]) -> np.ndarray:
     return np.array([o.outputs.embedding for o in outs], dtype=np.float32)
 
 
-def test_embeddings_match_transformers_last_hidden_state(embedder, qwen3_dir) -> None:
-    prompts = _prompts(16, 600, seed=1)
+@pytest.mark.parametrize("in_epilogue", [False, True])
+def test_embeddings_match_transformers_last_hidden_state(
+    embedder, qwen3_dir, in_epilogue, monkeypatch
+) -> None:
+    """Also with the residual added in the projections' epilogue (one step of about 5,000
+    rows: ``pagoda.ops.linear_add_`` takes it; new prompts, so no prefix-cache hits)."""
+    import pagoda.ops as ops
+
+    monkeypatch.setattr(ops, "RESIDUAL_IN_EPILOGUE", in_epilogue)
+    prompts = _prompts(16, 600, seed=1 + 10 * in_epilogue)
     got = _embed(embedder, prompts)
     want = _hf_embeddings(qwen3_dir, prompts)
     cos = (got * want).sum(1)

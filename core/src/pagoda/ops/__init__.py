@@ -100,10 +100,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-# Steps of at least this many rows add a residual projection into the residual in the GEMM's
-# epilogue (:func:`linear_add_`); smaller ones (decode, captured in CUDA graphs) project and
-# add apart. False: never (for A/B measurements).
-RESIDUAL_IN_EPILOGUE = True
+# Whether steps of at least RESIDUAL_IN_EPILOGUE_MIN_ROWS rows add a residual projection into
+# the residual in the GEMM's epilogue (:func:`linear_add_`); smaller ones (decode, captured in
+# CUDA graphs) always project and add apart. Off until it is measured on a GPU: cuBLAS may pick
+# another kernel for a GEMM that reads its C, and at the power limit only an embedding call's
+# wall says whether the bytes it saves pay (benchmarks/README.md, "The residual in the
+# projections' epilogue").
+RESIDUAL_IN_EPILOGUE = False
 RESIDUAL_IN_EPILOGUE_MIN_ROWS = 4096
 
 

@@ -1,0 +1,154 @@
+"""Two settings of one embedding engine, judged as the issue's figure is: ``LLM.embed`` walls of
+the two, interleaved (A B B A ...), on new prompts each call, after the board reached its steady
+state (on an H200 at this workload, its power limit: a variant that is faster alone by drawing
+more power gains less here, and one that moves fewer bytes may gain more than it saves alone).
+
+A setting is a module attribute the engine reads at each call, set to each of two Python
+literals (``True``/``False`` by default)::
+
+    python benchmarks/embed_ab.py --toggle pagoda.ops:RESIDUAL_IN_EPILOGUE
+    python benchmarks/embed_ab.py --toggle pagoda.ops.triton_qkv_norm_rotary:ENABLED \\
+        --values True,False --reps 12
+
+It prints each setting's median wall, and the ratio of medians (B over A, above 1 when A is
+faster), and saves them with the clocks seen (``nvidia-smi``, where there is one) to
+``benchmarks/results/`` (or ``--output-json``). On a CPU it runs too (``--device cpu``, a small
+``--config``), which the tests use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _setting(spec: str) -> tuple[object, str]:
+    module, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise SystemExit(f"--toggle takes module:attribute, not {spec!r}")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, attr):
+        raise SystemExit(f"--toggle: {module} has no attribute {attr!r}")
+    return mod, attr
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--toggle", required=True, help="module:attribute the engine reads per call")
+    p.add_argument("--values", default="True,False", help="the two settings, Python literals")
+    p.add_argument("--config", default=str(HERE / "configs" / "qwen3-0.6b"))
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--attention-backend", default=None, help="default: the engine's choice")
+    p.add_argument("--device", default=None, help="default: cuda where there is one")
+    p.add_argument("--reps", type=int, default=10, help="calls of each setting")
+    p.add_argument("--warm-s", type=float, default=2.0, help="seconds of calls before timing")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from pagoda import LLM
+    from pagoda.bench.device import ClockWatch
+    from pagoda.bench.embed import _embed
+    from pagoda.bench.random_weights import ensure_random_weights
+
+    values = [ast.literal_eval(v.strip()) for v in args.values.split(",")]
+    if len(values) != 2:
+        raise SystemExit(f"--values takes two literals, not {args.values!r}")
+    if args.reps < 1:
+        raise SystemExit("--reps must be at least 1")
+    mod, attr = _setting(args.toggle)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    folder, _ = ensure_random_weights(Path(args.config), 0, device)
+    engine_args: dict = dict(task="embed", max_model_len=args.max_model_len)
+    if args.attention_backend:
+        engine_args["attention"] = {"backend": args.attention_backend}
+    if device.type == "cpu":
+        engine_args["device"] = "cpu"
+    llm = LLM(model=str(folder), **engine_args)
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    vocab = 1000 if device.type == "cpu" else 150_000
+
+    def prompts(n: int = args.num_prompts) -> list[list[int]]:
+        # New prompts every call: no prefix-cache hits.
+        return rng.integers(10, vocab, (n, args.input_len)).tolist()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    before = getattr(mod, attr)
+    names = [f"{attr}={v!r}" for v in values]
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        for v in values:  # each setting's kernels compiled before anything is timed
+            setattr(mod, attr, v)
+            _embed(engine, prompts(min(args.num_prompts, 64)))
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < args.warm_s:
+            _embed(engine, prompts())
+        with ClockWatch(device.index or 0, enabled=device.type == "cuda") as watch:
+            for i in range(args.reps):
+                order = list(zip(names, values))
+                for name, v in order if i % 2 == 0 else order[::-1]:
+                    setattr(mod, attr, v)
+                    ids = prompts()
+                    sync()
+                    t = time.perf_counter()
+                    _embed(engine, ids)
+                    sync()
+                    walls[name].append(time.perf_counter() - t)
+    finally:
+        setattr(mod, attr, before)
+    medians = {n: statistics.median(w) for n, w in walls.items()}
+    a, b = names
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+        ).stdout.strip()
+    except OSError:
+        commit = None
+    report = {
+        "benchmark": "embed_ab",
+        "toggle": args.toggle,
+        "config": Path(args.config).name,
+        "device": str(device),
+        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "commit": commit or None,
+        "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len},
+        "attention_backend": args.attention_backend,
+        "reps": args.reps,
+        "runs_s": {n: [round(x, 5) for x in w] for n, w in walls.items()},
+        "median_s": {n: round(m, 5) for n, m in medians.items()},
+        "b_over_a": round(medians[b] / medians[a], 4),
+        "clocks": watch.summary(),
+    }
+    for n in names:
+        runs = [round(x * 1e3, 1) for x in walls[n]]
+        print(f"{n}: median {medians[n] * 1e3:.1f} ms, runs {runs}")
+    print(f"{b} over {a}: {report['b_over_a']}")
+    out = args.output_json
+    if out is None:
+        tag = attr.lower().replace("_", "-")
+        out = HERE / "results" / f"embed-ab-{tag}-{report['hardware'].split()[-1]}-{commit}.json"
+    Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"saved {out}")
+    llm.engine.shutdown()
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

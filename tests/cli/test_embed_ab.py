@@ -1,0 +1,57 @@
+"""``benchmarks/embed_ab.py`` on a tiny random Llama on the CPU: the two settings of a module
+attribute take turns (A B B A ...), each timed ``--reps`` times, the attribute is back as it was
+after, and a setting that does not exist stops it with its name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "benchmarks" / "configs" / "tiny-llama"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("embed_ab", ROOT / "benchmarks" / "embed_ab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_settings_take_turns_and_the_attribute_is_restored(tmp_path, monkeypatch) -> None:
+    import pagoda.ops as ops
+    from pagoda.models import llama
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    seen: list[bool] = []
+    real = llama.linear_add_
+
+    def spy(residual, x, weight):
+        seen.append(ops.RESIDUAL_IN_EPILOGUE)  # the setting the engine read at this call
+        return real(residual, x, weight)
+
+    monkeypatch.setattr(llama, "linear_add_", spy)
+    before = ops.RESIDUAL_IN_EPILOGUE
+    out = tmp_path / "ab.json"
+    report = _script().main(
+        ["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE", "--config", str(TINY), "--device", "cpu"]
+        + ["--num-prompts", "4", "--input-len", "16", "--max-model-len", "64", "--reps", "2"]
+        + ["--warm-s", "0", "--output-json", str(out)]
+    )
+    assert ops.RESIDUAL_IN_EPILOGUE is before
+    assert json.loads(out.read_text()) == report
+    runs = report["runs_s"]
+    assert list(runs) == ["RESIDUAL_IN_EPILOGUE=True", "RESIDUAL_IN_EPILOGUE=False"]
+    assert all(len(r) == 2 and min(r) > 0 for r in runs.values())
+    assert report["b_over_a"] > 0 and report["clocks"] is None  # (a CPU: nothing sampled)
+    # Both settings reached the model, in turns: warm-up A, B, then A B, B A.
+    changes = [v for i, v in enumerate(seen) if i == 0 or v != seen[i - 1]]
+    assert changes == [True, False, True, False, True]
+
+
+def test_a_setting_that_does_not_exist_is_named() -> None:
+    with pytest.raises(SystemExit, match="has no attribute 'NO_SUCH'"):
+        _script().main(["--toggle", "pagoda.ops:NO_SUCH", "--config", str(TINY)])
