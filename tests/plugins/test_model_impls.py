@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,6 +119,27 @@ def test_auto_takes_the_highest_priority_impl_that_accepts(impls) -> None:
     assert select_model_impl("auto", _config()) == ("higher", HigherImpl)
     # native (priority 100) still wins its own architectures over the plugin's impls.
     assert select_model_impl("auto", _config("LlamaForCausalLM"))[0] == "native"
+
+
+def test_auto_asks_no_impl_below_the_first_that_accepts(impls, monkeypatch) -> None:
+    """Impls are asked from the highest priority down and the first that accepts is chosen: an
+    impl below it is never asked (the transformers impl's probe imports transformers' modeling
+    code, seconds of every engine start, to lose to native)."""
+    asked: list[str] = []
+    for impl in (TinyImpl, _RefusesAll, NativeModelImpl):  # (HigherImpl: TinyImpl's, as cls)
+        original = impl.__dict__["supports"].__func__
+
+        def spy(cls, hf_config, architecture, original=original):
+            asked.append(cls.__name__)
+            return original(cls, hf_config, architecture)
+
+        monkeypatch.setattr(impl, "supports", classmethod(spy))
+    assert select_model_impl("auto", _config("LlamaForCausalLM"))[0] == "native"
+    assert [a for a in asked if a != "TinyImpl"] == ["_RefusesAll", "NativeModelImpl"]
+    assert "TinyImpl" not in asked and "HigherImpl" not in asked
+    asked.clear()
+    assert select_model_impl("auto", _config())[0] == "higher"
+    assert asked == ["_RefusesAll", "NativeModelImpl", "HigherImpl"]
 
 
 def test_a_plugin_impl_is_selected_by_name(impls) -> None:
@@ -356,3 +379,20 @@ def _mixed_plugin(impl: type[ModelImpl]) -> Any:
             register("mixed", impl)
 
     return _Plugin()
+
+
+def test_choosing_native_imports_no_modeling_code_of_transformers() -> None:
+    """In a fresh process, choosing the impl of a Llama (``auto``) resolves every installed impl
+    to read its priority, and asks none below native: transformers' modeling code, which the
+    transformers impl's probe imports (seconds of an engine's start), stays unimported."""
+    code = (
+        "import sys\n"
+        "from pagoda.models.impl import select_model_impl\n"
+        f"config = {_config('LlamaForCausalLM')!r}\n"
+        "print(select_model_impl('auto', config)[0])\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.modeling')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    assert out == ["native", "[]"]

@@ -75,7 +75,6 @@ def verdicts(hf_config: dict[str, Any]) -> list[tuple[str, int | None, str | Non
     """Each registered impl's answer for ``hf_config``, in name order: (name, priority, None when
     it accepts, else its reason). An impl that cannot be imported refuses with its error."""
     registry = get_registry(KIND)
-    arch = named_architecture(hf_config)
     out: list[tuple[str, int | None, str | None]] = []
     for name in registry.names():
         try:
@@ -83,11 +82,7 @@ def verdicts(hf_config: dict[str, Any]) -> list[tuple[str, int | None, str | Non
         except PluginError as e:
             out.append((name, None, str(e).splitlines()[0]))
             continue
-        try:
-            reason = impl.supports(hf_config, arch)
-        except Exception as e:
-            reason = f"supports() raised {type(e).__name__}: {e}"
-        out.append((name, getattr(impl, "priority", 0), reason))
+        out.append((name, getattr(impl, "priority", 0), _ask(impl, hf_config)))
     return out
 
 
@@ -103,13 +98,33 @@ def select_model_impl(name: str, hf_config: dict[str, Any]) -> tuple[str, type[M
         if reason is not None:
             raise ValueError(f"model.impl={name!r} cannot serve architecture {arch}: {reason}")
         return name, impl
-    answers = verdicts(hf_config)
-    accepted = [(n, p or 0) for n, p, reason in answers if reason is None]
-    if not accepted:
-        why = " | ".join(f"{n}: {reason}" for n, _, reason in answers) or "none is registered"
-        raise ValueError(
-            f"no model impl accepts architecture {arch} (model.impl=auto; install a plugin that "
-            f"provides one): {why}"
-        )
-    best = max(accepted, key=lambda a: a[1])[0]
-    return best, registry.get(best)
+    # The impls asked from the highest priority down (ties: name order), the first to accept
+    # chosen: the rule's answer without asking the ones below it (the transformers impl's
+    # probe imports transformers' modeling code, seconds of every engine start, to lose to
+    # native).
+    impls: list[tuple[str, Any]] = []
+    refusals: dict[str, str] = {}
+    for n in registry.names():
+        try:
+            impls.append((n, registry.get(n)))
+        except PluginError as e:
+            refusals[n] = str(e).splitlines()[0]
+    impls.sort(key=lambda pair: -(getattr(pair[1], "priority", 0) or 0))
+    for n, impl in impls:
+        reason = _ask(impl, hf_config)
+        if reason is None:
+            return n, impl
+        refusals[n] = reason
+    why = " | ".join(f"{n}: {refusals[n]}" for n in registry.names()) or "none is registered"
+    raise ValueError(
+        f"no model impl accepts architecture {arch} (model.impl=auto; install a plugin that "
+        f"provides one): {why}"
+    )
+
+
+def _ask(impl: Any, hf_config: dict[str, Any]) -> str | None:
+    """``impl.supports`` of ``hf_config``; an exception it raises is its refusal."""
+    try:
+        return impl.supports(hf_config, named_architecture(hf_config))
+    except Exception as e:
+        return f"supports() raised {type(e).__name__}: {e}"

@@ -7,9 +7,10 @@ from typing import Any
 
 from pagoda.models.impl import ModelImpl, named_architecture
 from pagoda.models.shape import ModelShape
-from pagoda_models_transformers.model import TransformersCausalLM, TransformersModelConfig
-from pagoda_models_transformers.probe import Refusal, probe
-from pagoda_models_transformers.tensor_parallel import probe_sharded
+
+# NOTE: transformers' modeling code (seconds to import) is imported by the methods that need it,
+# not here: an engine whose model another impl serves resolves this class to read its priority
+# and never asks it more.
 
 
 class TransformersModelImpl(ModelImpl):
@@ -21,6 +22,8 @@ class TransformersModelImpl(ModelImpl):
 
     @classmethod
     def supports(cls, hf_config: dict[str, Any], architecture: str) -> str | None:
+        from pagoda_models_transformers.probe import Refusal, probe
+
         try:
             probe(hf_config, architecture)
         except Refusal as e:
@@ -29,6 +32,10 @@ class TransformersModelImpl(ModelImpl):
 
     @classmethod
     def shape(cls, hf_config: dict[str, Any], tensor_parallel_size: int) -> ModelShape:
+        from pagoda_models_transformers.model import TransformersModelConfig
+        from pagoda_models_transformers.probe import probe
+        from pagoda_models_transformers.tensor_parallel import probe_sharded
+
         arch = named_architecture(hf_config)
         unsplit = probe(hf_config, arch)
         tp = tensor_parallel_size
@@ -64,4 +71,6 @@ class TransformersModelImpl(ModelImpl):
 
     @classmethod
     def model_class(cls, shape: ModelShape) -> Any:
+        from pagoda_models_transformers.model import TransformersCausalLM
+
         return TransformersCausalLM
