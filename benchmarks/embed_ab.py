@@ -7,8 +7,8 @@ A setting is a module attribute the engine reads at each call, set to each of tw
 literals (``True``/``False`` by default)::
 
     python benchmarks/embed_ab.py --toggle pagoda.ops:RESIDUAL_IN_EPILOGUE
-    python benchmarks/embed_ab.py --toggle pagoda.ops.triton_qkv_norm_rotary:ENABLED \\
-        --values True,False --reps 12
+    python benchmarks/embed_ab.py --toggle pagoda.ops.triton_gated_gemm:LAUNCH \\
+        --values "(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8)" --reps 12
 
 It prints each setting's median wall, and the ratio of medians (B over A, above 1 when A is
 faster), and saves them with the clocks seen (``nvidia-smi``, where there is one) to
@@ -44,7 +44,9 @@ def _setting(spec: str) -> tuple[object, str]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--toggle", required=True, help="module:attribute the engine reads per call")
-    p.add_argument("--values", default="True,False", help="the two settings, Python literals")
+    p.add_argument(
+        "--values", default="True, False", help="the two settings: a pair of Python literals"
+    )
     p.add_argument("--config", default=str(HERE / "configs" / "qwen3-0.6b"))
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=512)
@@ -64,9 +66,12 @@ def main(argv: list[str] | None = None) -> dict:
     from pagoda.bench.embed import _embed
     from pagoda.bench.random_weights import ensure_random_weights
 
-    values = [ast.literal_eval(v.strip()) for v in args.values.split(",")]
+    try:
+        values = list(ast.literal_eval(args.values))
+    except (ValueError, SyntaxError, TypeError):
+        values = []
     if len(values) != 2:
-        raise SystemExit(f"--values takes two literals, not {args.values!r}")
+        raise SystemExit(f"--values takes a pair of Python literals, not {args.values!r}")
     if args.reps < 1:
         raise SystemExit("--reps must be at least 1")
     mod, attr = _setting(args.toggle)

@@ -52,6 +52,9 @@ def test_settings_take_turns_and_the_attribute_is_restored(tmp_path, monkeypatch
     assert changes == [True, False, True, False, True]
 
 
-def test_a_setting_that_does_not_exist_is_named() -> None:
+def test_a_setting_that_does_not_exist_or_values_not_a_pair_are_named() -> None:
     with pytest.raises(SystemExit, match="has no attribute 'NO_SUCH'"):
         _script().main(["--toggle", "pagoda.ops:NO_SUCH", "--config", str(TINY)])
+    for bad in ("True", "1, 2, 3", "(1, 2"):
+        with pytest.raises(SystemExit, match="a pair of Python literals"):
+            _script().main(["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE", "--values", bad])
