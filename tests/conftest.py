@@ -46,3 +46,21 @@ def smollm2_tokenizer(smollm2_gguf: Path):
 
 def cuda_only() -> pytest.MarkDecorator:
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def residual_added_in_epilogue(monkeypatch) -> list[int]:
+    """Every output and down projection of the native Llama family added into the residual in
+    place (``pagoda.ops.linear_add_``'s path, which a GPU takes for large steps), forced on
+    every step on any device; the list of each such projection's rows, in order."""
+    from pagoda.models import llama
+
+    added: list[int] = []
+
+    def always(residual, x, weight):
+        residual.addmm_(x, weight.t())
+        added.append(x.shape[0])
+        return True
+
+    monkeypatch.setattr(llama, "linear_add_", always)
+    return added

@@ -150,22 +150,13 @@ def test_dropping_the_window_changes_the_logits(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3_rope"])
 def test_residual_added_in_the_projections_epilogue_gives_transformers_logits(
-    name: str, monkeypatch
+    name: str, residual_added_in_epilogue: list[int]
 ) -> None:
     """Where a step is large, the output and down projections add into the residual in place
     (``pagoda.ops.linear_add_``, a GPU's path) and the next norm normalises the sum alone: forced
     here on every step, the logits stay transformers', and the embedding table is not written
     (the first layer's residual is the caller's input, never added into)."""
-    from pagoda.models import llama
-
-    added: list[int] = []
-
-    def always(residual, x, weight):
-        residual.addmm_(x, weight.t())
-        added.append(x.shape[0])
-        return True
-
-    monkeypatch.setattr(llama, "linear_add_", always)
+    added = residual_added_in_epilogue
     hf, ours = _build(name)
     table = ours.model.embed_tokens.weight.detach().clone()
     prompt = torch.randint(0, 256, (29,), generator=torch.Generator().manual_seed(2)).tolist()

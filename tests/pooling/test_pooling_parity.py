@@ -201,22 +201,13 @@ def test_classification_logits_and_probs_match_transformers(pool_dir, cls_name) 
 
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
 def test_residual_added_in_the_projections_epilogue_keeps_the_embeddings(
-    st_dirs, pooling, monkeypatch
+    st_dirs, pooling, residual_added_in_epilogue: list[int]
 ) -> None:
     """The residual added into in place by the output and down projections (a large step's path
     on a GPU, ``pagoda.ops.linear_add_``), forced on every step here: through the last layer's
     kept rows (last-token pooling) and through the final norm of every row (mean), the
     embeddings stay sentence-transformers'."""
-    from pagoda.models import llama
-
-    added: list[int] = []
-
-    def always(residual, x, weight):
-        residual.addmm_(x, weight.t())
-        added.append(x.shape[0])
-        return True
-
-    monkeypatch.setattr(llama, "linear_add_", always)
+    added = residual_added_in_epilogue
     folder = st_dirs("qwen3", pooling, True)
     llm = LLM(model=str(folder), **ENGINE)
     _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
