@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pagoda.bench.device import ClockWatch
     from pagoda.bench.embed import _embed
     from pagoda.bench.random_weights import ensure_random_weights
+    from pagoda.bench.report import commit, hardware, save_report, slug
 
     try:
         values = list(ast.literal_eval(args.values))
@@ -120,19 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
         setattr(mod, attr, before)
     medians = {n: statistics.median(w) for n, w in walls.items()}
     a, b = names
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-        ).stdout.strip()
-    except OSError:
-        commit = None
     report = {
         "benchmark": "embed_ab",
         "toggle": args.toggle,
         "config": Path(args.config).name,
         "device": str(device),
-        "hardware": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "commit": commit or None,
+        "hardware": hardware(device),
+        "commit": commit(),
         "workload": {"num_prompts": args.num_prompts, "input_len": args.input_len},
         "attention_backend": args.attention_backend,
         "reps": args.reps,
@@ -145,12 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
         runs = [round(x * 1e3, 1) for x in walls[n]]
         print(f"{n}: median {medians[n] * 1e3:.1f} ms, runs {runs}")
     print(f"{b} over {a}: {report['b_over_a']}")
-    out = args.output_json
-    if out is None:
-        tag = attr.lower().replace("_", "-")
-        out = HERE / "results" / f"embed-ab-{tag}-{report['hardware'].split()[-1]}-{commit}.json"
-    Path(out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"saved {out}")
+    board = slug(report["hardware"]) if device.type == "cuda" else "cpu"
+    name = f"embed-ab-{slug(attr)}-{board}-{report['commit']}"
+    print(f"saved {save_report(report, name, args.output_json)}")
     llm.engine.shutdown()
     return report
 

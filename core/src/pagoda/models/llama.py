@@ -58,25 +58,26 @@ def _linear_method(
 
 def _plain_weight(proj: nn.Module) -> torch.Tensor | None:
     """The weight of a projection that is a plain matmul (no quantization, no bias, no LoRA
-    layer in its place), which the GEMMs with fused epilogues may take over; None otherwise."""
-    if type(proj) is ColumnParallelLinear and proj.quant_method is None and proj.bias is None:
+    layer in its place; a row-parallel one on one rank, with no all-reduce to follow), which
+    the GEMMs with fused epilogues may take over; None otherwise."""
+    kind = type(proj)
+    if (
+        (kind is ColumnParallelLinear or (kind is RowParallelLinear and get_tp_size() == 1))
+        and proj.quant_method is None
+        and proj.bias is None
+    ):
         return proj.weight
     return None
 
 
 def _project_into(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
-    """``proj(x)``; or, where ``proj`` is a plain matmul on one rank (no quantization, no bias, no
-    LoRA layer, no all-reduce) and :func:`linear_add_` takes the step, ``residual`` plus it,
-    added in place in the GEMM's epilogue, and None returned (the sum is in ``residual``)."""
-    if (
-        residual is not None
-        and type(proj) is RowParallelLinear
-        and proj.quant_method is None
-        and proj.bias is None
-        and get_tp_size() == 1
-        and linear_add_(residual, x, proj.weight)
-    ):
-        return None
+    """``proj(x)``; or, where ``proj`` is a plain matmul (:func:`_plain_weight`) and
+    :func:`linear_add_` takes the step, ``residual`` plus it, added in place in the GEMM's
+    epilogue, and None returned (the sum is in ``residual``)."""
+    if residual is not None:
+        weight = _plain_weight(proj)
+        if weight is not None and linear_add_(residual, x, weight):
+            return None
     return proj(x)
 
 
