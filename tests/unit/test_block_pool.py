@@ -163,3 +163,34 @@ def test_reset_prefix_cache_forgets_every_hash() -> None:
 def test_pool_needs_a_usable_block_besides_the_null_block() -> None:
     with pytest.raises(ValueError, match="num_blocks=1"):
         BlockPool(num_blocks=1)
+
+
+def test_a_block_freed_too_often_stops_free_blocks_with_the_queue_whole() -> None:
+    """``free_blocks`` links a run of blocks at once: the blocks before a bad one stay freed,
+    the bad one raises naming it, and the queue is a whole list after (counted and linked)."""
+    pool = BlockPool(num_blocks=6, enable_caching=True)
+    a = pool.get_new_blocks(3)
+    free_before = pool.get_num_free_blocks()
+    a[1].ref_cnt = 0  # (freed already, by a bug)
+    with pytest.raises(ValueError, match=f"block {a[1].block_id} freed more often"):
+        pool.free_blocks(a)
+    assert pool.get_num_free_blocks() == free_before + 1  # a[0] went back
+    queue = pool.free_block_queue.get_all_free_blocks()
+    assert queue[-1] is a[0] and len(queue) == pool.get_num_free_blocks()
+    assert pool.free_block_queue._tail.prev_free_block is a[0]
+    with pytest.raises(ValueError, match=f"block {a[0].block_id} freed more often"):
+        pool.free_blocks([a[0]])
+    a[1].ref_cnt = 1
+    pool.free_blocks([a[2], a[1]])  # the rest, in the order given: evicted in that order
+    assert pool.free_block_queue.get_all_free_blocks()[-3:] == [a[0], a[2], a[1]]
+    assert pool.get_new_blocks(pool.get_num_free_blocks())[-3:] == [a[0], a[2], a[1]]
+
+
+def test_a_block_in_the_free_queue_with_references_again_is_not_linked_twice() -> None:
+    pool = BlockPool(num_blocks=3, enable_caching=True)
+    (block,) = pool.get_new_blocks(1)
+    pool.free_blocks([block])
+    block.ref_cnt = 1  # (a reference taken without leaving the queue: a bug)
+    with pytest.raises(ValueError, match="already in the free queue"):
+        pool.free_blocks([block])
+    assert len(pool.free_block_queue.get_all_free_blocks()) == pool.get_num_free_blocks() == 2

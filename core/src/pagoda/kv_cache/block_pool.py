@@ -111,23 +111,27 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # (block id, hash) of each cached block evicted, where a subclass wants them (None: not
+        # kept)
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Pop ``n`` blocks from the front of the free queue, evicting their cached contents."""
+        """Pop ``n`` blocks from the front of the free queue, evicting their cached contents
+        (recorded in ``evicted`` where it is a list)."""
         blocks = self.free_block_queue.popleft_n(n)
+        # NOTE: one loop, no call a block: a step of new prompts takes thousands of blocks
+        # before its first kernel, most of them cached once.
+        index, log = self.cached_block_hash_to_block, self.evicted
         for block in blocks:
-            if block.block_hash is not None:
-                self._evict(block)
+            h = block.block_hash
+            if h is not None:
+                block.block_hash = None
+                if index.get(h) is block:
+                    del index[h]
+                if log is not None:
+                    log.append((block.block_id, h))
             block.ref_cnt = 1
         return blocks
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        h = block.block_hash
-        if h is None:
-            return
-        block.block_hash = None
-        if self.cached_block_hash_to_block.get(h) is block:
-            del self.cached_block_hash_to_block[h]
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -167,12 +171,29 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; those left unused join the back of the free
         queue in the given order, so the first given is evicted first."""
-        for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
-                raise ValueError(f"block {block.block_id} freed more often than taken")
-            if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+        # NOTE: the queue's append inlined (a request's blocks at a time, thousands a step of
+        # finished prompts, after the last step's kernels: the host's time then is the wall's).
+        queue = self.free_block_queue
+        tail = queue._tail
+        last = tail.prev_free_block
+        added = 0
+        try:
+            for block in ordered_blocks:
+                n = block.ref_cnt - 1
+                if n < 0:
+                    raise ValueError(f"block {block.block_id} freed more often than taken")
+                block.ref_cnt = n
+                if n == 0:
+                    if block.prev_free_block is not None:
+                        raise ValueError(f"block {block.block_id} is already in the free queue")
+                    last.next_free_block = block
+                    block.prev_free_block = last
+                    last = block
+                    added += 1
+        finally:  # (what was appended before a bad block stays appended, the queue whole)
+            last.next_free_block = tail
+            tail.prev_free_block = last
+            queue.num_free_blocks += added
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

@@ -245,12 +245,7 @@ class _RecordingBlockPool(BlockPool):
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         super().__init__(num_blocks, enable_caching)
-        self.evicted: list[tuple[int, bytes]] = []
-
-    def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            self.evicted.append((block.block_id, block.block_hash))
-        super()._evict(block)
+        self.evicted: list[tuple[int, bytes]] = []  # (get_new_blocks records into it)
 
     def report_evicted(self, hooks: Sequence[Callable[..., None]]) -> None:
         if self.evicted:

@@ -320,11 +320,31 @@ class Scheduler:
     def after_launch(self, scheduler_output: SchedulerOutput) -> None:
         """Host work that waits until the step it scheduled runs on the device: the prefix
         cache's block hashes of the requests it admitted (their lookup hashed only as far as
-        their hit)."""
+        their hit), and the blocks of the pooling requests the step ends.
+
+        A pooling request whose prompt the step completes ends with the step, whatever its
+        output: its blocks go back now, while the device runs the step, not once the output is
+        read (for an embedding batch's last step, host time after the device's last kernel).
+        A later step that takes them runs after this one on the device, so the step's keys and
+        values are written (and cached blocks read) first. Not where another reader may still
+        want them behind the step: KV offload's transfers, pipeline stages' batches in flight.
+        The output's ``_release`` finds them returned."""
+        kv = self.kv_cache_manager
         for new in scheduler_output.scheduled_new_reqs:
             req = self.requests.get(new.req_id)
             if req is not None:
-                self.kv_cache_manager.hash_blocks(req)
+                kv.hash_blocks(req)
+        if self.offload is not None or self.batch_queue:
+            return
+        for req_id in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(req_id)
+            if (
+                req is not None
+                and req.is_pooling
+                and req.status == RequestStatus.RUNNING
+                and req.num_computed_tokens >= req.num_tokens
+            ):
+                kv.free(req)
 
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
