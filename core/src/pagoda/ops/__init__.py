@@ -17,7 +17,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from pagoda.ops import batch_invariant, fused_moe, reference
+from pagoda.ops import batch_invariant, cpu_packed, fused_moe, reference
 from pagoda.ops.draw import sample_from_probs
 
 __all__ = [
@@ -94,19 +94,24 @@ def rms_norm(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; in batch-invariant mode with each row's result independent of the batch."""
+    """``F.linear``; in batch-invariant mode with each row's result independent of the batch.
+    On a CPU, a product of a few rows runs through oneDNN with the weight packed once
+    (:mod:`pagoda.ops.cpu_packed`: MKL takes such a product about as a row at a time)."""
     if batch_invariant._enabled:
         return batch_invariant.linear(x, weight, bias)
+    if not x.is_cuda:
+        out = cpu_packed.linear(x, weight, bias)
+        if out is not None:
+            return out
     return F.linear(x, weight, bias)
 
 
 # Whether steps of at least RESIDUAL_IN_EPILOGUE_MIN_ROWS rows add a residual projection into
 # the residual in the GEMM's epilogue (:func:`linear_add_`); smaller ones (decode, captured in
-# CUDA graphs) always project and add apart. Off until it is measured on a GPU: cuBLAS may pick
-# another kernel for a GEMM that reads its C, and at the power limit only an embedding call's
-# wall says whether the bytes it saves pay (benchmarks/README.md, "The residual in the
-# projections' epilogue").
-RESIDUAL_IN_EPILOGUE = False
+# CUDA graphs) always project and add apart. On an H200, embedding calls at the board's power
+# limit ran 0.5% faster with it (benchmarks/README.md, "The residual in the projections'
+# epilogue").
+RESIDUAL_IN_EPILOGUE = True
 RESIDUAL_IN_EPILOGUE_MIN_ROWS = 4096
 
 
@@ -118,9 +123,9 @@ def linear_add_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -
     norm's fused add).
 
     Against projecting then letting the norm add: the projection's output is never written and
-    read back (a large step's activations pass through memory once less a norm), and the sum is
-    rounded once, from the fp32 accumulator, where apart the projection is rounded before the
-    add. ``residual`` must be the caller's own tensor: it is overwritten."""
+    read back (a large step's activations pass through memory once less a norm). The sum is as
+    close as projecting then adding apart (cuBLAS's epilogue need not round it only once).
+    ``residual`` must be the caller's own tensor: it is overwritten."""
     if not (
         RESIDUAL_IN_EPILOGUE
         and residual.is_cuda
