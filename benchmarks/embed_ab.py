@@ -1,16 +1,17 @@
-"""Two settings of one embedding engine, judged as the issue's figure is: ``LLM.embed`` walls of
-the two, interleaved (A B B A ...), on new prompts each call, after the board reached its steady
-state (on an H200 at this workload, its power limit: a variant that is faster alone by drawing
-more power gains less here, and one that moves fewer bytes may gain more than it saves alone).
+"""Settings of one embedding engine, judged as the issue's figure is: ``LLM.embed`` walls of
+each, interleaved (A B B A ..., or A B C C B A ... for more than two), on new prompts each
+call, after the board reached its steady state (on an H200 at this workload, its power limit:
+a variant that is faster alone by drawing more power gains less here, and one that moves fewer
+bytes may gain more than it saves alone).
 
-A setting is a module attribute the engine reads at each call, set to each of two Python
-literals (``True``/``False`` by default)::
+A setting is a module attribute the engine reads at each call, set to each of two or more
+Python literals (``True``/``False`` by default)::
 
     python benchmarks/embed_ab.py --toggle pagoda.ops:RESIDUAL_IN_EPILOGUE
     python benchmarks/embed_ab.py --toggle pagoda.ops.triton_gated_gemm:LAUNCH \\
-        --values "(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8)" --reps 12
+        --values "(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 128, 8, 2, 8)"
 
-It prints each setting's median wall, and the ratio of medians (B over A, above 1 when A is
+It prints each setting's median wall and its ratio to the first's (above 1 when the first is
 faster), and saves them with the clocks seen (``nvidia-smi``, where there is one) to
 ``benchmarks/results/`` (or ``--output-json``). On a CPU it runs too (``--device cpu``, a small
 ``--config``), which the tests use.
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--toggle", required=True, help="module:attribute the engine reads per call")
     p.add_argument(
-        "--values", default="True, False", help="the two settings: a pair of Python literals"
+        "--values", default="True, False", help="the settings: two or more Python literals"
     )
     p.add_argument("--config", default=str(HERE / "configs" / "qwen3-0.6b"))
     p.add_argument("--num-prompts", type=int, default=256)
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
         values = list(ast.literal_eval(args.values))
     except (ValueError, SyntaxError, TypeError):
         values = []
-    if len(values) != 2:
-        raise SystemExit(f"--values takes a pair of Python literals, not {args.values!r}")
+    if len(values) < 2:
+        raise SystemExit(f"--values takes two or more Python literals, not {args.values!r}")
     if args.reps < 1:
         raise SystemExit("--reps must be at least 1")
     mod, attr = _setting(args.toggle)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         setattr(mod, attr, before)
     medians = {n: statistics.median(w) for n, w in walls.items()}
-    a, b = names
+    first = medians[names[0]]
     report = {
         "benchmark": "embed_ab",
         "toggle": args.toggle,
@@ -131,13 +132,14 @@ def main(argv: list[str] | None = None) -> dict:
         "reps": args.reps,
         "runs_s": {n: [round(x, 5) for x in w] for n, w in walls.items()},
         "median_s": {n: round(m, 5) for n, m in medians.items()},
-        "b_over_a": round(medians[b] / medians[a], 4),
+        # each setting's median over the first's
+        "over_first": {n: round(m / first, 4) for n, m in medians.items()},
         "clocks": watch.summary(),
     }
     for n in names:
         runs = [round(x * 1e3, 1) for x in walls[n]]
-        print(f"{n}: median {medians[n] * 1e3:.1f} ms, runs {runs}")
-    print(f"{b} over {a}: {report['b_over_a']}")
+        ratio = report["over_first"][n]
+        print(f"{n}: median {medians[n] * 1e3:.1f} ms ({ratio} of the first's), runs {runs}")
     board = slug(report["hardware"]) if device.type == "cuda" else "cpu"
     name = f"embed-ab-{slug(attr)}-{board}-{report['commit']}"
     print(f"saved {save_report(report, name, args.output_json)}")

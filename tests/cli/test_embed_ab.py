@@ -46,15 +46,43 @@ def test_settings_take_turns_and_the_attribute_is_restored(tmp_path, monkeypatch
     runs = report["runs_s"]
     assert list(runs) == ["RESIDUAL_IN_EPILOGUE=True", "RESIDUAL_IN_EPILOGUE=False"]
     assert all(len(r) == 2 and min(r) > 0 for r in runs.values())
-    assert report["b_over_a"] > 0 and report["clocks"] is None  # (a CPU: nothing sampled)
+    first, second = (report["median_s"][n] for n in runs)  # (rounded to 10 us)
+    ratios = report["over_first"]
+    assert ratios["RESIDUAL_IN_EPILOGUE=True"] == 1.0
+    assert ratios["RESIDUAL_IN_EPILOGUE=False"] == pytest.approx(second / first, rel=0.01)
+    assert report["clocks"] is None  # (a CPU: nothing sampled)
     # Both settings reached the model, in turns: warm-up A, B, then A B, B A.
     changes = [v for i, v in enumerate(seen) if i == 0 or v != seen[i - 1]]
     assert changes == [True, False, True, False, True]
 
 
-def test_a_setting_that_does_not_exist_or_values_not_a_pair_are_named() -> None:
+def test_three_settings_take_turns_forth_and_back(tmp_path, monkeypatch) -> None:
+    import pagoda.ops as ops
+    from pagoda.models import llama
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    seen: list[int] = []
+    real = llama.linear_add_
+
+    def spy(residual, x, weight):
+        seen.append(ops.RESIDUAL_IN_EPILOGUE_MIN_ROWS)
+        return real(residual, x, weight)
+
+    monkeypatch.setattr(llama, "linear_add_", spy)
+    report = _script().main(
+        ["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE_MIN_ROWS", "--values", "1, 2, 3"]
+        + ["--config", str(TINY), "--device", "cpu", "--num-prompts", "2", "--input-len", "8"]
+        + ["--max-model-len", "64", "--reps", "2", "--warm-s", "0"]
+        + ["--output-json", str(tmp_path / "ab.json")]
+    )
+    assert list(report["over_first"]) == [f"RESIDUAL_IN_EPILOGUE_MIN_ROWS={v}" for v in (1, 2, 3)]
+    changes = [v for i, v in enumerate(seen) if i == 0 or v != seen[i - 1]]
+    assert changes == [1, 2, 3, 1, 2, 3, 2, 1]  # warm-up, then forth and back
+
+
+def test_a_setting_that_does_not_exist_or_fewer_than_two_values_are_named() -> None:
     with pytest.raises(SystemExit, match="has no attribute 'NO_SUCH'"):
         _script().main(["--toggle", "pagoda.ops:NO_SUCH", "--config", str(TINY)])
-    for bad in ("True", "1, 2, 3", "(1, 2"):
-        with pytest.raises(SystemExit, match="a pair of Python literals"):
+    for bad in ("True", "(1, 2", "[4]"):
+        with pytest.raises(SystemExit, match="two or more Python literals"):
             _script().main(["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE", "--values", bad])

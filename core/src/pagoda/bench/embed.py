@@ -178,7 +178,9 @@ def _embed(engine: Any, ids: list[list[int]]) -> Any:
     from pagoda.pooling_params import PoolingParams
     from pagoda.process import steps_gc
 
-    params = PoolingParams(task="embed")
+    # (resolved once, as ``LLM.embed`` does for a batch: a resolved PoolingParams is not
+    # resolved again for each prompt)
+    params = engine.resolve_pooling(PoolingParams(task="embed"))
 
     def add(i: int, rid: str) -> int:
         engine.add_pooling(rid, None, ids[i], params)
@@ -191,7 +193,8 @@ def _embed(engine: Any, ids: list[list[int]]) -> Any:
             admission.top_up()
             for out in engine.step():
                 done[out.request_id] = out.outputs.data
-    return np.stack([done[r] for r in admission.ids]).astype(np.float32)
+    # (float32 already: no second copy of the batch)
+    return np.stack([done[r] for r in admission.ids]).astype(np.float32, copy=False)
 
 
 def _profile(engine: Any, ids: list[list[int]], device: Any, top: int = 12) -> dict[str, Any]:
