@@ -328,6 +328,75 @@ def _count_steps(llm: LLM) -> dict[str, int]:
     return counts
 
 
+def _proposer(llm: LLM) -> Any:
+    spec = llm.engine.engine_core.executor.worker.model_runner.spec
+    return None if spec is None else spec.proposer
+
+
+def _count_proposals(llm: LLM) -> dict[str, int]:
+    """Counts the proposer's calls by outcome, for each request asked: drafted, no match
+    (nothing of the history recurs; n-gram), or matched but not drafted (the proposer judged
+    the draft not worth its cost). A few attribute reads a call: the spec engine's host time is
+    what the benchmark measures."""
+    counts = {"asked": 0, "drafted": 0, "no_match": 0, "not_worth": 0}
+    proposer = _proposer(llm)
+    if proposer is None:
+        return counts
+    propose = proposer.propose
+    adapt = getattr(proposer, "adapt", None)
+
+    def counting(batch: Any) -> Any:
+        got = propose(batch)
+        if not isinstance(got.token_ids, np.ndarray):  # (drafts on the device: not counted)
+            return got
+        first = got.token_ids[:, 0] >= 0 if got.token_ids.shape[1] else np.zeros(0, bool)
+        n, drafted = len(batch.rows), int(first.sum())
+        counts["asked"] += n
+        counts["drafted"] += drafted
+        if adapt is not None and drafted < n:
+            matched = int((adapt.match[batch.rows[~first]] > 0).sum())
+            counts["not_worth"] += matched
+            counts["no_match"] += n - drafted - matched
+        return got
+
+    proposer.propose = counting
+    return counts
+
+
+def _draft_cost(proposer: Any, batch_size: int) -> dict[str, Any] | None:
+    """What the proposer's draft-cost model measured (``pagoda.spec_decode.DraftCost``): per
+    batch-size bucket, a step's seconds without drafts and per draft token; the tokens a request
+    gained a step; the least acceptance probability a draft needed at the measured batch size.
+    With the n-gram proposer's measured acceptance: of the first draft by the length of the match
+    it came from, and of each later position given the ones before."""
+    adapt = getattr(proposer, "adapt", None)
+    cost = getattr(proposer, "cost", None) or getattr(adapt, "cost", None)
+    if cost is None:
+        return None
+    fits = {}
+    for b, fit in sorted(cost.fits.items()):
+        got = fit.fit()  # (None: the draft counts have not varied enough yet)
+        bucket = f"{1 << (b - 1)}-{(1 << b) - 1}"
+        fits[bucket] = None
+        if got is not None:
+            fits[bucket] = {
+                "step_ms_without_drafts": round(got[0] * 1e3, 4),
+                "ms_per_draft_token": round(got[1] * 1e3, 4),
+            }
+    out: dict[str, Any] = {
+        "fits": fits,
+        "tokens_gained_per_step": round(cost.emitted, 3),
+        "threshold": round(cost.threshold(batch_size), 4),
+    }
+    if adapt is not None:
+        first = adapt.first_hits / adapt.first_trials
+        out["first_draft_acceptance_by_match_length"] = {
+            str(m): round(float(first[m]), 3) for m in range(1, len(first))
+        }
+        out["acceptance_by_position"] = [round(float(r), 3) for r in adapt.g_hits / adapt.g_trials]
+    return out
+
+
 def _graph_replays(llm: LLM) -> dict[str, int]:
     runner = llm.engine.engine_core.executor.worker.model_runner
     graphs = {"decode": getattr(runner, "decode_graphs", None)}
@@ -496,6 +565,7 @@ def main() -> None:
         stats.num_accepted_tokens,
     )
     steps = {name: _count_steps(llm) for name, llm in engines.items()}
+    proposals = _count_proposals(engines["spec"])
     replays0 = {name: _graph_replays(llm) for name, llm in engines.items()}
     seconds = {"off": 0.0, "spec": 0.0}
     tokens = {"off": 0, "spec": 0}
@@ -589,6 +659,10 @@ def main() -> None:
                 for b, on, rate, median, n, gain, counted in gov.history
             ],
         }
+    # Why steps with draft slots went without drafts (each slot step waits for the step in
+    # flight), and the cost model that decided.
+    report["proposals"] = proposals
+    report["draft_cost"] = _draft_cost(_proposer(engines["spec"]), args.batch_size)
     model, where = report_slugs(report, runner)
     which = "random" if random else args.prompts
     name = f"spec-decode-{args.method}-{model}-{which}-b{args.batch_size}-{where}"
