@@ -8,35 +8,78 @@ each draft token. A draft whose probability of acceptance is below :meth:`DraftC
 (the seconds it adds over the seconds the step spends per token it emits) costs more than it
 brings. The speculation governor (``pagoda.scheduler.spec_governor``) still decides whether the
 batch drafts at all; this lets a proposer choose how much.
+
+Steps whose time is not what their drafts cost are left out. The first step of each draft count
+in a bucket: what runs for the first time at a new verification length (a kernel compiled for
+it, a oneDNN primitive made for its rows on a CPU) happens there. And a step timed far above what
+the fit expects of its drafts (``OUTLIER`` times): a collection, the host busy elsewhere. Charged
+to the drafts of that step, such a step once made every draft token look dear (the threshold at
+its ceiling), drafts then stayed one token long, and the fit, seeing no longer drafts, kept the
+slope for some thirty steps. Steps that stay that slow (``SHIFT`` in a row) mean the cost moved:
+the fit starts again from them.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _IDLE_S = 5.0  # a gap this long between calls is not a step
+OUTLIER = 3.0  # a step this many times what the fit expects is left out
+SHIFT = 4  # ... unless this many in a row are: then the fit starts again
+_WINDOW = 16  # the latest steps' seconds, whose median stands for the fit until there is one
 _MIN_THRESHOLD, _MAX_THRESHOLD = 0.05, 0.9
 DEFAULT_THRESHOLD = 0.2  # before the cost is measured
 
 
 @dataclass(slots=True)
 class _Fit:
-    """Decayed sums for the regression of step seconds on draft tokens (one bucket)."""
+    """Decayed sums for the regression of step seconds on draft tokens (one bucket), and the
+    latest steps' seconds (for leaving outliers out)."""
 
     w: float = 0.0
     x: float = 0.0
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    outliers: int = 0  # left out in a row
+    counts: set[int] = field(default_factory=set)  # the draft counts seen
 
-    def add(self, x: float, y: float, decay: float = 0.95) -> None:
+    def add(self, x: int, y: float, decay: float = 0.95) -> None:
+        """Count a step of ``x`` draft tokens that took ``y`` seconds, unless it is an outlier
+        (see the module's note)."""
+        expected = self._expected(x)
+        self.recent.append(y)
+        if expected is None:  # (the first steps only set the median the next are held to)
+            return
+        if x not in self.counts:  # a first time at this draft count
+            self.counts.add(x)
+            return
+        if y > OUTLIER * expected:
+            self.outliers += 1
+            if self.outliers < SHIFT:
+                return
+            # The steps' cost moved: the fit starts again from the latest step.
+            self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.outliers = 0
         self.w = decay * self.w + 1
         self.x = decay * self.x + x
         self.y = decay * self.y + y
         self.xx = decay * self.xx + x * x
         self.xy = decay * self.xy + x * y
+
+    def _expected(self, x: int) -> float | None:
+        """The seconds the fit expects of a step of ``x`` drafts; while there is no fit, the
+        median of the latest steps; None before a few steps."""
+        got = self.fit()
+        if got is not None:
+            return got[0] + got[1] * x
+        if len(self.recent) < 4:
+            return None
+        return sorted(self.recent)[len(self.recent) // 2]
 
     def fit(self) -> tuple[float, float] | None:
         """(seconds of a step without drafts, seconds per draft token), or None while the
@@ -79,7 +122,7 @@ class DraftCost:
         if self._last is not None and contiguous:
             t, b, given = self._last
             if b == bucket and now - t < _IDLE_S:
-                self._fit(num_requests).add(float(given), now - t)
+                self._fit(num_requests).add(given, now - t)
         self._last = (now, bucket, int(num_drafts))
         if tokens_gained is not None:
             self.emitted += 0.05 * (tokens_gained - self.emitted)

@@ -136,3 +136,31 @@ def test_small_batches_scored_a_request_at_a_time_match_the_batch_pass(seed, mon
         assert seen[0] == seen[1]
         for name in ("hits", "trials", "g_hits", "g_trials", "first_hits", "first_trials", "given"):
             assert np.array_equal(getattr(rows_path, name), getattr(batch_path, name)), name
+
+
+def test_the_time_between_requests_is_not_a_step() -> None:
+    """Requests one after another in one row (batch 1): between one's last call, which gave
+    drafts, and the next one's first, the engine ran the next one's prefill (or sat idle, or
+    ran another engine). Timed as a step of the last drafts, that gap made them look dear."""
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, 500, 30).tolist() * 12
+
+    def measured(gap: float) -> DraftLengths:
+        p = NgramProposer(make_context(SpeculativeConfig(method="ngram")))
+        clock = [0.0]
+        p.adapt.cost.clock = lambda: clock[0]
+        given = 0
+        for r in range(8):
+            clock[0] += gap
+            for step in range(16):
+                clock[0] += 0.1 + 0.001 * given
+                batch = _batch([text[: 60 + 7 * step]])
+                batch.req_ids = [f"req{r}"]
+                batch.max_num_drafts[:] = 1 + step % 8  # (counts that vary, 8 at the last)
+                given = int(p.propose(batch).counts(512, batch.max_num_drafts)[0])
+        assert given == 8  # (each request's last call gave 8 drafts)
+        return p.adapt
+
+    apart, back_to_back = measured(0.15), measured(0.0)
+    assert back_to_back.cost.fits[1].fit() is not None
+    assert apart.cost.threshold(1) == pytest.approx(back_to_back.cost.threshold(1), rel=1e-9)

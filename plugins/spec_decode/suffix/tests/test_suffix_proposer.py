@@ -5,6 +5,7 @@ global tree, and the global tree stays within its bound."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from pagoda_spec_suffix.proposer import SuffixProposer
 from pagoda_spec_suffix.tree import SuffixTree
 
@@ -70,3 +71,29 @@ def test_global_tree_drops_the_oldest_outputs_beyond_its_bound() -> None:
     assert 1000 not in tree.edges and tree.count[tree.edges[1080]] == 1
     # Nodes freed by the dropped outputs are reused: the tree holds what its window holds.
     assert len(tree.count) - len(tree.free) - 1 == len(tree.edges)
+
+
+def test_the_time_between_requests_is_not_a_step() -> None:
+    """Requests one after another (batch 1): the time from one's last call, which gave drafts,
+    to the next one's first holds the next one's prefill, not a step of those drafts."""
+    text = np.random.default_rng(0).integers(0, 200, 25).tolist() * 10
+
+    def threshold(gap: float) -> float:
+        p = _proposer()
+        clock = [0.0]
+        p.cost.clock = lambda: clock[0]
+        given = 0
+        for r in range(8):
+            clock[0] += gap
+            for step in range(12):
+                clock[0] += 0.1 + 0.001 * given
+                batch = _batch([f"req{r}"], [text[: 60 + 6 * step]], [50])
+                batch.max_num_drafts[:] = 1 + step % 6  # (counts that vary, 6 at the last)
+                got = p.propose(batch)
+                given = int((got.token_ids[0] >= 0).sum())
+            assert given == 6
+            p.remove([f"req{r}"])
+        assert p.cost.fits[1].fit() is not None
+        return p.cost.threshold(1)
+
+    assert threshold(0.15) == pytest.approx(threshold(0.0), rel=1e-9)

@@ -219,7 +219,9 @@ class NgramProposer(SpeculativeProposer):
         adapt = self.adapt
         if adapt is None:
             return Drafts(drafts_after(batch.token_ids, rows, num_tokens, end, caps, self.k))
-        adapt.own(batch.req_ids, rows)
+        # (a request new to its row: the time since the last call is not one step of these
+        # requests, it holds the gap between requests, another's prefill or an idle engine)
+        seen = bool(adapt.own(batch.req_ids, rows).all())
         adapt.observe(rows, batch.token_ids, num_tokens)
         lengths = adapt.lengths(rows, match, np.minimum(caps, self.k))
         if self.ctx.draft_length_given:  # the window adapts; every match drafts k
@@ -227,7 +229,8 @@ class NgramProposer(SpeculativeProposer):
         ids = drafts_after(batch.token_ids, rows, num_tokens, end, lengths, self.k)
         pause = self.pause
         # NOTE: with a request paused at the last call, steps may have run since without one.
-        adapt.gave(rows, ids, match, num_tokens, contiguous=pause is None or not pause.paused)
+        contiguous = seen and (pause is None or not pause.paused)
+        adapt.gave(rows, ids, match, num_tokens, contiguous=contiguous)
         if pause is not None:
             pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0)
         return Drafts(ids)

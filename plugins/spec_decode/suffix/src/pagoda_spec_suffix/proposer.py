@@ -93,10 +93,10 @@ class SuffixProposer(SpeculativeProposer):
                     best = got
             out[i, : len(best)] = best
             given += len(best)
-        # NOTE: with a request paused at the last call, steps may have run since without one.
-        self.cost.step(
-            n, given, gained / known if known else None, contiguous=not self.pause.paused
-        )
+        # NOTE: with a request paused at the last call, steps may have run since without one;
+        # with a request new to it, the time since holds the gap between requests.
+        contiguous = known == n and not self.pause.paused
+        self.cost.step(n, given, gained / known if known else None, contiguous=contiguous)
         self.pause.update(batch.req_ids, batch.num_tokens, out[:, 0] >= 0)
         return Drafts(out)
 
