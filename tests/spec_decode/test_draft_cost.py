@@ -75,3 +75,17 @@ def test_the_first_step_of_each_draft_count_is_left_out() -> None:
         given = nxt
         cost.step(1, given, 1.0)
     assert cost.threshold(1) == pytest.approx(0.05)  # 1 ms a draft over 100 ms a token
+
+
+def test_at_several_requests_every_draft_total_counts() -> None:
+    """At 4 requests a step's drafts are a sum over them that seldom repeats: leaving out each
+    first total would leave nothing to fit."""
+    clock = [0.0]
+    cost = DraftCost(lambda: clock[0])
+    given = 0
+    for i in range(40):
+        clock[0] += 0.1 + 0.01 * given
+        given = 7 * i % 40  # (40 totals, each once)
+        cost.step(4, given, 1.0)
+    # 0.01 s a draft over 0.1 s a step of 4 tokens
+    assert cost.threshold(4) == pytest.approx(0.4)

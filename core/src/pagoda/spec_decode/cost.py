@@ -9,9 +9,11 @@ each draft token. A draft whose probability of acceptance is below :meth:`DraftC
 brings. The speculation governor (``pagoda.scheduler.spec_governor``) still decides whether the
 batch drafts at all; this lets a proposer choose how much.
 
-Steps whose time is not what their drafts cost are left out. The first step of each draft count
-in a bucket: what runs for the first time at a new verification length (a kernel compiled for
-it, a oneDNN primitive made for its rows on a CPU) happens there. And a step timed far above what
+Steps whose time is not what their drafts cost are left out. At one request, the first step of
+each draft count: what runs for the first time at a new verification length (a kernel compiled
+for it, a oneDNN primitive made for its rows on a CPU) happens there. (At more requests a step's
+draft count is a sum that seldom repeats, and such costs are a smaller part of a step; the
+outlier rule catches a compile.) And a step timed far above what
 the fit expects of its drafts (``OUTLIER`` times): a collection, the host busy elsewhere. Charged
 to the drafts of that step, such a step once made every draft token look dear (the threshold at
 its ceiling), drafts then stayed one token long, and the fit, seeing no longer drafts, kept the
@@ -46,7 +48,7 @@ class _Fit:
     xy: float = 0.0
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
     outliers: int = 0  # left out in a row
-    counts: set[int] = field(default_factory=set)  # the draft counts seen
+    counts: set[int] | None = None  # the draft counts seen (None: not kept)
 
     def add(self, x: int, y: float, decay: float = 0.95) -> None:
         """Count a step of ``x`` draft tokens that took ``y`` seconds, unless it is an outlier
@@ -55,7 +57,7 @@ class _Fit:
         self.recent.append(y)
         if expected is None:  # (the first steps only set the median the next are held to)
             return
-        if x not in self.counts:  # a first time at this draft count
+        if self.counts is not None and x not in self.counts:  # a first time at this count
             self.counts.add(x)
             return
         if y > OUTLIER * expected:
@@ -141,5 +143,5 @@ class DraftCost:
         b = max(n, 1).bit_length()
         got = self.fits.get(b)
         if got is None:
-            got = self.fits[b] = _Fit()
+            got = self.fits[b] = _Fit(counts=set() if b == 1 else None)
         return got
