@@ -13,12 +13,12 @@ Steps whose time is not what their drafts cost are left out. At one request, the
 each draft count: what runs for the first time at a new verification length (a kernel compiled
 for it, a oneDNN primitive made for its rows on a CPU) happens there. (At more requests a step's
 draft count is a sum that seldom repeats, and such costs are a smaller part of a step; the
-outlier rule catches a compile.) And a step timed far above what
-the fit expects of its drafts (``OUTLIER`` times): a collection, the host busy elsewhere. Charged
-to the drafts of that step, such a step once made every draft token look dear (the threshold at
-its ceiling), drafts then stayed one token long, and the fit, seeing no longer drafts, kept the
-slope for some thirty steps. Steps that stay that slow (``SHIFT`` in a row) mean the cost moved:
-the fit starts again from them.
+outlier rule catches a compile.) And a step timed far above what the fit expects of its drafts
+(``OUTLIER`` times): a collection, the host busy elsewhere. Charged to the drafts of that step,
+such a step once made every draft token look dear (the threshold at its ceiling), drafts then
+stayed one token long, and the fit, seeing no longer drafts, kept the slope for some thirty
+steps. Steps that stay that slow (``SHIFT`` in a row) mean the cost moved: the fit starts again
+from them.
 """
 
 from __future__ import annotations
