@@ -34,3 +34,35 @@ def test_each_compile_is_recorded_with_its_pass_and_variant() -> None:
         assert len(seen) == 2  # the hook in place before still ran
     finally:
         knobs.runtime.jit_post_compile_hook = before
+
+
+class _Param:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _Jit:
+    params = [_Param("q_ptr"), _Param("num_seqs"), _Param("BLOCK_M"), _Param("SPLIT")]
+
+
+class _FnInfo:
+    name = "_paged_attention"
+    jit_function = _Jit()
+
+
+def test_a_compile_names_its_constexpr_values() -> None:
+    """What tells two variants of one kernel apart (some Triton releases cut the repr's argument
+    list short): the compile's constexprs by parameter name."""
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = None
+    try:
+        with KernelCompiles() as compiles:
+            knobs.runtime.jit_post_compile_hook(
+                key=None,
+                repr="_paged_attention[num_warps=4](q_ptr: ()",
+                fn=_FnInfo(),
+                compile={"constants": {(2,): 64, (3,): False}},
+            )
+        assert compiles.details[0]["constexprs"] == {"BLOCK_M": "64", "SPLIT": "False"}
+    finally:
+        knobs.runtime.jit_post_compile_hook = before

@@ -103,6 +103,7 @@ class KernelCompiles:
                     "kernel": str(getattr(fn, "name", None) or getattr(fn, "__name__", fn)),
                     "where": self.where,
                     "variant": None if variant is None else str(variant),
+                    "constexprs": _constexprs(fn, kwargs.get("compile")),
                 }
             )
             if self._before is not None:
@@ -118,6 +119,22 @@ class KernelCompiles:
     def __exit__(self, *exc: object) -> None:
         if self.supported:
             self._knobs.jit_post_compile_hook = self._before
+
+
+def _constexprs(fn: Any, compiled: Any) -> dict[str, str] | None:
+    """The compile's constexpr values by parameter name (what tells one variant of a kernel
+    from another), or None where this Triton's hook does not pass them."""
+    constants = compiled.get("constants") if isinstance(compiled, dict) else None
+    if not isinstance(constants, dict):
+        return None
+    params = getattr(getattr(fn, "jit_function", None), "params", None) or []
+    names = [getattr(p, "name", str(i)) for i, p in enumerate(params)]
+    got = {}
+    for key, value in constants.items():
+        i = key[0] if isinstance(key, tuple) and key else key
+        name = names[i] if isinstance(i, int) and i < len(names) else str(key)
+        got[name] = str(value)
+    return got
 
 
 # Throttle reasons (NVML's ``clocks_event_reasons``) in nvidia-smi's bit mask: power and heat.

@@ -65,6 +65,7 @@ from pagoda.worker.step_buffers import StepBuffers
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
 from pagoda.worker.steps_in_flight import StepsInFlight
 from pagoda.worker.verify_inputs_kernel import warm as warm_verify_inputs_kernel
+from pagoda.worker.warm_steps import warm_context_steps
 
 logger = logging.getLogger(__name__)
 
@@ -401,6 +402,17 @@ class ModelRunner:
                     )
                     self.graph_capture_s += spec.greedy_graphs.capture()
             self.startup_times["graph_capture_s"] = self.graph_capture_s
+        if (
+            self.device.type == "cuda"
+            and not self.pipeline
+            and all(layer.spec.causal for layer in layers)  # (encoders get no cached context)
+        ):
+            # Steps over a cached context, so that the attention kernels they select compile
+            # now, not in a request's step (pagoda.worker.warm_steps). Before the FP8 scales'
+            # calibration is armed below: these steps must not set them.
+            _, self.startup_times["warm_steps_s"] = warm_context_steps(
+                self.model, self.attn_backend, self.buffers, self.max_model_len, num_blocks
+            )
         if is_fp8(self.kv_cache_dtype) and self.config.cache.calculate_kv_scales:
             # NOTE: after the graphs' capture (its dummy steps would set them): the first prompt
             # sets each layer's scales, which the graphs read from the layer's buffers.

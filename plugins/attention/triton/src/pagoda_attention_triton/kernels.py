@@ -39,6 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+# The split merge's row of partials: the split count is a runtime value (a constexpr would compile
+# the kernels again for each count a step meets; at batch 1 a growing context meets each in turn),
+# and the merge reads up to this many, masked.
+MAX_SPLITS = 16
+
 
 @triton.jit
 def _find_seq(qsl_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
@@ -210,7 +215,7 @@ def _last_key(q_pos, seq_len, window, chunk, WINDOW: tl.constexpr, CHUNK: tl.con
 # one for the first time (a prefill of 29 requests after a start-up that ran 256) waits about
 # half a second for it. The window and chunk are a layer's and fixed, but a multiple of 16 or
 # not would compile them twice for nothing.
-@triton.jit(do_not_specialize=["num_seqs", "split_size", "window", "chunk"])
+@triton.jit(do_not_specialize=["num_seqs", "split_size", "num_splits", "window", "chunk"])
 def _paged_attention(
     q_ptr,
     k_cache_ptr,
@@ -243,6 +248,7 @@ def _paged_attention(
     stride_bt,
     num_seqs,
     split_size,
+    num_splits,
     G: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -250,7 +256,7 @@ def _paged_attention(
     HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     ORDERED: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
@@ -411,7 +417,7 @@ def _paged_attention(
     tok = q_start + q_tok
     if FP8_KV:
         acc = acc * v_mul
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / _denominator(l_i, m_i, sinks_ptr, head, row_ok, SINKS)[:, None]
         tl.store(
             out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -422,7 +428,7 @@ def _paged_attention(
         # Partials: [tokens, heads, splits, dim] and [tokens, heads, splits], without the sinks
         # (the merge adds each once).
         num_heads = NUM_KV_HEADS * G
-        base = (tok * num_heads + head) * NUM_SPLITS + split
+        base = (tok * num_heads + head) * num_splits + split
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             part_out_ptr + base[:, None] * HEAD_DIM_PAD + offs_d[None, :], out, mask=row_ok[:, None]
@@ -573,7 +579,7 @@ def _paged_decode(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits(
     part_out_ptr,
     part_lse_ptr,
@@ -582,19 +588,21 @@ def _merge_splits(
     stride_ot,
     stride_oh,
     num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
     SINKS: tl.constexpr,
 ):
     """Each (token, head)'s split partials weighted by their share of the softmax: ``exp(lse)``
     over the splits' sum, plus ``exp(sink)`` with ``SINKS`` (a share that brings no value)."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_s = tl.arange(0, MAX_SPLITS)
+    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    base = (tok * num_heads + head) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + offs_s)
+    base = (tok * num_heads + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     if SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32)
@@ -605,7 +613,11 @@ def _merge_splits(
     if SINKS:
         denom += tl.exp(sink - m)
     w = w / denom
-    parts = tl.load(part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+    parts = tl.load(
+        part_out_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
     out = tl.sum(parts * w[:, None], 0)
     tl.store(
         out_ptr + tok * stride_ot + head * stride_oh + offs_d,
@@ -842,6 +854,7 @@ def paged_attention(
         *strides,
         num_seqs,
         split_size,
+        num_splits,
         G=g,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
@@ -849,7 +862,7 @@ def paged_attention(
         HEAD_DIM_PAD=head_dim_pad,
         PAGE=page,
         TILE_N=tile_n,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         NUM_KV_HEADS=num_kv_heads,
         ORDERED=order is not None,
         WHILE_LOOP=os.environ.get("TRITON_INTERPRET") == "1",
@@ -867,9 +880,10 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             num_heads,
+            num_splits,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
+            MAX_SPLITS=max(MAX_SPLITS, triton.next_power_of_2(num_splits)),
             SINKS=sinks is not None,
         )
     return out

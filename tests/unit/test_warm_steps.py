@@ -1,0 +1,71 @@
+"""``pagoda.worker.warm_steps``: the start-up's steps over a cached context are the steps the
+module note names (each query length over one block and over the longest context, its tokens'
+slots in the blocks its table names), they leave the step buffers' block table as they found it,
+and they change nothing a request then sees (greedy tokens equal a fresh engine's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagoda import LLM, SamplingParams
+from pagoda.worker import warm_steps
+
+CONFIG = Path(__file__).parents[2] / "benchmarks" / "configs" / "tiny-llama"
+
+
+def _engine() -> LLM:
+    return LLM(
+        model=str(CONFIG), load_format="dummy", device="cpu", dtype="float32", max_model_len=256
+    )
+
+
+def _runner(llm: LLM):
+    return llm.engine.engine_core.executor.worker.model_runner
+
+
+def test_each_query_length_runs_over_one_block_and_the_longest_context() -> None:
+    llm = _engine()
+    runner = _runner(llm)
+    backend = runner.attn_backend
+    seen = []
+
+    class Recording(backend):  # the backend's own metadata, each step's shape noted
+        @classmethod
+        def build_metadata(cls, common):
+            bt = common.block_table.cpu().numpy()
+            slots = common.slot_mapping.cpu().numpy()
+            seq = int(common.seq_lens_cpu[0])
+            q = common.num_actual_tokens
+            pos = range(seq - q, seq)
+            bs = common.block_size
+            assert list(slots) == [int(bt[0, p // bs]) * bs + p % bs for p in pos]
+            assert 0 not in bt[0, : -(-seq // bs)]  # never the null block
+            seen.append((q, seq - q))
+            return backend.build_metadata(common)
+
+    num_blocks = runner.kv_caches[0].shape[1]
+    steps, _ = warm_steps.warm_context_steps(
+        runner.model, Recording, runner.buffers, runner.max_model_len, num_blocks
+    )
+    bs = runner.block_size
+    longest = min(256, (num_blocks - 1) * bs)
+    want = [(q, c) for q in warm_steps.QUERY_LENS for c in dict.fromkeys((bs, longest - q))]
+    assert seen == want and steps == len(want)
+    assert not runner.buffers.block_table.any()
+
+
+def test_a_request_after_them_sees_what_a_fresh_engine_gives() -> None:
+    prompt = {"prompt_token_ids": list(range(20, 90))}
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    fresh = _engine()
+    want = fresh.generate(prompt, greedy)[0].outputs[0].token_ids
+    warmed = _engine()
+    runner = _runner(warmed)
+    warm_steps.warm_context_steps(
+        runner.model,
+        runner.attn_backend,
+        runner.buffers,
+        runner.max_model_len,
+        runner.kv_caches[0].shape[1],
+    )
+    assert warmed.generate(prompt, greedy)[0].outputs[0].token_ids == want
