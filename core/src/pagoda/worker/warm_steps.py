@@ -29,10 +29,12 @@ from pagoda.attention.layer import set_forward_context
 from pagoda.utils import cdiv
 from pagoda.worker.step_buffers import StepBuffers
 
-# Every query length up to 16 (the lengths of verification steps and short uncached prompt tails,
-# where launch configurations change with the rows that hold a query's heads), then the lengths
-# where a prompt chunk's launch changes class (Triton's 128-row programs from 128 query tokens).
-QUERY_LENS = (*range(1, 17), 32, 64, 127, 128)
+# Query lengths, one in each launch class of the kernels there are: up to 16 (verification steps,
+# short uncached prompt tails), Triton's programs hold a query's heads times the queries in 16,
+# 32 or 64 rows (``next_power_of_2(q * group)``: for any group of 1 to 16 query heads a KV head,
+# these lengths meet each class) and may split the context; longer queries are not split, and
+# from 128 tokens a prompt chunk runs 128-row programs.
+QUERY_LENS = (1, 2, 3, 4, 6, 8, 16, 32, 128)
 
 
 @torch.inference_mode()
