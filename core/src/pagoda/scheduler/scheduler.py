@@ -231,6 +231,10 @@ class Scheduler:
         self.spec_governor = spec_governor
         self._drafting = True
         self.batch_queue = batch_queue
+        # The pooling requests whose prompt the last ``schedule`` completes: ``after_launch``
+        # returns their blocks (found by ``schedule``, which visits each scheduled request
+        # anyway, so that a generation step never walks its requests for them).
+        self._pooling_ending: list[Request] = []
         # LoRA: adapters the runner holds at once (None: LoRA off). The running requests never
         # use more distinct adapters, so no step does; waiting ones that would wait their turn.
         self.max_loras = max_loras
@@ -334,15 +338,14 @@ class Scheduler:
             req = self.requests.get(new.req_id)
             if req is not None:
                 kv.hash_blocks(req)
+        ending, self._pooling_ending = self._pooling_ending, []
         if self.offload is not None or self.batch_queue:
             return
-        for req_id in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(req_id)
+        for req in ending:
             if (
-                req is not None
-                and req.is_pooling
+                self.requests.get(req.request_id) is req
                 and req.status == RequestStatus.RUNNING
-                and req.num_computed_tokens >= req.num_tokens
+                and req.request_id in scheduler_output.num_scheduled_tokens
             ):
                 kv.free(req)
 
@@ -435,12 +438,16 @@ class Scheduler:
             gov.admit(len(step.new_reqs))
         for r in self.running:
             r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
+        ending = self._pooling_ending = []
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
             r.num_computed_tokens += step.num_scheduled[r.request_id]
             if r.mm_inputs is not None:
                 self.encoder_cache.release_computed(r)
             if r.is_pooling:
-                continue  # it samples nothing: its prompt's last chunk gives its pooler output
+                # It samples nothing: its prompt's last chunk gives its pooler output.
+                if r.num_computed_tokens >= r.num_tokens:
+                    ending.append(r)
+                continue
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
                 # This step samples the next token, and may emit every draft before it.
                 r.num_output_placeholders += 1 + len(step.spec.get(r.request_id, ()))
