@@ -4,6 +4,12 @@ speculation path's functions (wrapped timers, no profiler, so the steps keep the
 
     python benchmarks/eagle_host_time.py [--model benchmarks/configs/smollm2-135m]
         [--variants none,gov,nogov] [--device cuda] [--rounds 3] [--output-json PATH]
+        [--method eagle3|ngram|suffix]
+
+``--method ngram`` or ``suffix``: the history proposers instead of the head, with only ``method``
+set (``nogov``: and ``adaptive: false``). With ``--accept-all`` their drafts repeat token 0 as
+the target does, so each verification emits its drafts' whole length: what a verifying step of
+theirs costs against a plain one, phase by phase under ``--trace``, on random weights.
 
 Variants: ``none`` (no speculation), ``gov`` (the head, governed), ``nogov`` (the head, drafting
 whenever its own back-off lets it), ``off`` (the head loaded, drafting never: what its
@@ -48,6 +54,8 @@ import pagoda_spec_eagle.chain as ec
 import pagoda_spec_eagle.proposer as ep
 import torch
 from pagoda_spec_eagle.checkpoint import llama_head_config, random_head_weights, write_head
+from pagoda_spec_ngram.proposer import NgramProposer
+from pagoda_spec_suffix.proposer import SuffixProposer
 from safetensors.torch import load_file, save_file
 
 import pagoda.worker.hidden_states as hd
@@ -111,6 +119,8 @@ wrap(ec.DenseChain, "load_verified", "chain.load_verified")
 wrap(ec.DenseChain, "run", "chain.run")  # on a CPU: the head's compute
 wrap(LlamaForCausalLM, "forward", "model.forward")  # eager steps only: the target's compute
 wrap(mr, "run_verify_graph", "run_verify_graph")
+wrap(NgramProposer, "propose", "ngram.propose")
+wrap(SuffixProposer, "propose", "suffix.propose")
 wrap(mr.ModelRunner, "_update_states", "runner.update_states")
 wrap(mr, "propose_after", "propose_after")
 wrap(Scheduler, "schedule", "scheduler.schedule")
@@ -127,6 +137,12 @@ ap.add_argument("--attention-backend", default=None, help="attention.backend (de
 ap.add_argument("--accept-all", action="store_true", help="every draft accepted (see above)")
 ap.add_argument("--num-prompts", type=int, default=10)
 ap.add_argument("--max-tokens", type=int, default=160)
+ap.add_argument(
+    "--method",
+    default="eagle3",
+    choices=["eagle3", "ngram", "suffix"],
+    help="the proposer (eagle3: a random head; ngram, suffix: only method set)",
+)
 ap.add_argument(
     "--trace",
     action="store_true",
@@ -181,6 +197,8 @@ base = dict(
 if args.attention_backend:
     base["attention_backend"] = args.attention_backend
 spec = {"method": "eagle3", "num_speculative_tokens": 4, "model": str(hdir)}
+if args.method != "eagle3":
+    spec = {"method": args.method}
 variants = args.variants.split(",")
 specs = {
     "none": None,
@@ -268,10 +286,7 @@ ratios = {v: round(median["none"] / median[v], 3) for v in variants if "none" in
 print(ratios)
 print(
     "verifications launched ahead:",
-    {
-        v: _ahead_launches(e)
-        for v, e in engines.items()
-    },
+    {v: _ahead_launches(e) for v, e in engines.items()},
 )
 # The steps' time less the target's and the head's eager compute (all of a CPU step's compute;
 # on a GPU, graph replays are not counted as compute, and the host waits inside ``get``).
@@ -297,8 +312,10 @@ report = {
     "benchmark": "eagle_host_time",
     "command": "python " + " ".join(sys.argv),
     "workload": f"batch 1, {len(prompts)} random prompts of 300 tokens, {params.max_tokens} out",
-    "model": f"{_shown(args.model)} (random weights), random EAGLE-3 head"
-    + (", both final norms zeroed: every draft accepted" if args.accept_all else ""),
+    "model": f"{_shown(args.model)} (random weights), "
+    + ("random EAGLE-3 head" if args.method == "eagle3" else f"{args.method} proposer")
+    + (", final norms zeroed: every draft accepted" if args.accept_all else ""),
+    "method": args.method,
     "accept_all": args.accept_all,
     "attention_backend": args.attention_backend or "auto",
     "hardware": hardware(runner.device),
@@ -310,10 +327,7 @@ report = {
     "drafts": dict(drafts),
     "us_per_step_excluding_eager_compute": per_step,
     "accepted_tokens": dict(accepted),
-    "verifications_launched_ahead": {
-        v: _ahead_launches(llm)
-        for v, llm in engines.items()
-    },
+    "verifications_launched_ahead": {v: _ahead_launches(llm) for v, llm in engines.items()},
     "host_us_per_call": {
         v: {k: round(t / n * 1e6, 1) for k, (t, n) in timers[v].items() if n} for v in variants
     },
@@ -468,5 +482,6 @@ if args.trace:
 where = "cpu"
 if runner.device.type == "cuda":
     where = report["hardware"].lower().replace("nvidia ", "").replace(" ", "-")
-path = save_report(report, f"eagle-host-time-b1-{where}-{report['commit']}", args.output_json)
+name = "eagle-host-time" if args.method == "eagle3" else f"spec-host-time-{args.method}"
+path = save_report(report, f"{name}-b1-{where}-{report['commit']}", args.output_json)
 print("results:", path)
