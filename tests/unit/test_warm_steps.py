@@ -49,7 +49,12 @@ def test_each_query_length_runs_over_one_block_and_the_longest_context() -> None
     )
     bs = runner.block_size
     longest = min(256, (num_blocks - 1) * bs)
-    want = [(q, c) for q in warm_steps.QUERY_LENS for c in dict.fromkeys((bs, longest - q))]
+    want = [
+        (q, c)
+        for q in warm_steps.QUERY_LENS
+        for c in dict.fromkeys((bs, longest - q))
+        if 1 <= c and c + q <= longest
+    ]
     assert seen == want and steps == len(want)
     assert not runner.buffers.block_table.any()
 
@@ -69,3 +74,24 @@ def test_a_request_after_them_sees_what_a_fresh_engine_gives() -> None:
         runner.kv_caches[0].shape[1],
     )
     assert warmed.generate(prompt, greedy)[0].outputs[0].token_ids == want
+
+
+def test_a_cache_of_few_blocks_gets_no_step_past_them() -> None:
+    """With 4 blocks of 16 slots (the null block and 3), only steps that fit 48 tokens run."""
+    llm = _engine()
+    runner = _runner(llm)
+    backend = runner.attn_backend
+    seen = []
+
+    class Recording(backend):
+        @classmethod
+        def build_metadata(cls, common):
+            seen.append(int(common.seq_lens_cpu[0]))
+            return backend.build_metadata(common)
+
+    steps, _ = warm_steps.warm_context_steps(
+        runner.model, Recording, runner.buffers, runner.max_model_len, 4
+    )
+    bs = runner.block_size
+    assert steps == len(seen) > 0
+    assert max(seen) <= 3 * bs

@@ -57,7 +57,7 @@ def warm_context_steps(
         if q > buffers.max_num_tokens:
             break
         for context in dict.fromkeys((bs, longest - q)):
-            if context < 1:
+            if context < 1 or context + q > longest:  # (a small cache: the blocks it has)
                 continue
             _run(model, attn_backend, buffers, q, context, dev, bs)
             steps += 1
