@@ -105,6 +105,12 @@ class ProposalBatch:
     # not compute (prefix cache hits, or before a preemption) are not in it.
     new_hidden_states: torch.Tensor | None = None  # [m, hidden_size * max(1, len(layers))]
     hidden_loc: np.ndarray | None = None  # [n + 1] int64, offsets into ``new_hidden_states``
+    # What a step with draft slots (one that waits for the step in flight, to be filled from its
+    # tokens) costs at this batch size beyond a step without, as the runner measured it, in
+    # steps without (0.5: one and a half); None while not measured, or where drafts are not
+    # proposed into slots. A proposer that pauses requests may weigh their drafts against it
+    # (``pagoda.spec_decode.DraftPause``).
+    slot_cost: float | None = None
 
     def __len__(self) -> int:
         return len(self.req_ids)

@@ -524,9 +524,19 @@ class ModelRunner:
                 buffers.next_launch()
                 req_ids, starts = self._update_states(so)  # cached requests: their new blocks
                 ahead = launch_ahead(spec, plan, req_ids, starts)
-        if ahead is not None or (
+        waits = ahead is not None or bool(
             in_flight.unread and must_read_last(spec, in_flight.unread[-1], so)
-        ):
+        )
+        if spec is not None:
+            # (decodes and verifications only: a step with a prompt is timed by neither kind)
+            spec.slot_cost.launched(
+                len(so.num_scheduled_tokens),
+                waits,
+                counted=not so.scheduled_new_reqs
+                and so.total_num_scheduled_tokens
+                <= len(so.num_scheduled_tokens) * (spec.num_spec_tokens + 1),
+            )
+        if waits:
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
             in_flight.read_all()

@@ -83,6 +83,8 @@ def propose(
         hidden_states=hidden,
         new_hidden_states=new_hidden,
         hidden_loc=loc,
+        # (with slots: the cost of the step they are for, at the batch size of the step read)
+        slot_cost=None if slots is None else spec.slot_cost.cost(len(step.req_ids)),
     )
     drafts = proposer.propose(batch)
     counts = drafts.counts(spec.vocab_size, batch.max_num_drafts, k)

@@ -23,6 +23,7 @@ from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.slot_cost import SlotCost
 from pagoda.worker.step_buffers import StepBuffers
 from pagoda.worker.steps_in_flight import StepsInFlight
 
@@ -53,6 +54,8 @@ class Speculation:
     verify_graphs: DecodeGraphs | None = None
     greedy_graphs: GreedyVerifyGraphs | None = None
     ahead_launches: int = 0  # verifications launched before the step in flight was read
+    # What a step with draft slots costs beyond one without, measured at each launch.
+    slot_cost: SlotCost = field(default_factory=SlotCost)
     check_ahead: bool = False  # (tests) compare their inputs with the host's, waiting
 
     @property

@@ -232,7 +232,7 @@ class NgramProposer(SpeculativeProposer):
         contiguous = seen and (pause is None or not pause.paused)
         adapt.gave(rows, ids, match, num_tokens, contiguous=contiguous)
         if pause is not None:
-            pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0)
+            pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0, batch.slot_cost)
         return Drafts(ids)
 
     def remove(self, req_ids: Iterable[str]) -> None:

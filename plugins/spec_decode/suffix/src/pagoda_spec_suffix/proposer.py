@@ -97,7 +97,7 @@ class SuffixProposer(SpeculativeProposer):
         # with a request new to it, the time since holds the gap between requests.
         contiguous = known == n and not self.pause.paused
         self.cost.step(n, given, gained / known if known else None, contiguous=contiguous)
-        self.pause.update(batch.req_ids, batch.num_tokens, out[:, 0] >= 0)
+        self.pause.update(batch.req_ids, batch.num_tokens, out[:, 0] >= 0, batch.slot_cost)
         return Drafts(out)
 
     def _catch_up(

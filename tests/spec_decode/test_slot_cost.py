@@ -1,0 +1,108 @@
+"""``pagoda.worker.slot_cost.SlotCost`` (what a step with draft slots costs beyond one without,
+from the times between launches) and ``DraftPause`` weighing a request's accepted drafts against
+it: a request whose slot steps bring fewer accepted tokens than they cost pauses, one whose
+drafts are accepted does not, and an accepted probe ends the pause."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagoda.spec_decode import DraftPause
+from pagoda.worker.slot_cost import SlotCost
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _launches(meter: SlotCost, clock: _Clock, kinds: list[tuple[bool, float]], n: int = 1):
+    for waited, seconds in kinds:
+        meter.launched(n, waited)
+        clock.t += seconds
+
+
+def test_the_cost_is_the_slot_steps_time_over_the_plain_ones_once_each_has_enough() -> None:
+    clock = _Clock()
+    meter = SlotCost(clock)
+    _launches(meter, clock, [(True, 0.0035), (False, 0.0017)] * 7)
+    assert meter.cost(1) is None  # 7 of each: not yet
+    _launches(meter, clock, [(True, 0.0035), (False, 0.0017)] * 2)
+    assert abs(meter.cost(1) - (0.0035 / 0.0017 - 1)) < 1e-9
+    assert meter.cost(2) is None and meter.cost(64) is None  # other batch sizes: unmeasured
+
+
+def test_gaps_and_steps_with_a_prompt_are_not_timed() -> None:
+    clock = _Clock()
+    meter = SlotCost(clock)
+    _launches(meter, clock, [(True, 0.003), (False, 0.002)] * 10)
+    _launches(meter, clock, [(True, 0.25)])  # a gap between requests after a slot step
+    meter.launched(1, False, counted=False)  # a step with a prompt: its time is not a step's
+    clock.t += 0.05
+    _launches(meter, clock, [(True, 0.003), (False, 0.002)])
+    assert abs(meter.cost(1) - 0.5) < 1e-9
+
+
+def test_a_request_whose_slot_steps_do_not_pay_pauses_and_an_accepted_probe_ends_it() -> None:
+    resume: dict[str, int] = {}
+    pause = DraftPause(resume)
+    ids = ["copy", "chat"]
+    found = np.array([True, True])
+    # Both draft every step; "copy" gains 4 tokens a step (3 accepted), "chat" 1 (none).
+    pause.update(ids, np.array([100, 100]), found, slot_cost=0.6)
+    pause.update(ids, np.array([104, 101]), found, slot_cost=0.6)
+    assert pause.accepted == {"copy": 3.0, "chat": 0.0}
+    assert resume == {"chat": 103}  # asked again once it knows 103 tokens: 1 step skipped
+    # Steps ran without "chat" (paused): its next call's gain is not a slot step's.
+    pause.update(ids, np.array([108, 103]), found, slot_cost=0.6)
+    assert pause.accepted["chat"] == 0.0 and resume == {}
+    pause.update(["chat"], np.array([104]), np.array([True]), slot_cost=0.6)  # none accepted
+    assert resume == {"chat": 107}  # 2 steps skipped now
+    pause.update(["chat"], np.array([107]), np.array([True]), slot_cost=0.6)
+    pause.update(["chat"], np.array([111]), np.array([True]), slot_cost=0.6)  # 3 accepted
+    assert pause.accepted["chat"] == 1.5 and "chat" not in resume  # over the cost: no pause
+
+
+def test_without_a_measured_cost_only_misses_pause() -> None:
+    resume: dict[str, int] = {}
+    pause = DraftPause(resume)
+    for n in range(100, 110):
+        pause.update(["a"], np.array([n]), np.array([True]))  # nothing accepted, no cost
+    assert resume == {} and pause.accepted["a"] == 0.0
+
+
+def test_the_engine_measures_the_cost_and_hands_it_to_the_proposer(monkeypatch) -> None:
+    # Random weights, greedy, at batch 1: the n-gram proposer's misses pause the request, so
+    # both kinds of step run (with slots and, paused, without); once each has its samples, the
+    # proposer's calls carry the cost the runner measured.
+    import torch
+    from test_verify_graph_layout import TINY
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.bench.random_weights import ensure_random_weights
+
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    llm = LLM(
+        model=str(folder),
+        device="cpu",
+        max_model_len=512,
+        max_num_seqs=1,
+        speculative_config={"method": "ngram"},
+    )
+    spec = llm.engine.engine_core.executor.worker.model_runner.spec
+    given: list[float | None] = []
+    update = DraftPause.update
+
+    def spy(self, req_ids, num_tokens, found, slot_cost=None) -> None:
+        given.append(slot_cost)
+        update(self, req_ids, num_tokens, found, slot_cost)
+
+    monkeypatch.setattr(DraftPause, "update", spy)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(20, 60))}], params, use_tqdm=False)
+    assert spec.slot_cost.cost(1) is not None
+    assert given and given[0] is None  # (nothing measured at the start)
+    assert any(c is not None for c in given)
