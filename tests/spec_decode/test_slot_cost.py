@@ -1,7 +1,8 @@
 """``pagoda.worker.slot_cost.SlotCost`` (what a step with draft slots costs beyond one without,
-from the times between launches) and ``DraftPause`` weighing a request's accepted drafts against
-it: a request whose slot steps bring fewer accepted tokens than they cost pauses, one whose
-drafts are accepted does not, and an accepted probe ends the pause."""
+from the times between launches of decode steps that waited for the step in flight and found no
+draft, and of those that did not wait) and ``DraftPause`` weighing a request's accepted drafts
+against it: a request whose slot steps bring fewer accepted tokens than they cost pauses, one
+whose drafts are accepted does not, and an accepted probe ends the pause."""
 
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ def test_the_cost_is_the_slot_steps_time_over_the_plain_ones_once_each_has_enoug
     assert meter.cost(2) is None and meter.cost(64) is None  # other batch sizes: unmeasured
 
 
-def test_gaps_and_steps_with_a_prompt_are_not_timed() -> None:
+def test_gaps_and_steps_with_drafts_or_a_prompt_are_not_timed() -> None:
     clock = _Clock()
     meter = SlotCost(clock)
     _launches(meter, clock, [(True, 0.003), (False, 0.002)] * 10)
     _launches(meter, clock, [(True, 0.25)])  # a gap between requests after a slot step
-    meter.launched(1, False, counted=False)  # a step with a prompt: its time is not a step's
-    clock.t += 0.05
+    _launches(meter, clock, [(None, 0.05)])  # a step with drafts (or a prompt)
     _launches(meter, clock, [(True, 0.003), (False, 0.002)])
     assert abs(meter.cost(1) - 0.5) < 1e-9
+    meter.launched(1, True, at=clock.t)  # (the launch's own time, given)
+    meter.launched(1, None, at=clock.t + 0.0045)
+    assert meter.cost(1) > 0.5  # a slot step of 4.5 ms counted
 
 
 def test_a_request_whose_slot_steps_do_not_pay_pauses_and_an_accepted_probe_ends_it() -> None:

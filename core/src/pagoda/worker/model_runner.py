@@ -524,18 +524,10 @@ class ModelRunner:
                 buffers.next_launch()
                 req_ids, starts = self._update_states(so)  # cached requests: their new blocks
                 ahead = launch_ahead(spec, plan, req_ids, starts)
+        launched_at = time.perf_counter()
         waits = ahead is not None or bool(
             in_flight.unread and must_read_last(spec, in_flight.unread[-1], so)
         )
-        if spec is not None:
-            # (decodes and verifications only: a step with a prompt is timed by neither kind)
-            spec.slot_cost.launched(
-                len(so.num_scheduled_tokens),
-                waits,
-                counted=not so.scheduled_new_reqs
-                and so.total_num_scheduled_tokens
-                <= len(so.num_scheduled_tokens) * (spec.num_spec_tokens + 1),
-            )
         if waits:
             # NOTE: rows with drafts learn their length only there, and draft slots are filled
             # with the drafts proposed there.
@@ -569,6 +561,10 @@ class ModelRunner:
         if in_flight.unread and ib.sampling.needs_token_history(rows):
             in_flight.unread.pop().get()  # bad words read the ids on the host: wait for them
         num_reqs, total = len(req_ids), int(counts.sum())
+        if spec is not None:
+            # Decode steps only, with slots left empty or none (``pagoda.worker.slot_cost``).
+            decode = not drafts and not so.scheduled_new_reqs and total == num_reqs
+            spec.slot_cost.launched(num_reqs, waits if decode else None, launched_at)
         qsl = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
         tok_req = np.repeat(buffers.arange[:num_reqs], counts)

@@ -14,30 +14,33 @@ _SLOT_GAP_S = 0.5  # ... as is any longer one while the mean forms
 
 class SlotCost:
     """What a step with draft slots costs beyond a step without, measured by the runner: the
-    time from one launch to the next, by whether the first launch waited for the step in flight
-    (``must_read_last``) and by batch-size bucket (1, 2-3, 4-7, ...), for steps of one to
-    ``k + 1`` tokens a request (decodes and verifications; a step with a prompt is left out, and
-    a launch far from the last, a gap between requests, too). Given (``ProposalBatch.slot_cost``)
-    once each kind has ``_SLOT_SAMPLES`` steps in its bucket, in steps without slots: the mean
-    with slots over the mean without, less one. At batch 1 on a GPU a plain step is launched
-    while the last runs and a step with slots waits for it; on an H200 (SmolLM2, the copy
-    prompts) 3.5 ms against 1.7. ``clock`` returns seconds (injectable for tests)."""
+    time from one launch to the next, by batch-size bucket (1, 2-3, 4-7, ...), for decode steps
+    that waited for the step in flight to fill their slots and found no draft to fill them with,
+    against decode steps that did not wait. What is left between the two is the wait itself: on
+    a GPU at batch 1 a plain step launches while the last runs, so a step with slots gave up that
+    overlap; on a CPU, whose steps do not overlap, next to nothing. What drafts cost to verify is
+    not in it (``pagoda.spec_decode.DraftCost`` prices each draft token). Steps with drafts, with
+    a prompt, or far from the last launch (a gap between requests) are not timed. Given
+    (``ProposalBatch.slot_cost``) once each kind has ``_SLOT_SAMPLES`` steps in its bucket, in
+    steps without slots: the mean with slots over the mean without, less one. ``clock`` returns
+    seconds (injectable for tests)."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self._last: tuple[float, int, bool] | None = None  # (time, bucket, waited)
         self._means: dict[tuple[int, bool], tuple[float, int]] = {}  # -> (seconds, steps)
 
-    def launched(self, num_reqs: int, waited: bool, counted: bool = True) -> None:
-        """A launch of ``num_reqs`` requests, which waited for the step in flight or not;
-        ``counted=False``: a step not to measure (a prompt in it), whose time the next launch
-        would otherwise give."""
-        now = self.clock()
+    def launched(self, num_reqs: int, waited: bool | None, at: float | None = None) -> None:
+        """A launch of ``num_reqs`` requests at ``at`` (the clock's now by default): a decode
+        step that waited for the step in flight (``True``) or did not (``False``), or a step not
+        to time (``None``: drafts or a prompt in it), whose time the next launch would
+        otherwise give."""
+        now = self.clock() if at is None else at
         last = self._last
         if last is not None:
             t, bucket, was = last
             self._add(bucket, was, now - t)
-        self._last = (now, num_reqs.bit_length(), waited) if counted else None
+        self._last = None if waited is None else (now, num_reqs.bit_length(), waited)
 
     def _add(self, bucket: int, waited: bool, seconds: float) -> None:
         mean, n = self._means.get((bucket, waited), (0.0, 0))
