@@ -46,6 +46,7 @@ class ProposerCase:
     histories: list[list[int]]
     rows: list[int]
     max_num_drafts: list[int] = field(default_factory=list)
+    slot_cost: float | None = None  # ``ProposalBatch.slot_cost``
 
 
 def proposer_cases(seed: int = 0) -> list[ProposerCase]:
@@ -63,6 +64,7 @@ def proposer_cases(seed: int = 0) -> list[ProposerCase]:
         ProposerCase("one_single_token", [[42]], [3]),
         ProposerCase("batch_in_scattered_rows", hist, [5, 0, 7, 2, 9]),
         ProposerCase("batch_with_draft_caps", hist, [1, 2, 3, 4, 6], [1, 4, 2, 4, 3]),
+        ProposerCase("batch_with_a_measured_slot_cost", hist, [5, 0, 7, 2, 9], slot_cost=0.6),
     ]
 
 
@@ -115,6 +117,7 @@ def make_batch(
         hidden_states=hidden,
         new_hidden_states=new_hidden,
         hidden_loc=loc,
+        slot_cost=case.slot_cost,
     )
 
 
