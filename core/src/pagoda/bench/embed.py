@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import statistics
 import time
@@ -60,7 +59,7 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     import torch
 
     from pagoda.bench.random_weights import ensure_random_weights
-    from pagoda.bench.report import commit, hardware
+    from pagoda.bench.report import commit, hardware, report_text
     from pagoda.engine.llm_engine import LLMEngine
 
     if args.repeats < 1:
@@ -145,7 +144,7 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         # or no nvidia-smi)
         "clocks": clocks,
     }
-    text = json.dumps(report, indent=2)
+    text = report_text(report)
     print(text)
     if args.output_json:
         Path(args.output_json).write_text(text + "\n")

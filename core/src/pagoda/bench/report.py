@@ -45,10 +45,20 @@ def save_report(report: dict[str, Any], name: str, output_json: str | None = Non
     """Write ``report`` to ``output_json``, or to ``benchmarks/results/<name>.json``."""
     path = Path(output_json) if output_json else RESULTS_DIR / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    # NOTE: paths under the home folder are written as ~/...: the report travels, the home not.
-    text = json.dumps(report, indent=2).replace(str(Path.home()) + "/", "~/")
-    path.write_text(text + "\n")
+    path.write_text(report_text(report) + "\n")
     return path
+
+
+def report_text(report: dict[str, Any]) -> str:
+    """``report`` as JSON, with the paths of the machine it ran on made portable: under the
+    working folder (a benchmark runs from the repository's root) relative to it, under the home
+    folder as ``~/...``. The report travels; the machine's folders do not."""
+    text = json.dumps(report, indent=2)
+    home = Path.home()
+    for folder, shown in ((Path.cwd(), ""), (home, "~/")):
+        if folder != Path(folder.anchor) and (shown or folder != home):  # (not / nor ~ itself)
+            text = text.replace(str(folder) + "/", shown)
+    return text
 
 
 def throughput_figures(
