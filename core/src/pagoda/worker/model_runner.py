@@ -524,7 +524,7 @@ class ModelRunner:
                 buffers.next_launch()
                 req_ids, starts = self._update_states(so)  # cached requests: their new blocks
                 ahead = launch_ahead(spec, plan, req_ids, starts)
-        launched_at = time.perf_counter()
+        launched_at = time.perf_counter() if spec is not None else 0.0  # (``SlotCost``)
         waits = ahead is not None or bool(
             in_flight.unread and must_read_last(spec, in_flight.unread[-1], so)
         )

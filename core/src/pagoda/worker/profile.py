@@ -74,40 +74,13 @@ def profile_peak_activations(
             caches[layout] = torch.zeros(shape, dtype=dtype, device=dev)
         m.kv_cache = caches[layout]
 
-    qsl = np.zeros(n_req + 1, dtype=np.int64)
-    np.cumsum(lens, out=qsl[1:])
-    first_block = 1 + np.concatenate([[0], np.cumsum(blocks_per_req)[:-1]])
-    positions = np.arange(n_tok) - np.repeat(qsl[:-1], lens)
-    slots = (np.repeat(first_block, lens) + positions // bs) * bs + positions % bs
-    width = int(blocks_per_req.max())
-    table = first_block[:, None] + np.arange(width)[None, :]
-    table = np.where(np.arange(width)[None, :] < blocks_per_req[:, None], table, 0)
-
-    buffers.input_ids[:n_tok].zero_()
-    buffers.positions[:n_tok].copy_(torch.from_numpy(positions))
-    buffers.slot_mapping[:n_tok].copy_(torch.from_numpy(slots))
-    buffers.query_start_loc[: n_req + 1].copy_(torch.from_numpy(qsl.astype(np.int32)))
-    buffers.seq_lens[:n_req].copy_(torch.from_numpy(lens.astype(np.int32)))
-    buffers.block_table[:n_req, :width].copy_(torch.from_numpy(table.astype(np.int32)))
-    common = CommonAttentionMetadata(
-        num_reqs=n_req,
-        num_actual_tokens=n_tok,
-        max_query_len=int(lens.max()),
-        max_seq_len=int(lens.max()),
-        query_start_loc=buffers.query_start_loc[: n_req + 1],
-        seq_lens=buffers.seq_lens[:n_req],
-        block_table=buffers.block_table[:n_req],
-        slot_mapping=buffers.slot_mapping[:n_tok],
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-        block_size=bs,
-    )
+    common = laid_out_step(buffers, lens, lens)
     with set_forward_context(attn_backend.build_metadata(common)):
         hidden = model(buffers.input_ids[:n_tok], buffers.positions[:n_tok])
     raw = logits = probs = None
     # A pooling model has no LM head to sample; nor has a pipeline stage before the last.
     if not getattr(model, "pooling_only", False) and is_last_stage():
-        last = torch.from_numpy(qsl[1:] - 1).to(dev)
+        last = torch.from_numpy(common.query_start_loc_cpu[1:] - 1).to(dev)
         raw = model.compute_logits(hidden[last])  # the model's dtype
         # NOTE: the sampler's general path works on a float32 copy: its peak is the one to
         # measure.
@@ -131,6 +104,47 @@ def profile_peak_activations(
     buffers.block_table.zero_()
     torch.cuda.empty_cache()
     return max(int(peak), 0)
+
+
+def laid_out_step(
+    buffers: StepBuffers, q_lens: np.ndarray, seq_lens: np.ndarray
+) -> CommonAttentionMetadata:
+    """A step written into ``buffers`` for passes that are not a request's (the profiling pass,
+    the start-up's steps): request ``i`` computes the last ``q_lens[i]`` of its ``seq_lens[i]``
+    tokens (ids 0), and the requests' blocks lie one after another from block 1 (block 0 is the
+    pool's null block). Returns the step's metadata over the buffers."""
+    bs = buffers.block_size
+    n_req, n_tok = len(q_lens), int(q_lens.sum())
+    blocks_per_req = cdiv(seq_lens, bs)
+    qsl = np.zeros(n_req + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    first_block = 1 + np.concatenate([[0], np.cumsum(blocks_per_req)[:-1]])
+    positions = np.arange(n_tok) - np.repeat(qsl[:-1] - (seq_lens - q_lens), q_lens)
+    slots = (np.repeat(first_block, q_lens) + positions // bs) * bs + positions % bs
+    width = int(blocks_per_req.max())
+    table = first_block[:, None] + np.arange(width)[None, :]
+    table = np.where(np.arange(width)[None, :] < blocks_per_req[:, None], table, 0)
+
+    buffers.input_ids[:n_tok].zero_()
+    buffers.positions[:n_tok].copy_(torch.from_numpy(positions))
+    buffers.slot_mapping[:n_tok].copy_(torch.from_numpy(slots))
+    buffers.query_start_loc[: n_req + 1].copy_(torch.from_numpy(qsl.astype(np.int32)))
+    buffers.seq_lens[:n_req].copy_(torch.from_numpy(seq_lens.astype(np.int32)))
+    buffers.block_table[:n_req].zero_()
+    buffers.block_table[:n_req, :width].copy_(torch.from_numpy(table.astype(np.int32)))
+    return CommonAttentionMetadata(
+        num_reqs=n_req,
+        num_actual_tokens=n_tok,
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=buffers.query_start_loc[: n_req + 1],
+        seq_lens=buffers.seq_lens[:n_req],
+        block_table=buffers.block_table[:n_req],
+        slot_mapping=buffers.slot_mapping[:n_tok],
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        block_size=bs,
+    )
 
 
 def gpu_kv_budget(

@@ -24,9 +24,9 @@ import time
 import numpy as np
 import torch
 
-from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import set_forward_context
-from pagoda.utils import cdiv
+from pagoda.worker.profile import laid_out_step
 from pagoda.worker.step_buffers import StepBuffers
 
 # Query lengths, one in each launch class of the kernels there are: up to 16 (verification steps,
@@ -59,48 +59,11 @@ def warm_context_steps(
         for context in dict.fromkeys((bs, longest - q)):
             if context < 1 or context + q > longest:  # (a small cache: the blocks it has)
                 continue
-            _run(model, attn_backend, buffers, q, context, dev, bs)
+            common = laid_out_step(buffers, np.array([q]), np.array([context + q]))
+            with set_forward_context(attn_backend.build_metadata(common)):
+                model(buffers.input_ids[:q], buffers.positions[:q])
             steps += 1
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     buffers.block_table.zero_()
     return steps, time.perf_counter() - start
-
-
-def _run(
-    model: torch.nn.Module,
-    attn_backend: type[AttentionBackend],
-    buffers: StepBuffers,
-    q: int,
-    context: int,
-    dev: torch.device,
-    bs: int,
-) -> None:
-    seq_len = context + q
-    blocks = cdiv(seq_len, bs)
-    positions = np.arange(context, seq_len)
-    slots = (1 + positions // bs) * bs + positions % bs
-    qsl = np.array([0, q], dtype=np.int64)
-    lens = np.array([seq_len], dtype=np.int64)
-    buffers.input_ids[:q].zero_()
-    buffers.positions[:q].copy_(torch.from_numpy(positions))
-    buffers.slot_mapping[:q].copy_(torch.from_numpy(slots))
-    buffers.query_start_loc[:2].copy_(torch.from_numpy(qsl.astype(np.int32)))
-    buffers.seq_lens[:1].copy_(torch.from_numpy(lens.astype(np.int32)))
-    buffers.block_table[:1].zero_()
-    buffers.block_table[0, :blocks].copy_(torch.arange(1, blocks + 1, dtype=torch.int32))
-    common = CommonAttentionMetadata(
-        num_reqs=1,
-        num_actual_tokens=q,
-        max_query_len=q,
-        max_seq_len=seq_len,
-        query_start_loc=buffers.query_start_loc[:2],
-        seq_lens=buffers.seq_lens[:1],
-        block_table=buffers.block_table[:1],
-        slot_mapping=buffers.slot_mapping[:q],
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-        block_size=bs,
-    )
-    with set_forward_context(attn_backend.build_metadata(common)):
-        model(buffers.input_ids[:q], buffers.positions[:q])

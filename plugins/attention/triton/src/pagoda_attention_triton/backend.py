@@ -35,7 +35,8 @@ from pagoda.config import AttentionConfig
 
 # Below this many keys per split, splitting the context costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
-_MAX_SPLITS = 16
+# The most slices a step splits a context in (the split merge reads this many partials, masked).
+MAX_SPLITS = 16
 # Steps of up to this many queries a request (decode, verification of up to 15 drafts) split.
 _SPLIT_MAX_QUERY = 16
 
@@ -219,7 +220,7 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     target = 8 * sms
     splits = 1
     while (
-        splits < _MAX_SPLITS
+        splits < MAX_SPLITS
         and programs * splits < target
         and common.max_seq_len // (splits * 2) >= _MIN_KEYS_PER_SPLIT
     ):

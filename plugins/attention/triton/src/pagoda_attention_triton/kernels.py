@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-# The split merge's row of partials: the split count is a runtime value (a constexpr would compile
-# the kernels again for each count a step meets; at batch 1 a growing context meets each in turn),
-# and the merge reads up to this many, masked.
-MAX_SPLITS = 16
+# NOTE: the split count is a runtime value (a constexpr would compile the kernels again for each
+# count a step meets; at batch 1 a growing context meets each in turn): the merge reads the
+# backend's most, masked.
+from pagoda_attention_triton.backend import MAX_SPLITS
 
 
 @triton.jit
