@@ -38,12 +38,20 @@ from typing import Any, NoReturn
 GEN0 = 10_000
 
 
+#: Whether :func:`tune_gc` froze the process's objects (and :func:`tuned_gc` has not undone it).
+#: NOTE: kept here because ``gc.get_freeze_count()`` counts the frozen objects one by one: tens
+#: of milliseconds in a process that froze its model, torch and the tokenizer, which a batch
+#: call of ``LLM`` paid each time it asked (most of a short request's host time at batch 1).
+_tuned = [False]
+
+
 def tune_gc(gen0: int = GEN0) -> tuple[int, int, int]:
     """Collect, freeze the survivors, and raise the youngest generation's threshold to ``gen0``
     (a higher one, or a collector turned off, stays). Returns the thresholds before."""
     before = gc.get_threshold()
     gc.collect()
     gc.freeze()
+    _tuned[0] = True
     t0, t1, t2 = before
     if 0 < t0 < gen0:
         gc.set_threshold(gen0, t1, t2)
@@ -59,6 +67,7 @@ def tuned_gc(gen0: int = GEN0) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+        _tuned[0] = False
         gc.set_threshold(*before)
 
 
@@ -70,13 +79,17 @@ def steps_gc(gen0: int = GEN0) -> Iterator[None]:
     youngest generation grows to ``gen0`` meanwhile; then everything is collectable again and
     the thresholds are back. Unlike :func:`tune_gc` it collects nothing first (a full
     collection costs milliseconds a call): garbage from before the call waits for a collection
-    after it. Where something froze objects already (:func:`tune_gc`), it leaves the freeze as
-    it is and only raises the threshold; with the collector off it does nothing."""
+    after it. Where :func:`tune_gc` froze the process already, it leaves the freeze as it is and
+    only raises the threshold; with the collector off it does nothing.
+
+    NOTE: objects frozen by other code (a ``gc.freeze()`` of the user's own) are unfrozen with
+    the call's when it returns: telling them apart would cost a walk over every frozen object
+    at each call (``gc.get_freeze_count()``)."""
     if not gc.isenabled():
         yield
         return
     before = gc.get_threshold()
-    freeze = gc.get_freeze_count() == 0
+    freeze = not _tuned[0]
     if freeze:
         gc.freeze()
     if 0 < before[0] < gen0:
