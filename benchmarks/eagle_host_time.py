@@ -58,9 +58,14 @@ from pagoda_spec_ngram.proposer import NgramProposer
 from pagoda_spec_suffix.proposer import SuffixProposer
 from safetensors.torch import load_file, save_file
 
+import pagoda.engine.llm_engine as le
+import pagoda.engine.output_processor as op
+import pagoda.worker.cuda_graph as cg
+import pagoda.worker.greedy_verify_graphs as gvg
 import pagoda.worker.hidden_states as hd
 import pagoda.worker.model_runner as mr
 import pagoda.worker.spec_propose as sp
+import pagoda.worker.step_buffers as sb
 import pagoda.worker.step_output as so_mod
 import pagoda.worker.steps_in_flight as sif
 from pagoda import LLM, SamplingParams
@@ -121,11 +126,21 @@ wrap(LlamaForCausalLM, "forward", "model.forward")  # eager steps only: the targ
 wrap(mr, "run_verify_graph", "run_verify_graph")
 wrap(NgramProposer, "propose", "ngram.propose")
 wrap(SuffixProposer, "propose", "suffix.propose")
-wrap(mr.ModelRunner, "_update_states", "runner.update_states")
 wrap(mr, "propose_after", "propose_after")
 wrap(Scheduler, "schedule", "scheduler.schedule")
 wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
 wrap(EngineCore, "step", "engine.step")
+# Finer: the runner's copies, graph replays and sampling, and the engine's output processing.
+wrap(sb.StepBuffers, "to_device", "buffers.to_device")
+wrap(sif.StepsInFlight, "fill_from_device", "in_flight.fill_from_device")
+wrap(cg.DecodeGraphs, "run", "graphs.run")
+wrap(gvg.GreedyVerifyGraphs, "run", "greedy_graphs.run")
+wrap(mr.ModelRunner, "_sample", "runner.sample")
+wrap(mr.ModelRunner, "_end_launch", "runner.end_launch")
+wrap(mr.ModelRunner, "_update_states", "runner.update_states")
+wrap(op.OutputProcessor, "process_outputs", "output.process")
+wrap(Scheduler, "after_launch", "scheduler.after_launch")
+wrap(le.LLMEngine, "step", "llm.step")
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "smollm2-135m"))

@@ -417,9 +417,10 @@ def _profile(engines: dict[str, LLM], batch: list[dict], params: SamplingParams,
         prof.enable()
         _timed(llm, batch, params)
         prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(n)
-        print(f"--- profile: {name}\n{text.getvalue()}", file=sys.stderr)
+        for order in ("tottime", "cumulative"):  # own time, then with what each calls
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
+            print(f"--- profile: {name}, by {order}\n{text.getvalue()}", file=sys.stderr)
 
 
 # Issue 44's figures: (dtype, prompts, batch size, method, max tokens, prompts' count).
@@ -503,7 +504,7 @@ def main() -> None:
         default=0,
         metavar="N",
         help="after timing, profile one more pass of the first batch per engine (cProfile) and "
-        "print its N costliest functions by own time",
+        "print its N costliest functions by own time, then by time with what they call",
     )
     p.add_argument(
         "--no-adaptive",
