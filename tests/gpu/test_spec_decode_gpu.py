@@ -75,7 +75,22 @@ def _check(on, off, prompts, ids, params, want) -> None:
     assert runner.spec.verify_graphs is not None and runner.spec.verify_graphs.replays > 0
     for p, g, w in zip(prompts, got, want):
         check_same_or_near_tie(off, p, w, g)
-    # One request at a time too (batch 1: graph bucket 1 and verification steps alternate).
-    single = [o.outputs[0].token_ids for o in on.generate(ids[:2], params, use_tqdm=False)]
-    for p, g, w in zip(prompts[:2], single, want[:2]):
+    # A few requests at a time too (small graph buckets: plain and verification steps
+    # alternate), their verifications replayed by the greedy graphs, those of fewer than k
+    # drafts included (their rows padded).
+    tail = runner.spec.greedy_graphs
+    assert tail is not None
+    counts, run = [], tail.run
+
+    def counted(hidden, n, num_drafts=None):
+        got = run(hidden, n, num_drafts)
+        if got is not None:
+            counts.append(None if num_drafts is None else num_drafts.tolist())
+        return got
+
+    tail.run = counted
+    single = [o.outputs[0].token_ids for o in on.generate(ids[:4], params, use_tqdm=False)]
+    for p, g, w in zip(prompts[:4], single, want[:4]):
         check_same_or_near_tie(off, p, w, g)
+    k = SPEC["num_speculative_tokens"]
+    assert counts and any(c is not None and min(c) < k for c in counts), counts

@@ -66,6 +66,39 @@ def test_greedy_graphs_are_the_rejection_sampler_and_the_gathers(k: int, n: int)
     assert torch.equal(got.last_hidden, hidden[starts + emitted - 1])
 
 
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_requests_with_fewer_drafts_are_verified_over_their_padded_rows(n: int) -> None:
+    # A verification graph pads each request to q rows, its real ones first; the greedy graphs
+    # compare only each request's own drafts and return its token at its draft count.
+    k = 4
+    q = k + 1
+    runner = _Runner()
+    tail = GreedyVerifyGraphs(runner.model, runner.input_ids, _VerifyGraphs(q), graphs=False)
+    g = torch.Generator().manual_seed(n)
+    hidden = torch.randn(n * q, HIDDEN, generator=g)
+    argmax = runner.model.compute_logits(hidden).argmax(dim=-1).view(n, q)
+    nd = torch.tensor([(i * 3 + 1) % q for i in range(n)])  # 1, 4, 2, 0, 3 ...
+    ids = torch.randint(0, VOCAB, (n, q), generator=g)
+    for i in range(n):
+        # Every real draft is the target's token (all accepted); the padding rows hold ids that
+        # the target also predicts, which a graph reading k drafts would accept too.
+        ids[i, 1:q] = argmax[i, :k]
+    runner.input_ids[: n * q] = ids.reshape(-1)
+
+    got = tail.run(hidden, n, nd)
+
+    starts = torch.arange(n) * q
+    tokens, emitted = rejection_sample(
+        argmax.reshape(-1), None, ids[:, 1:], nd, starts, kernel=False
+    )
+    assert got.num_emitted.tolist() == (nd + 1).tolist()
+    assert torch.equal(got.tokens, tokens)
+    assert got.last_token.tolist() == [int(argmax[i, nd[i]]) for i in range(n)]
+    assert torch.equal(got.last_hidden, hidden[starts + emitted - 1])
+    # Back to k drafts each: the counts of the step before do not stay.
+    assert tail.run(hidden, n).num_emitted.tolist() == [q] * n
+
+
 def test_steps_the_greedy_graphs_do_not_cover_go_back_to_the_caller() -> None:
     q = 4
     runner = _Runner()

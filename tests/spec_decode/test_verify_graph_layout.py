@@ -18,6 +18,7 @@ from pagoda.attention.backend import CommonAttentionMetadata
 from pagoda.attention.layer import set_forward_context
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.worker.cuda_graph import DecodeGraphs
+from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 
 TINY = Path(__file__).parents[2] / "benchmarks" / "configs" / "tiny-llama"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -80,6 +81,40 @@ def test_padded_verification_steps_keep_greedy_output() -> None:
     assert runner.spec.verify_graphs.replays > 0
     assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
     assert got == want
+
+
+def test_greedy_graphs_verify_padded_steps_and_keep_greedy_output() -> None:
+    # Requests that verify fewer than k drafts (a match near the history's end, a request's
+    # own length chosen by the proposer) are verified by the greedy graphs over the padded
+    # rows, not by the eager sampler.
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    common = dict(model=str(folder), device="cpu", max_model_len=256, max_num_seqs=8)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(10, 300, int(n)).tolist()} for n in (5, 40, 17)]
+    prompts.append({"prompt_token_ids": [7, 8, 9, 10] * 6})
+    prompts.append({"prompt_token_ids": [5, 6] * 3 + [11, 12, 13] * 5})
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(**common, speculative_config=SPEC)
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    spec = runner.spec
+    k = SPEC["num_speculative_tokens"]
+    spec.verify_graphs = eager_verify_graphs(runner, k + 1)
+    tail = spec.greedy_graphs = GreedyVerifyGraphs(
+        runner.model, runner.buffers.input_ids, spec.verify_graphs, graphs=False
+    )
+    counts = []
+    run = tail.run
+
+    def counted(hidden, n, num_drafts=None):
+        counts.append(None if num_drafts is None else num_drafts.tolist())
+        return run(hidden, n, num_drafts)
+
+    tail.run = counted
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert tail.replays == len(counts) > 0
+    assert any(min(c) < k for c in counts), counts  # padded steps went through them
 
 
 def test_a_runner_with_graphs_goes_with_its_engine_without_a_collection() -> None:

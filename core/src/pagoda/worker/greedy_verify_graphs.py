@@ -1,8 +1,8 @@
 """Greedy verification replayed as one CUDA graph after the verification graph.
 
 A verification step whose requests are all plain greedy (no setting acts on the logits, no
-logprobs) and each verify all ``k`` drafts needs, after the target's forward, only this: the
-logits of the ``k + 1`` scored rows, their argmax, the greedy comparison with the drafts
+logprobs) and that replayed a verification graph needs, after the target's forward, only this: the
+logits of each request's ``k + 1`` graph rows, their argmax, the greedy comparison with the drafts
 (:func:`pagoda.sample.rejection.rejection_sample`), each request's last token (what the next
 step takes as its first input on the device) and the hidden state of its last emitted row (for
 the proposer). Run eagerly that is about a dozen launches, each tens of microseconds of the
@@ -10,6 +10,9 @@ host's time on a step that is host-bound at small batches. :class:`GreedyVerifyG
 them once
 per verification-graph bucket, over that bucket's output rows and the input ids the verification
 read (the drafts are those ids after each request's first), so such a step is two replays.
+A request may verify fewer than ``k`` drafts (history proposers choose each request's length):
+the verification graph padded its rows after the real ones, and the replay reads each
+request's draft count from a buffer of its own, so the padded rows are never compared.
 
 The graphs hold one logits buffer of the largest bucket they cover, so they cover small
 batches only (``MAX_ROWS`` scored rows), where the host's time matters; larger steps take the
@@ -39,8 +42,8 @@ class GreedyVerified:
 
     tokens: torch.Tensor  # [n, k + 1] int64: the accepted drafts, the target's token, then -1
     num_emitted: torch.Tensor  # [n] int64: accepted drafts + 1
-    last_token: torch.Tensor  # [n] int64: the token at k (-1 -> 0: not every draft accepted);
-    # from a graph, a view of its buffer
+    last_token: torch.Tensor  # [n] int64: the token at each request's draft count (-1 -> 0:
+    # not every draft accepted); from a graph, a view of its buffer
     last_hidden: torch.Tensor  # [n, hidden]: the hidden state of each request's last emitted row
 
 
@@ -86,14 +89,13 @@ class GreedyVerifyGraphs:
 
     def _compute(self, hidden: torch.Tensor, b: int) -> tuple[torch.Tensor, ...]:
         """The verification of ``b`` requests' ``b * q`` rows ``hidden`` (their input ids in the
-        buffer, as the verification read them)."""
+        buffer, as the verification read them; their draft counts in ``_num_drafts``)."""
         q = self.q
         argmax = self.model.compute_logits(hidden).argmax(dim=-1)
         drafts = self.input_ids[: b * q].view(b, q)[:, 1:]
-        tokens, emitted = rejection_sample(
-            argmax, None, drafts, self._num_drafts[:b], self._starts[:b]
-        )
-        last_token = tokens[:, q - 1].clamp(min=0)
+        num_drafts = self._num_drafts[:b]
+        tokens, emitted = rejection_sample(argmax, None, drafts, num_drafts, self._starts[:b])
+        last_token = tokens.gather(1, num_drafts.unsqueeze(1)).squeeze(1).clamp(min=0)
         last_hidden = hidden.view(b, q, -1)[torch.arange(b, device=hidden.device), emitted - 1]
         return tokens, emitted, last_token, last_hidden
 
@@ -121,19 +123,29 @@ class GreedyVerifyGraphs:
         )
         return elapsed
 
-    def run(self, hidden: torch.Tensor, n: int) -> GreedyVerified | None:
+    def run(
+        self, hidden: torch.Tensor, n: int, num_drafts: torch.Tensor | None = None
+    ) -> GreedyVerified | None:
         """Verify the step whose ``n`` requests' rows are ``hidden`` ([n * q, hidden], the
-        verification graph's output as it returned it); None where no graph covers it (then
-        the caller verifies eagerly)."""
+        verification graph's output as it left it, padded rows included); ``num_drafts``: [n]
+        int64, each request's drafts (None: ``k`` each; on the host, page-locked, or on the
+        device). None where no graph
+        covers the step (then the caller verifies eagerly)."""
         b = self.bucket_for(n)
         if b is None or hidden.shape[0] != n * self.q:
             return None
+        if self.use_graphs and hidden.data_ptr() != self.verify.outputs[b].data_ptr():
+            return None  # not that bucket's rows as the graph left them
+        # NOTE: a padding request's count stays as the last replay left it (0 .. k); its rows
+        # are not returned.
+        if num_drafts is None:
+            self._num_drafts[:n].fill_(self.q - 1)
+        else:
+            self._num_drafts[:n].copy_(num_drafts, non_blocking=True)
         if not self.use_graphs:
             got = self._compute(hidden, n)
             self.replays += 1
             return GreedyVerified(*got)
-        if hidden.data_ptr() != self.verify.outputs[b].data_ptr():
-            return None  # not that bucket's rows as the graph left them
         self.graphs[b].replay()
         self.replays += 1
         # NOTE: copies, but of the last token: the graph's buffers are overwritten by its next

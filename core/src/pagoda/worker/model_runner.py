@@ -512,6 +512,8 @@ class ModelRunner:
         """
         scheduled = so.scheduled_spec_decode_tokens
         spec, in_flight, buffers = self.spec, self.in_flight, self.buffers
+        if spec is not None:
+            spec.verify_rows = None  # (set by this launch's padded verification graph)
         if in_flight.unread and in_flight.unread[-1].pending is not None:
             in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None

@@ -64,14 +64,18 @@ def verify_drafts(
     nd = np.array([len(drafts.get(r, ())) for r in sample_req_ids], dtype=np.int64)
     k = int(nd.max())
     greedy_graphs = spec.greedy_graphs
-    if greedy_graphs is not None and n == len(req_ids) and k == greedy_graphs.q - 1:
-        if bool((nd == k).all()) and _plain_greedy(spec, sample_rows, sample_req_ids):
-            got = greedy_graphs.run(hidden, n)
+    # NOTE: the greedy graphs read the verification graph's own rows: this step's (unpadded,
+    # where every request verifies k drafts; else as ``run_verify_graph`` left them).
+    graph_rows = hidden if spec.verify_rows is None else spec.verify_rows
+    if greedy_graphs is not None and n == len(req_ids) and k < greedy_graphs.q:
+        if _plain_greedy(spec, sample_rows, sample_req_ids):
+            got = greedy_graphs.run(graph_rows, n, buffers.staged(nd))
             if got is not None:
                 base = ib.num_tokens[sample_rows]
-                _emit(spec, out, sample_idx, sample_rows, base, nd, got.tokens, got.last_token)
-                out.verified = (got.tokens, got.num_emitted)
-                _hand_over(spec, out, nd, got.last_hidden, got.tokens, got.num_emitted)
+                tokens = got.tokens[:, : k + 1]  # (-1 past every request's drafts)
+                _emit(spec, out, sample_idx, sample_rows, base, nd, tokens, got.last_token)
+                out.verified = (tokens, got.num_emitted)
+                _hand_over(spec, out, nd, got.last_hidden, tokens, got.num_emitted)
                 return
     width = nd + 1
     starts = np.zeros(n, dtype=np.int64)
@@ -348,4 +352,5 @@ def run_verify_graph(
     hidden = graphs.run(r.uniform_step(n, q, seq_lens), bucket)
     if total == n * q:  # every request has q tokens: no padding to drop
         return hidden[:total]
+    spec.verify_rows = hidden  # (padded: what the greedy graphs verify)
     return hidden[r.as_device(index)]

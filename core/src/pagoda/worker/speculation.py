@@ -53,6 +53,9 @@ class Speculation:
     # of small batches as graphs after them (None: eager).
     verify_graphs: DecodeGraphs | None = None
     greedy_graphs: GreedyVerifyGraphs | None = None
+    # The rows of this launch's verification graph where it padded its requests (each request's
+    # q rows, real ones first), else None; the greedy graphs verify these.
+    verify_rows: torch.Tensor | None = None
     ahead_launches: int = 0  # verifications launched before the step in flight was read
     # What a step with draft slots costs beyond one without, measured at each launch.
     slot_cost: SlotCost = field(default_factory=SlotCost)

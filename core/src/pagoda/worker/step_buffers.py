@@ -81,6 +81,11 @@ class StepBuffers:
         """A new device tensor holding ``a``, copied like :meth:`to_device`."""
         return self._host(a).to(self.device, non_blocking=True)
 
+    def staged(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the host as the source of a non-blocking copy into a device buffer the caller
+        owns (page-locked on CUDA, as :meth:`to_device` copies from)."""
+        return self._host(a)
+
     def _host(self, a: np.ndarray) -> torch.Tensor:
         if self.stage is not None and a.dtype in STAGED_DTYPES:
             t = self.stage.host(a)
