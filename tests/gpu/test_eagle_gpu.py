@@ -79,9 +79,15 @@ def _cross_check_tail(runner) -> list[int]:
     assert tail is not None and tail.graphs
     run, seen = tail.run, []
 
-    def checked(hidden, n):
-        eager = tail._compute(hidden, n) if hidden.shape[0] == n * tail.q else None
-        got = run(hidden, n)
+    def checked(hidden, n, num_drafts=None):
+        eager = None
+        if hidden.shape[0] == n * tail.q:  # (the counts the replay reads, set first)
+            if num_drafts is None:
+                tail._num_drafts[:n].fill_(tail.q - 1)
+            else:
+                tail._num_drafts[:n].copy_(num_drafts)
+            eager = tail._compute(hidden, n)
+        got = run(hidden, n, num_drafts)
         if got is not None:
             names = ("tokens", "num_emitted", "last_token", "last_hidden")
             for name, a, b in zip(names, (got.tokens, got.num_emitted, got.last_token,
