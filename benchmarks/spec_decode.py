@@ -664,6 +664,10 @@ def main() -> None:
     # flight), and the cost model that decided.
     report["proposals"] = proposals
     report["draft_cost"] = _draft_cost(_proposer(engines["spec"]), args.batch_size)
+    # What a step with draft slots that found no draft cost beyond a plain one (the runner's
+    # measure, which pauses requests whose drafts do not pay for it).
+    spec_runner = engines["spec"].engine.engine_core.executor.worker.model_runner
+    report["slot_cost"] = spec_runner.spec.slot_cost.summary(args.batch_size)
     model, where = report_slugs(report, runner)
     which = "random" if random else args.prompts
     name = f"spec-decode-{args.method}-{model}-{which}-b{args.batch_size}-{where}"

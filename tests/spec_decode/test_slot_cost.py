@@ -34,6 +34,13 @@ def test_the_cost_is_the_slot_steps_time_over_the_plain_ones_once_each_has_enoug
     _launches(meter, clock, [(True, 0.0035), (False, 0.0017)] * 2)
     assert abs(meter.cost(1) - (0.0035 / 0.0017 - 1)) < 1e-9
     assert meter.cost(2) is None and meter.cost(64) is None  # other batch sizes: unmeasured
+    got = meter.summary(1)  # (what a benchmark's report shows)
+    assert (got["waited_ms"], got["plain_ms"]) == (3.5, 1.7)
+    assert got["waited_steps"] + got["plain_steps"] == 17  # (the last launch is not timed yet)
+    assert got["cost"] == meter.cost(1)
+    assert meter.summary(64) == {
+        "waited_ms": None, "waited_steps": 0, "plain_ms": None, "plain_steps": 0, "cost": None
+    }  # fmt: skip
 
 
 def test_gaps_and_steps_with_drafts_or_a_prompt_are_not_timed() -> None:

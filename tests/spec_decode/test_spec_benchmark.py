@@ -40,4 +40,7 @@ def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
     assert asked["asked"] == asked["drafted"] + asked["no_match"] + asked["not_worth"]
     assert asked["drafted"] >= report["drafts"] > 0
     assert 0.05 <= report["draft_cost"]["threshold"] <= 0.9
+    assert set(report["slot_cost"]) == {
+        "waited_ms", "waited_steps", "plain_ms", "plain_steps", "cost"
+    }  # fmt: skip
     assert (tmp_path / "cache" / "random-weights" / "tiny-llama-seed0-all-accepted").is_dir()

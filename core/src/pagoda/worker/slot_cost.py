@@ -56,3 +56,17 @@ class SlotCost:
         if min(n_slots, n_plain) < _SLOT_SAMPLES or plain <= 0:
             return None
         return max(slots / plain - 1.0, 0.0)
+
+    def summary(self, num_reqs: int) -> dict[str, float | int | None]:
+        """What was measured at ``num_reqs``' bucket (for reports): each kind's mean
+        launch-to-launch milliseconds and steps, and the cost given from them."""
+        bucket = num_reqs.bit_length()
+        slots, n_slots = self._means.get((bucket, True), (0.0, 0))
+        plain, n_plain = self._means.get((bucket, False), (0.0, 0))
+        return {
+            "waited_ms": round(slots * 1e3, 4) if n_slots else None,
+            "waited_steps": n_slots,
+            "plain_ms": round(plain * 1e3, 4) if n_plain else None,
+            "plain_steps": n_plain,
+            "cost": self.cost(num_reqs),
+        }
