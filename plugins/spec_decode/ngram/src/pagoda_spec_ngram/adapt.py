@@ -67,10 +67,12 @@ class DraftLengths:
         self.trials = np.zeros((max_num_reqs, k))
         # Engine-wide: conditional hits and trials per position, and of the first position
         # per match length (index = length), from a prior of 1 hit in 2 trials.
-        self.g_hits = np.ones(k)
-        self.g_trials = np.full(k, 2.0)
-        self.first_hits = np.ones(max_match + 1)
-        self.first_trials = np.full(max_match + 1, 2.0)
+        # (views of one array, which decays toward its prior in two operations a call)
+        m = max_match + 1
+        self._wide = np.concatenate([np.ones(k), np.full(k, 2.0), np.ones(m), np.full(m, 2.0)])
+        self._prior = self._wide.copy()
+        self.g_hits, self.g_trials = self._wide[:k], self._wide[k : 2 * k]
+        self.first_hits, self.first_trials = self._wide[2 * k : 2 * k + m], self._wide[2 * k + m :]
         self._gained: float | None = None  # tokens a request gained since the last call
 
     def own(self, req_ids: list[str], rows: np.ndarray) -> np.ndarray:
@@ -126,14 +128,9 @@ class DraftLengths:
     def _decay(self, scored: int) -> None:
         """Decay the engine-wide counts toward their prior, once for each of ``scored`` rows."""
         decay = _DECAY**scored
-        for a, prior in (
-            (self.g_hits, 1.0),
-            (self.g_trials, 2.0),
-            (self.first_hits, 1.0),
-            (self.first_trials, 2.0),
-        ):
-            a *= decay
-            a += (1 - decay) * prior
+        wide = self._wide
+        wide *= decay
+        wide += (1 - decay) * self._prior
 
     def _observe_rows(self, rows: list[int], token_ids: np.ndarray, num_tokens: list[int]) -> None:
         """:meth:`observe` a row at a time. A row's drafts are a prefix of its ``given`` (-1
@@ -158,15 +155,23 @@ class DraftLengths:
         if not scores:
             return
         self._decay(len(scores))
-        # (the engine-wide counts summed over the rows first, then added once, as observe does)
-        tried_at, hit_at = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
-        for r, tried, hit, _ in scores:
+        # (the engine-wide counts summed over the rows first, then added once, as observe does;
+        # one row's are its own, added where they are not 0)
+        if len(scores) == 1:
+            r, tried, hit, _ = scores[0]
             self.trials[r, :tried] += 1.0
             self.hits[r, :hit] += 1.0
-            tried_at[:tried] += 1
-            hit_at[:hit] += 1
-        self.g_trials += tried_at
-        self.g_hits += hit_at
+            self.g_trials[:tried] += 1.0
+            self.g_hits[:hit] += 1.0
+        else:
+            tried_at, hit_at = np.zeros(self.k, np.int64), np.zeros(self.k, np.int64)
+            for r, tried, hit, _ in scores:
+                self.trials[r, :tried] += 1.0
+                self.hits[r, :hit] += 1.0
+                tried_at[:tried] += 1
+                hit_at[:hit] += 1
+            self.g_trials += tried_at
+            self.g_hits += hit_at
         for r, _, hit, _ in scores:
             m = self.match[r]
             self.first_trials[m] += 1.0
