@@ -106,41 +106,46 @@ def wrap(owner, name, label):
     setattr(owner, name, w)
 
 
-wrap(sp, "propose", "verify.propose")
-wrap(mr, "must_read_last", "must_read_last")
-wrap(mr, "propose_for_slots", "propose_for_slots")
-wrap(mr, "fill_draft_slots", "fill_draft_slots")
-wrap(hd.HiddenFeed, "record", "hidden.record")
-wrap(hd.HiddenFeed, "hold", "hidden.hold")
-wrap(hd.HiddenFeed, "take", "hidden.take")
-wrap(ep.EagleProposer, "propose", "eagle.propose")
-wrap(ep.EagleProposer, "draft_after_verify", "eagle.draft_after_verify")
-wrap(mr.ModelRunner, "launch", "runner.launch")
-wrap(sif.StepsInFlight, "read_all", "runner.read_unread")
-wrap(so_mod.StepOutput, "get", "step.get")
-wrap(so_mod.StepOutput, "_build", "step._build")
-wrap(mr, "verify_drafts", "verify_drafts")
-wrap(ec.DenseChain, "load_verified", "chain.load_verified")
-wrap(ec.DenseChain, "run", "chain.run")  # on a CPU: the head's compute
-wrap(LlamaForCausalLM, "forward", "model.forward")  # eager steps only: the target's compute
-wrap(mr, "run_verify_graph", "run_verify_graph")
-wrap(NgramProposer, "propose", "ngram.propose")
-wrap(SuffixProposer, "propose", "suffix.propose")
-wrap(mr, "propose_after", "propose_after")
-wrap(Scheduler, "schedule", "scheduler.schedule")
-wrap(Scheduler, "update_from_output", "scheduler.update_from_output")
-wrap(EngineCore, "step", "engine.step")
-# Finer: the runner's copies, graph replays and sampling, and the engine's output processing.
-wrap(sb.StepBuffers, "to_device", "buffers.to_device")
-wrap(sif.StepsInFlight, "fill_from_device", "in_flight.fill_from_device")
-wrap(cg.DecodeGraphs, "run", "graphs.run")
-wrap(gvg.GreedyVerifyGraphs, "run", "greedy_graphs.run")
-wrap(mr.ModelRunner, "_sample", "runner.sample")
-wrap(mr.ModelRunner, "_end_launch", "runner.end_launch")
-wrap(mr.ModelRunner, "_update_states", "runner.update_states")
-wrap(op.OutputProcessor, "process_outputs", "output.process")
-wrap(Scheduler, "after_launch", "scheduler.after_launch")
-wrap(le.LLMEngine, "step", "llm.step")
+# What is timed: (owner, function, label).
+TIMED = (
+    (sp, "propose", "verify.propose"),
+    (mr, "must_read_last", "must_read_last"),
+    (mr, "propose_for_slots", "propose_for_slots"),
+    (mr, "fill_draft_slots", "fill_draft_slots"),
+    (hd.HiddenFeed, "record", "hidden.record"),
+    (hd.HiddenFeed, "hold", "hidden.hold"),
+    (hd.HiddenFeed, "take", "hidden.take"),
+    (ep.EagleProposer, "propose", "eagle.propose"),
+    (ep.EagleProposer, "draft_after_verify", "eagle.draft_after_verify"),
+    (mr.ModelRunner, "launch", "runner.launch"),
+    (sif.StepsInFlight, "read_all", "runner.read_unread"),
+    (so_mod.StepOutput, "get", "step.get"),
+    (so_mod.StepOutput, "_build", "step._build"),
+    (mr, "verify_drafts", "verify_drafts"),
+    (ec.DenseChain, "load_verified", "chain.load_verified"),
+    (ec.DenseChain, "run", "chain.run"),  # on a CPU: the head's compute
+    (LlamaForCausalLM, "forward", "model.forward"),  # eager steps only: the target's compute
+    (mr, "run_verify_graph", "run_verify_graph"),
+    (NgramProposer, "propose", "ngram.propose"),
+    (SuffixProposer, "propose", "suffix.propose"),
+    (mr, "propose_after", "propose_after"),
+    (Scheduler, "schedule", "scheduler.schedule"),
+    (Scheduler, "update_from_output", "scheduler.update_from_output"),
+    (EngineCore, "step", "engine.step"),
+    # Finer: the runner's copies, graph replays and sampling, and the engine's output processing.
+    (sb.StepBuffers, "to_device", "buffers.to_device"),
+    (sif.StepsInFlight, "fill_from_device", "in_flight.fill_from_device"),
+    (cg.DecodeGraphs, "run", "graphs.run"),
+    (gvg.GreedyVerifyGraphs, "run", "greedy_graphs.run"),
+    (mr.ModelRunner, "_sample", "runner.sample"),
+    (mr.ModelRunner, "_end_launch", "runner.end_launch"),
+    (mr.ModelRunner, "_update_states", "runner.update_states"),
+    (op.OutputProcessor, "process_outputs", "output.process"),
+    (Scheduler, "after_launch", "scheduler.after_launch"),
+    (le.LLMEngine, "step", "llm.step"),
+)
+for _owner, _name, _label in TIMED:
+    wrap(_owner, _name, _label)
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--model", default=str(Path(__file__).parent / "configs" / "smollm2-135m"))

@@ -66,14 +66,21 @@ def eager_verify_graphs(runner, query_len: int) -> EagerVerifyGraphs:
     return graphs
 
 
-def test_padded_verification_steps_keep_greedy_output() -> None:
+def _greedy_without_speculation(extra: tuple[list[int], ...] = ()) -> tuple:
+    """The engines' arguments, the prompts (three random, a repeated phrase, then ``extra``),
+    the sampling parameters and the greedy output without speculation."""
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
     common = dict(model=str(folder), device="cpu", max_model_len=256, max_num_seqs=8)
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": rng.integers(10, 300, int(n)).tolist()} for n in (5, 40, 17)]
-    prompts.append({"prompt_token_ids": [7, 8, 9, 10] * 6})
+    prompts += [{"prompt_token_ids": ids} for ids in ([7, 8, 9, 10] * 6, *extra)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    return common, prompts, params, want
+
+
+def test_padded_verification_steps_keep_greedy_output() -> None:
+    common, prompts, params, want = _greedy_without_speculation()
     llm = LLM(**common, speculative_config=SPEC)
     runner = llm.engine.engine_core.executor.worker.model_runner
     runner.spec.verify_graphs = eager_verify_graphs(runner, SPEC["num_speculative_tokens"] + 1)
@@ -87,14 +94,7 @@ def test_greedy_graphs_verify_padded_steps_and_keep_greedy_output() -> None:
     # Requests that verify fewer than k drafts (a match near the history's end, a request's
     # own length chosen by the proposer) are verified by the greedy graphs over the padded
     # rows, not by the eager sampler.
-    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
-    common = dict(model=str(folder), device="cpu", max_model_len=256, max_num_seqs=8)
-    rng = np.random.default_rng(3)
-    prompts = [{"prompt_token_ids": rng.integers(10, 300, int(n)).tolist()} for n in (5, 40, 17)]
-    prompts.append({"prompt_token_ids": [7, 8, 9, 10] * 6})
-    prompts.append({"prompt_token_ids": [5, 6] * 3 + [11, 12, 13] * 5})
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(**common).generate(prompts, params, use_tqdm=False)]
+    common, prompts, params, want = _greedy_without_speculation(([5, 6] * 3 + [11, 12, 13] * 5,))
     llm = LLM(**common, speculative_config=SPEC)
     runner = llm.engine.engine_core.executor.worker.model_runner
     spec = runner.spec
