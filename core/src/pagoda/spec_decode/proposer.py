@@ -136,8 +136,12 @@ class VerifiedBatch:
     # Rows ``hidden_loc[i] : hidden_loc[i + 1]`` hold the hidden states of positions
     # ``first[i] .. first[i] + num_rows[i] - 1`` (as ``ProposalBatch.new_hidden_states``; those
     # past ``num_emitted[i] - 1`` were rejected).
-    new_hidden_states: torch.Tensor
-    hidden_loc: np.ndarray
+    new_hidden_states: torch.Tensor | None
+    hidden_loc: np.ndarray | None
+    # For a proposer that ``drafts_on_device`` (no hidden states: the two fields above are
+    # None): the runner's token array (``ProposalBatch.token_ids``; read it, never write it),
+    # whose rows hold each request's tokens up to ``first`` (inclusive) as the step launched.
+    token_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -215,6 +219,12 @@ class SpeculativeProposer(ABC):
 
     needs_hidden_states: ClassVar[bool] = False
     hidden_state_layers: tuple[int, ...] = ()
+    # A proposer that reads only history but drafts on the device behind a verification sets
+    # this (on the instance, in its constructor): the runner then calls its
+    # ``draft_after_verify`` for every step that verified drafts (a ``VerifiedBatch`` with
+    # ``token_ids`` and no hidden states) and asks its ``drafts_ahead`` before reading the step
+    # in flight, as for a draft model's.
+    drafts_on_device: bool = False
     # Requests that will propose nothing before they know this many tokens (a back-off): the
     # runner does not ask for them until then, and keeps their hidden states for that call
     # (``new_hidden_states`` then covers every position since the request was last asked).
@@ -258,8 +268,9 @@ class SpeculativeProposer(ABC):
         :class:`Drafts` of the step."""
 
     def draft_after_verify(self, batch: VerifiedBatch) -> None:  # noqa: B027 (optional)
-        """Called, for a proposer with ``needs_hidden_states``, in the launch of a step that
-        verified drafts, right after verification and before the host waits for anything:
+        """Called, for a proposer with ``needs_hidden_states`` or ``drafts_on_device``, in the
+        launch of a step that verified drafts, right after verification and before the host
+        waits for anything:
         ``batch`` (a :class:`VerifiedBatch`) holds the outcome on the device. A draft model
         may start its next drafts here, on the device, so that they run behind the step;
         ``propose`` must still return them (it gets the same requests' rows again when the

@@ -206,18 +206,24 @@ def check_drafts_ahead(
     config: SpeculativeConfig,
     device="cpu",
     target: Callable[[ProposerContext], TargetModel] | None = None,
-) -> int:
+) -> int | None:
     """For a proposer that overrides ``drafts_ahead``: propose for a batch, verify the drafts
     (request i accepts ``i % (k + 1)`` of them, a made-up token after), hand the outcome to
     ``draft_after_verify``, take the promise, then propose from the verified histories: the
-    drafts must be the promised ones, on the host and on the device. Returns the requests
-    whose drafts were promised (0: no promise made; or the method is not overridden)."""
+    drafts must be the promised ones, on the host and on the device (a history proposer that
+    ``drafts_on_device`` reads the token array instead of hidden states, and its promise is what
+    the runner verifies: k valid ids a request). Returns the requests whose drafts were
+    promised (0: no promise made, or the method is not overridden; None: the proposer, in
+    these settings, does not draft behind a verification)."""
     if cls.drafts_ahead is SpeculativeProposer.drafts_ahead:
         return 0
     ctx = make_context(config, device)
     proposer = _build(cls, ctx)
     if target is not None:
         proposer.bind_target(target(ctx))
+    history_only = proposer.drafts_on_device and not proposer.needs_hidden_states
+    if not (proposer.needs_hidden_states or history_only):
+        return None  # (drafting behind a verification is off in these settings)
     case = proposer_cases()[2]
     batch = make_batch(case, ctx, proposer.hidden_state_layers)
     k, vocab = ctx.num_speculative_tokens, ctx.vocab_size
@@ -257,8 +263,10 @@ def check_drafts_ahead(
             num_rows=num_rows,
             tokens=torch.as_tensor(tokens, device=ctx.device),
             num_emitted=torch.as_tensor(emitted, device=ctx.device),
-            new_hidden_states=hidden,
-            hidden_loc=loc,
+            # A history proposer drafting on the device reads the token array, no hidden states.
+            new_hidden_states=None if history_only else hidden,
+            hidden_loc=None if history_only else loc,
+            token_ids=batch.token_ids if history_only else None,
         )
     )
     promise = proposer.drafts_ahead(req_ids, batch.num_tokens[keep] + 1)
@@ -275,6 +283,12 @@ def check_drafts_ahead(
     promised = on_host.numpy().copy()
     if not np.array_equal(promised, promised_dev):
         raise AssertionError("drafts_ahead: the host copy differs from the device's drafts")
+    if history_only:
+        # The verification launched ahead verifies these drafts, whatever ``propose`` says
+        # once the step is read: k valid token ids a request.
+        if not ((promised >= 0) & (promised < vocab)).all():
+            raise AssertionError(f"drafts_ahead promised ids outside [0, {vocab}): {promised}")
+        return n
     token_ids = batch.token_ids.copy()
     for row, h in zip(rows.tolist(), histories):
         token_ids[row, : len(h)] = h

@@ -425,7 +425,7 @@ class ModelRunner:
             from pagoda.sample import greedy_verify_kernel
 
             greedy_verify_kernel.warm(self.device, spec.num_spec_tokens)
-            if spec.verify_graphs is not None and spec.needs_hidden_states:
+            if spec.verify_graphs is not None and spec.drafts_after_verify:
                 warm_verify_inputs_kernel(self.device, spec.num_spec_tokens)
 
     def _graphs(self, query_len: int = 1) -> DecodeGraphs:
@@ -517,7 +517,7 @@ class ModelRunner:
         if in_flight.unread and in_flight.unread[-1].pending is not None:
             in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None
-        if scheduled and spec is not None and spec.needs_hidden_states:
+        if scheduled and spec is not None and spec.drafts_after_verify:
             # The verification graph replays behind the step in flight, which is read next
             # (``pagoda.worker.drafts_ahead``).
             plan = plan_ahead(spec, so)

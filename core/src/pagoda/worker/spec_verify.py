@@ -159,6 +159,8 @@ def verify_drafts(
         out.logprobs_starts = starts
     if spec.needs_hidden_states:
         _hand_over(spec, out, nd, h[starts_t + num_emitted - 1], tokens, num_emitted)
+    elif spec.proposer.drafts_on_device:
+        _hand_over_history(spec, out, nd, tokens, num_emitted)
 
 
 def _plain_greedy(spec: Speculation, rows: np.ndarray, req_ids: list[str]) -> bool:
@@ -211,10 +213,49 @@ def _hand_over(
     """A proposer that reads hidden states: each request's last emitted row for its next
     proposal, and the step's verified requests to draft for on the device right away."""
     if not spec.needs_hidden_states:
+        if spec.proposer.drafts_on_device:
+            _hand_over_history(spec, out, nd, tokens, num_emitted)
         return
     out.proposer_hidden = last_hidden
     if spec.hidden_feed is not None and out.hidden_feed is not None:
         draft_after_verify(spec, out, nd, tokens, num_emitted)
+
+
+def _hand_over_history(
+    spec: Speculation,
+    out: StepOutput,
+    nd: np.ndarray,
+    tokens: torch.Tensor,
+    num_emitted: torch.Tensor,
+) -> None:
+    """A history proposer that drafts on the device (``drafts_on_device``): the step's
+    verified requests (those that verified drafts and own their row) with their outcome on the
+    device and the token array their histories are in."""
+    ib = spec.input_batch
+    req_ids = out.req_ids
+    pick = [
+        j
+        for j, (i, row) in enumerate(zip(out.sample_idx.tolist(), out.sample_rows.tolist()))
+        if nd[j] and ib.row_of.get(req_ids[i]) == row
+    ]
+    if not pick:
+        return
+    sel = np.asarray(pick, dtype=np.int64)
+    everyone = len(sel) == len(nd)
+    as_device = spec.buffers.as_device
+    spec.proposer.draft_after_verify(
+        VerifiedBatch(
+            req_ids=[req_ids[i] for i in out.sample_idx[sel].tolist()],
+            rows=out.sample_rows[sel],
+            first=out.sample_pos[sel] - 1,  # (the last known token: the step's first row)
+            num_rows=nd[sel] + 1,
+            tokens=tokens if everyone else tokens[as_device(sel)],
+            num_emitted=num_emitted if everyone else num_emitted[as_device(sel)],
+            new_hidden_states=None,
+            hidden_loc=None,
+            token_ids=ib.token_ids,
+        )
+    )
 
 
 def draft_after_verify(

@@ -65,6 +65,12 @@ class Speculation:
     def needs_hidden_states(self) -> bool:
         return self.proposer.needs_hidden_states
 
+    @property
+    def drafts_after_verify(self) -> bool:
+        """Whether the proposer drafts on the device behind each verification (a draft model,
+        or a history proposer that ``drafts_on_device``): verifications may launch ahead."""
+        return self.proposer.needs_hidden_states or self.proposer.drafts_on_device
+
     def forget(self, req_ids: Collection[str]) -> None:
         """Requests that finished, were aborted or preempted."""
         for req_id in req_ids:

@@ -23,3 +23,20 @@ class TestNgramAdaptiveConformance(SpeculativeProposerConformance):
 
     proposer = "ngram"
     config = SpeculativeConfig(method="ngram")
+
+
+def _with_plugins(config: SpeculativeConfig, values: dict) -> SpeculativeConfig:
+    """``config`` with the ``plugins`` section's values, as loading a configuration hands
+    them to each section."""
+    config._plugin_values = values
+    return config
+
+
+class TestNgramDeviceDraftsConformance(SpeculativeProposerConformance):
+    """``plugins.ngram.device_drafts``: drafts looked up on the device behind a verification."""
+
+    proposer = "ngram"
+    config = _with_plugins(
+        SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+        {"ngram": {"device_drafts": True}},
+    )

@@ -5,11 +5,17 @@ windows wider than the history."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from pagoda_spec_ngram.device import ngram_drafts_device
 from pagoda_spec_ngram.proposer import ngram_drafts, ngram_match
+
+from pagoda import LLM, SamplingParams
+from pagoda.testing.verify_graphs import eager_verify_graphs
+from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 
 
 @pytest.mark.parametrize(("min_n", "max_n", "k"), [(1, 8, 8), (2, 5, 4), (3, 3, 2), (1, 1, 6)])
@@ -64,3 +70,47 @@ def test_the_lookup_replays_from_a_cuda_graph() -> None:
         rows = np.arange(n, dtype=np.int64)
         assert np.array_equal(drafts.cpu().numpy(), ngram_drafts(tokens, rows, lens, 1, 8, k))
         assert np.array_equal(match.cpu().numpy(), ngram_match(tokens, rows, lens, 1, 8, k)[1])
+
+
+def _tiny() -> str:
+    from pagoda.bench.random_weights import ensure_random_weights
+
+    tiny = Path(__file__).parents[4] / "benchmarks" / "configs" / "tiny-llama"
+    folder, _ = ensure_random_weights(tiny, 0, torch.device("cpu"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_device_drafts_launch_verifications_ahead_and_keep_greedy_output(tail: bool) -> None:
+    # ``plugins.ngram.device_drafts``: each verification's next drafts are looked up on the
+    # device, and the next verification launches before the step in flight is read. On the
+    # CPU the verification "graph" runs the model eagerly over the runner's buffers, and the
+    # runner compares each launch's inputs with those the host builds once the step is read
+    # (it raises where they differ). Greedy output is that of no speculation.
+    engine = dict(model=_tiny(), device="cpu", max_model_len=256, max_num_seqs=4)
+    rng = np.random.default_rng(7)
+    phrase = rng.integers(10, 300, 9).tolist()
+    prompts = [{"prompt_token_ids": phrase * 4}, {"prompt_token_ids": [5, 6, 7] * 8}]
+    prompts.append({"prompt_token_ids": rng.integers(10, 300, 30).tolist()})
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**engine).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(**engine, speculative_config=spec, plugins={"ngram": {"device_drafts": True}})
+    runner = eager_verify_graphs(llm)
+    if tail:
+        runner.spec.greedy_graphs = GreedyVerifyGraphs(
+            runner.model, runner.buffers.input_ids, runner.spec.verify_graphs, graphs=False
+        )
+    got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert got == want
+    assert runner.spec.ahead_launches > 0
+    assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
+
+
+def test_without_the_setting_nothing_launches_ahead() -> None:
+    llm = LLM(model=_tiny(), device="cpu", max_model_len=256, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})  # fmt: skip
+    runner = eager_verify_graphs(llm)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 6, 7] * 8}], params, use_tqdm=False)
+    assert runner.spec.verify_graphs.replays > 0 and runner.spec.ahead_launches == 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode import (
@@ -29,8 +30,10 @@ from pagoda.spec_decode import (
     ProposalBatch,
     ProposerContext,
     SpeculativeProposer,
+    VerifiedBatch,
 )
 from pagoda_spec_ngram.adapt import DraftLengths
+from pagoda_spec_ngram.device import ngram_drafts_device
 
 _DEFAULT_LOOKUP = 5  # vLLM's, when neither prompt_lookup_min nor prompt_lookup_max is set
 # With neither set the proposer matches suffixes of 1 to this many tokens, and measures from
@@ -212,6 +215,13 @@ class NgramProposer(SpeculativeProposer):
         # Pauses where it paces itself (the draft length not given); with it given, every
         # request is asked every step, as vLLM asks.
         self.pause = None if ctx.draft_length_given else DraftPause(self.resume_at)
+        # ``plugins.ngram.device_drafts``: the next drafts looked up on the device behind each
+        # verification (``draft_after_verify``), for the runner to launch the next
+        # verification before it reads the step (``drafts_ahead``).
+        settings = ctx.plugin_settings("ngram")
+        self.drafts_on_device = bool(settings.device_drafts)
+        self.window = int(settings.device_window)
+        self._ahead: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         rows, num_tokens, caps = batch.rows, batch.num_tokens, batch.max_num_drafts
@@ -235,8 +245,45 @@ class NgramProposer(SpeculativeProposer):
             pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0, batch.slot_cost)
         return Drafts(ids)
 
+    def draft_after_verify(self, batch: VerifiedBatch) -> None:
+        """With ``device_drafts``: each verified request's next ``k`` drafts, looked up on the
+        device in its history (the last ``device_window`` known tokens, then the step's
+        accepted drafts and the target's token, still on the device). A lookup that finds
+        fewer than ``k`` is filled with token 0: a verification launched ahead takes ``k``
+        drafts a request, and a draft the target would not pick is rejected like any other."""
+        self._ahead = None
+        if batch.token_ids is None or not len(batch.req_ids):
+            return
+        k, window = self.k, self.window
+        dev = batch.tokens.device
+        known = batch.first + 1  # tokens known before the step's own
+        lo = np.maximum(known - (window - k - 1), 0)  # (room for the step's k + 1 after them)
+        at = np.minimum(lo[:, None] + np.arange(window)[None, :], batch.token_ids.shape[1] - 1)
+        hist = torch.from_numpy(batch.token_ids[batch.rows[:, None], at]).to(dev)
+        width = torch.from_numpy(known - lo).to(dev)
+        cols = torch.arange(batch.tokens.shape[1], device=dev)
+        pos = width.unsqueeze(1) + cols.unsqueeze(0)
+        came = cols.unsqueeze(0) < batch.num_emitted.unsqueeze(1)
+        hist.scatter_(1, pos, torch.where(came, batch.tokens, hist.gather(1, pos)))
+        drafts, _ = ngram_drafts_device(hist, width + batch.num_emitted, self.min_n, self.max_n, k)
+        drafts = drafts.clamp_(min=0)
+        self._ahead = (list(batch.req_ids), drafts, drafts.to("cpu", non_blocking=True))
+
+    def drafts_ahead(
+        self, req_ids: list[str], num_tokens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafts ``draft_after_verify`` looked up for the step in flight, when that step
+        verified exactly ``req_ids`` (in this order). The verification launched with them
+        verifies these; what ``propose`` returns for that step once it is read is not used."""
+        got = self._ahead
+        if got is None or got[0] != req_ids:
+            return None
+        return got[1], got[2]
+
     def remove(self, req_ids: Iterable[str]) -> None:
         req_ids = list(req_ids)
+        if self._ahead is not None and not set(req_ids).isdisjoint(self._ahead[0]):
+            self._ahead = None
         if self.adapt is not None:
             for req_id in req_ids:
                 self.adapt.remove(req_id)
