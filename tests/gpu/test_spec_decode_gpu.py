@@ -94,3 +94,38 @@ def _check(on, off, prompts, ids, params, want) -> None:
         check_same_or_near_tie(off, p, w, g)
     k = SPEC["num_speculative_tokens"]
     assert counts and any(c is not None and min(c) < k for c in counts), counts
+
+
+def test_ngram_drafts_on_the_device_launch_ahead_and_match_without(qwen3_dir: Path):
+    # ``plugins.ngram.device_drafts`` on the Triton backend (its verification graphs replay as
+    # captured): one request at a time, each verification's next drafts looked up on the device
+    # and the next verification launched before the step in flight is read.
+    common = dict(
+        model=str(qwen3_dir),
+        dtype="bfloat16",
+        max_model_len=1024,
+        kv_cache_memory_bytes=4 << 30,
+        max_num_seqs=4,
+        attention_backend="triton",
+    )
+    prompts = _prompts()[:6]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    off = LLM(**common)
+    on = None
+    try:
+        want = [off.generate([i], params, use_tqdm=False)[0].outputs[0].token_ids for i in ids]
+        on = LLM(
+            **common,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+            plugins={"ngram": {"device_drafts": True}},
+        )
+        got = [on.generate([i], params, use_tqdm=False)[0].outputs[0].token_ids for i in ids]
+        runner = on.engine.engine_core.executor.worker.model_runner
+        assert runner.spec.ahead_launches > 0
+        for p, g, w in zip(prompts, got, want):
+            check_same_or_near_tie(off, p, w, g)
+    finally:
+        off.engine.shutdown()
+        if on is not None:
+            on.engine.shutdown()

@@ -222,6 +222,8 @@ class NgramProposer(SpeculativeProposer):
         self.drafts_on_device = bool(settings.device_drafts)
         self.window = int(settings.device_window)
         self._ahead: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+        self._pinned: list[torch.Tensor] | None = None  # (``_staging``, on CUDA)
+        self._turn = 0
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         rows, num_tokens, caps = batch.rows, batch.num_tokens, batch.max_num_drafts
@@ -254,13 +256,17 @@ class NgramProposer(SpeculativeProposer):
         self._ahead = None
         if batch.token_ids is None or not len(batch.req_ids):
             return
-        k, window = self.k, self.window
+        k, window, n = self.k, self.window, len(batch.req_ids)
         dev = batch.tokens.device
         known = batch.first + 1  # tokens known before the step's own
         lo = np.maximum(known - (window - k - 1), 0)  # (room for the step's k + 1 after them)
         at = np.minimum(lo[:, None] + np.arange(window)[None, :], batch.token_ids.shape[1] - 1)
-        hist = torch.from_numpy(batch.token_ids[batch.rows[:, None], at]).to(dev)
-        width = torch.from_numpy(known - lo).to(dev)
+        # One copy to the device: each window, then its count of known tokens.
+        host = self._staging(n, window + 1, dev)
+        host[:, :window] = torch.from_numpy(batch.token_ids[batch.rows[:, None], at])
+        host[:, window] = torch.from_numpy(known - lo)
+        both = host.to(dev, non_blocking=True)
+        hist, width = both[:, :window], both[:, window]
         cols = torch.arange(batch.tokens.shape[1], device=dev)
         pos = width.unsqueeze(1) + cols.unsqueeze(0)
         came = cols.unsqueeze(0) < batch.num_emitted.unsqueeze(1)
@@ -268,6 +274,20 @@ class NgramProposer(SpeculativeProposer):
         drafts, _ = ngram_drafts_device(hist, width + batch.num_emitted, self.min_n, self.max_n, k)
         drafts = drafts.clamp_(min=0)
         self._ahead = (list(batch.req_ids), drafts, drafts.to("cpu", non_blocking=True))
+
+    def _staging(self, n: int, width: int, dev: torch.device) -> torch.Tensor:
+        """A host [n, width] int64 buffer to copy from without making the host wait: on CUDA
+        page-locked (a copy from pageable memory first waits for the stream, which here runs the
+        verification), one of two used in turn (the one of the step before was read since)."""
+        if dev.type != "cuda":
+            return torch.empty(n, width, dtype=torch.int64)
+        rows = self.ctx.max_num_reqs
+        if self._pinned is None or self._pinned[0].shape[1] != width:
+            self._pinned = [
+                torch.empty(rows, width, dtype=torch.int64, pin_memory=True) for _ in range(2)
+            ]
+        self._turn ^= 1
+        return self._pinned[self._turn][:n]
 
     def drafts_ahead(
         self, req_ids: list[str], num_tokens: np.ndarray
