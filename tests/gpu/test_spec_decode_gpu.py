@@ -42,14 +42,14 @@ def _prompts() -> list[list[int]]:
     return out
 
 
+def _engine_args(folder: Path, **more) -> dict:
+    """Both engines' arguments (bf16, an explicit cache: two engines share the device)."""
+    common = dict(model=str(folder), dtype="bfloat16", max_model_len=1024)
+    return {**common, "kv_cache_memory_bytes": 4 << 30, **more}
+
+
 def test_greedy_with_ngram_speculation_matches_without_and_graphs_replay(qwen3_dir: Path):
-    common = dict(
-        model=str(qwen3_dir),
-        dtype="bfloat16",
-        max_model_len=1024,
-        kv_cache_memory_bytes=4 << 30,
-        max_num_seqs=32,
-    )
+    common = _engine_args(qwen3_dir, max_num_seqs=32)
     prompts = _prompts()
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     ids = [{"prompt_token_ids": p} for p in prompts]
@@ -100,14 +100,7 @@ def test_ngram_drafts_on_the_device_launch_ahead_and_match_without(qwen3_dir: Pa
     # ``plugins.ngram.device_drafts`` on the Triton backend (its verification graphs replay as
     # captured): one request at a time, each verification's next drafts looked up on the device
     # and the next verification launched before the step in flight is read.
-    common = dict(
-        model=str(qwen3_dir),
-        dtype="bfloat16",
-        max_model_len=1024,
-        kv_cache_memory_bytes=4 << 30,
-        max_num_seqs=4,
-        attention_backend="triton",
-    )
+    common = _engine_args(qwen3_dir, max_num_seqs=4, attention_backend="triton")
     prompts = _prompts()[:6]
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     ids = [{"prompt_token_ids": p} for p in prompts]

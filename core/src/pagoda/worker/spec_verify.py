@@ -157,10 +157,9 @@ def verify_drafts(
         out.logprobs = gather_logprobs(raw_logprobs, md.max_num_logprobs, row_tokens).to_host()
         out.logprobs_ks = ib.sampling.logprobs[sample_rows]
         out.logprobs_starts = starts
-    if spec.needs_hidden_states:
-        _hand_over(spec, out, nd, h[starts_t + num_emitted - 1], tokens, num_emitted)
-    elif spec.proposer.drafts_on_device:
-        _hand_over_history(spec, out, nd, tokens, num_emitted)
+    if spec.drafts_after_verify:
+        last_hidden = h[starts_t + num_emitted - 1] if spec.needs_hidden_states else None
+        _hand_over(spec, out, nd, last_hidden, tokens, num_emitted)
 
 
 def _plain_greedy(spec: Speculation, rows: np.ndarray, req_ids: list[str]) -> bool:
@@ -206,56 +205,19 @@ def _hand_over(
     spec: Speculation,
     out: StepOutput,
     nd: np.ndarray,
-    last_hidden: torch.Tensor,
+    last_hidden: torch.Tensor | None,
     tokens: torch.Tensor,
     num_emitted: torch.Tensor,
 ) -> None:
     """A proposer that reads hidden states: each request's last emitted row for its next
-    proposal, and the step's verified requests to draft for on the device right away."""
-    if not spec.needs_hidden_states:
-        if spec.proposer.drafts_on_device:
-            _hand_over_history(spec, out, nd, tokens, num_emitted)
-        return
-    out.proposer_hidden = last_hidden
-    if spec.hidden_feed is not None and out.hidden_feed is not None:
+    proposal, and the step's verified requests to draft for on the device right away. A
+    history proposer that ``drafts_on_device``: the verified requests alone."""
+    if spec.needs_hidden_states:
+        out.proposer_hidden = last_hidden
+        if spec.hidden_feed is not None and out.hidden_feed is not None:
+            draft_after_verify(spec, out, nd, tokens, num_emitted)
+    elif spec.proposer.drafts_on_device:
         draft_after_verify(spec, out, nd, tokens, num_emitted)
-
-
-def _hand_over_history(
-    spec: Speculation,
-    out: StepOutput,
-    nd: np.ndarray,
-    tokens: torch.Tensor,
-    num_emitted: torch.Tensor,
-) -> None:
-    """A history proposer that drafts on the device (``drafts_on_device``): the step's
-    verified requests (those that verified drafts and own their row) with their outcome on the
-    device and the token array their histories are in."""
-    ib = spec.input_batch
-    req_ids = out.req_ids
-    pick = [
-        j
-        for j, (i, row) in enumerate(zip(out.sample_idx.tolist(), out.sample_rows.tolist()))
-        if nd[j] and ib.row_of.get(req_ids[i]) == row
-    ]
-    if not pick:
-        return
-    sel = np.asarray(pick, dtype=np.int64)
-    everyone = len(sel) == len(nd)
-    as_device = spec.buffers.as_device
-    spec.proposer.draft_after_verify(
-        VerifiedBatch(
-            req_ids=[req_ids[i] for i in out.sample_idx[sel].tolist()],
-            rows=out.sample_rows[sel],
-            first=out.sample_pos[sel] - 1,  # (the last known token: the step's first row)
-            num_rows=nd[sel] + 1,
-            tokens=tokens if everyone else tokens[as_device(sel)],
-            num_emitted=num_emitted if everyone else num_emitted[as_device(sel)],
-            new_hidden_states=None,
-            hidden_loc=None,
-            token_ids=ib.token_ids,
-        )
-    )
 
 
 def draft_after_verify(
@@ -267,12 +229,12 @@ def draft_after_verify(
 ) -> None:
     """Hand the proposer the step's verified requests on the device
     (``SpeculativeProposer.draft_after_verify``): those that verified drafts, own their row,
-    and have no hidden states waiting from earlier steps."""
+    and have no hidden states waiting from earlier steps. Without a hidden-state feed (a
+    history proposer that ``drafts_on_device``) the batch holds the token array instead."""
     feed = spec.hidden_feed
-    rows_t, qsl, starts = out.hidden_feed
     ib = spec.input_batch
     req_ids = out.req_ids
-    pending = feed.pending  # (a property: deferred steps are held once, here)
+    pending = () if feed is None else feed.pending  # (a property: deferred steps held once)
     pick = [
         j
         for j, (i, row) in enumerate(zip(out.sample_idx.tolist(), out.sample_rows.tolist()))
@@ -282,29 +244,37 @@ def draft_after_verify(
         return
     sel = np.asarray(pick, dtype=np.int64)
     idx = out.sample_idx[sel]
-    # NOTE: plain Python over the picked requests (a few, mostly): their rows, and whether
-    # they are one slice of the step's rows (every request of the step verified drafts).
-    qsl_l, idx_l = qsl.tolist(), idx.tolist()
-    count_l = [qsl_l[i + 1] - qsl_l[i] for i in idx_l]
-    run = all(qsl_l[a + 1] == qsl_l[b] for a, b in zip(idx_l, idx_l[1:]))
-    count = np.asarray(count_l, dtype=np.int64)
-    loc = np.zeros(len(sel) + 1, dtype=np.int64)
-    np.cumsum(count, out=loc[1:])
-    if run:
-        new_hidden = rows_t[qsl_l[idx_l[0]] : qsl_l[idx_l[0]] + int(loc[-1])]
+    idx_l = idx.tolist()
+    if feed is None:
+        first = out.sample_pos[sel] - 1  # (the last known token: the step's first row)
+        count, new_hidden, loc, token_ids = nd[sel] + 1, None, None, ib.token_ids
     else:
-        flat = np.repeat(qsl[idx] - loc[:-1], count) + np.arange(int(loc[-1]))
-        new_hidden = rows_t[spec.buffers.as_device(flat)]
+        rows_t, qsl, starts = out.hidden_feed
+        first, token_ids = starts[idx], None
+        # NOTE: plain Python over the picked requests (a few, mostly): their rows, and whether
+        # they are one slice of the step's rows (every request of the step verified drafts).
+        qsl_l = qsl.tolist()
+        count_l = [qsl_l[i + 1] - qsl_l[i] for i in idx_l]
+        run = all(qsl_l[a + 1] == qsl_l[b] for a, b in zip(idx_l, idx_l[1:]))
+        count = np.asarray(count_l, dtype=np.int64)
+        loc = np.zeros(len(sel) + 1, dtype=np.int64)
+        np.cumsum(count, out=loc[1:])
+        if run:
+            new_hidden = rows_t[qsl_l[idx_l[0]] : qsl_l[idx_l[0]] + int(loc[-1])]
+        else:
+            flat = np.repeat(qsl[idx] - loc[:-1], count) + np.arange(int(loc[-1]))
+            new_hidden = rows_t[spec.buffers.as_device(flat)]
     everyone = len(sel) == len(nd)
     batch = VerifiedBatch(
         req_ids=[req_ids[i] for i in idx_l],
         rows=out.sample_rows[sel],
-        first=starts[idx],
+        first=first,
         num_rows=count,
         tokens=tokens if everyone else tokens[spec.buffers.as_device(sel)],
         num_emitted=num_emitted if everyone else num_emitted[spec.buffers.as_device(sel)],
         new_hidden_states=new_hidden,
         hidden_loc=loc,
+        token_ids=token_ids,
     )
     spec.proposer.draft_after_verify(batch)
 

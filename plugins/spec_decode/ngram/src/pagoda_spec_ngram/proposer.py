@@ -221,6 +221,11 @@ class NgramProposer(SpeculativeProposer):
         settings = ctx.plugin_settings("ngram")
         self.drafts_on_device = bool(settings.device_drafts)
         self.window = int(settings.device_window)
+        if self.drafts_on_device and self.window < self.k + 2:  # (room for a step's k + 1)
+            raise ValueError(
+                f"plugins.ngram.device_window={self.window}: want at least "
+                f"num_speculative_tokens + 2 = {self.k + 2}"
+            )
         self._ahead: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
         self._pinned: list[torch.Tensor] | None = None  # (``_staging``, on CUDA)
         self._turn = 0
