@@ -37,3 +37,11 @@ def test_bench_embed_reports_both_engines_and_a_profile(tmp_path, monkeypatch) -
     assert [o["ms"] for o in ops] == sorted((o["ms"] for o in ops), reverse=True)
     assert any(o["name"].startswith("aten::") for o in ops)
     assert sum(o["ms"] for o in ops) <= profile["wall_ms"]
+    # Each step's host phases, in order, inside the call: 6 prompts run as one step (and the
+    # step that reads it), each scheduled, launched and read.
+    phases = profile["host_phases"]
+    names = [p[0] for p in phases]
+    assert {"schedule", "launch", "after_launch", "finish"} <= set(names)
+    assert names.index("schedule") < names.index("launch") < names.index("finish")
+    assert all(0 <= s <= e <= profile["wall_ms"] for _, s, e in phases)
+    assert [s for _, s, _ in phases] == sorted(s for _, s, _ in phases)

@@ -196,19 +196,22 @@ def _embed(engine: Any, ids: list[list[int]]) -> Any:
     return np.stack([done[r] for r in admission.ids]).astype(np.float32, copy=False)
 
 
-def _profile(engine: Any, ids: list[list[int]], device: Any, top: int = 12) -> dict[str, Any]:
+def _profile(
+    engine: Any, ids: list[list[int]], device: Any, top: int = 12, gaps_top: int = 12
+) -> dict[str, Any]:
     """One more embedding call (new prompts: no prefix-cache hits) under torch's profiler:
-    its wall, and on a GPU the device's busy time (kernels' union), its idle time between its
-    first kernel and its last, when its first kernel started and its last ended (from the
-    call's start), and the ``top`` kernels by total time;
-    on a CPU the ``top`` operators by their own time. All in ms."""
+    its wall and the host's phases of each step (``host_phases``); on a GPU the device's busy
+    time (kernels' union), its idle time between its first kernel and its last, when its first
+    kernel started and its last ended (from the call's start), its ``gaps_top`` longest waits
+    (``device_gaps``) and the ``top`` kernels by total time; on a CPU the ``top`` operators by
+    their own time. All in ms."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        with record_function("pagoda.bench.embed"):
+        with record_function("pagoda.bench.embed"), _host_phases(engine):
             _embed(engine, ids)
         if cuda:
             torch.cuda.synchronize(device)
@@ -216,18 +219,32 @@ def _profile(engine: Any, ids: list[list[int]], device: Any, top: int = 12) -> d
     call = next(e for e in events if e.name == "pagoda.bench.embed")
     start = call.time_range.start
     out: dict[str, Any] = {"wall_ms": round((call.time_range.end - start) / 1e3, 2)}
+    # The host's phases of each step, as [start, end] ms from the call's start, in order.
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name[len(PHASE) :])
+        for e in events
+        if e.name.startswith(PHASE) and e.device_type == torch.autograd.DeviceType.CPU
+    )
+    out["host_phases"] = [
+        [name, round((s - start) / 1e3, 2), round((e - start) / 1e3, 2)] for s, e, name in ranges
+    ]
     if cuda:
         spans = sorted(
-            (e.time_range.start, e.time_range.end)
+            (e.time_range.start, e.time_range.end, e.name)
             for e in events
-            # NOTE: the call's own range is on the device's timeline too (an annotation): its
-            # span is not work, and counted as such it made every call look gapless.
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "pagoda.bench.embed"
+            # NOTE: the call's own range (and the phases') are on the device's timeline too
+            # (annotations): their spans are not work, and counted as such they made every
+            # call look gapless.
+            if e.device_type == torch.autograd.DeviceType.CUDA
+            and e.name != "pagoda.bench.embed"
+            and not e.name.startswith(PHASE)
         )
         busy, lo, hi = 0, spans[0][0], spans[0][1]
-        for s, e in spans[1:]:
+        gaps = []
+        for s, e, name in spans[1:]:
             if s > hi:
                 busy += hi - lo
+                gaps.append((s - hi, hi, name))
                 lo = s
             hi = max(hi, e)
         busy += hi - lo
@@ -235,7 +252,19 @@ def _profile(engine: Any, ids: list[list[int]], device: Any, top: int = 12) -> d
             device_busy_ms=round(busy / 1e3, 2),
             device_idle_ms=round((hi - spans[0][0] - busy) / 1e3, 2),
             first_kernel_ms=round((spans[0][0] - start) / 1e3, 2),
+            first_kernel=spans[0][2][:80],
             last_kernel_end_ms=round((hi - start) / 1e3, 2),
+            # The longest times the device waited between two kernels (``at_ms``: when it
+            # began waiting), with the kernel it waited for and what the host was doing then.
+            device_gaps=[
+                {
+                    "at_ms": round((at - start) / 1e3, 2),
+                    "ms": round(gap / 1e3, 3),
+                    "next": name[:60],
+                    "host": _phase_at(ranges, at),
+                }
+                for gap, at, name in sorted(gaps, reverse=True)[:gaps_top]
+            ],
         )
         times = {a.key: a.self_device_time_total for a in prof.key_averages()}
     else:
@@ -246,6 +275,50 @@ def _profile(engine: Any, ids: list[list[int]], device: Any, top: int = 12) -> d
         {"name": k[:120], "ms": round(t / 1e3, 3)} for t, k in ranked
     ]
     return out
+
+
+# The profiled call's host phases are ranges named PHASE + the phase.
+PHASE = "pagoda.bench.embed."
+
+
+@contextlib.contextmanager
+def _host_phases(engine: Any) -> Any:
+    """Each step's phases on the host (the scheduler's ``schedule`` and ``after_launch``, the
+    executor's ``launch``, reading a step's output) as profiler ranges, while the block runs;
+    an engine whose core runs in another process has none."""
+    from torch.profiler import record_function
+
+    core = engine.engine_core
+    targets = [
+        (getattr(core, "scheduler", None), ("schedule", "after_launch")),
+        (getattr(core, "executor", None), ("launch",)),
+        (core, ("_finish",)),
+    ]
+    patched = []
+
+    def ranged(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            with record_function(PHASE + name.lstrip("_")):
+                return fn(*a, **k)
+
+        return call
+
+    for obj, names in targets:
+        for name in names:
+            if obj is not None and hasattr(obj, name):
+                setattr(obj, name, ranged(name, getattr(obj, name)))
+                patched.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)  # (the class's method again)
+
+
+def _phase_at(ranges: list[tuple[int, int, str]], at: int) -> str | None:
+    """The innermost host phase under way at ``at`` (the last begun of those spanning it)."""
+    inside = [name for s, e, name in ranges if s <= at <= e]
+    return inside[-1] if inside else None
 
 
 def _rates(n: int, tokens: int, seconds: float, runs: list[float]) -> dict[str, Any]:
