@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.engine import admission
 from pagoda.engine.admission import StepAdmission
 
 
@@ -38,8 +37,7 @@ def _admission(engine: _Engine, lens: list[int], refuse: int | None = None, **kw
     return StepAdmission(engine, len(lens), add, **kw)
 
 
-def test_each_top_up_adds_one_step_of_tokens_then_of_requests(monkeypatch) -> None:
-    monkeypatch.setattr(admission, "FIRST_STEP_SHARE", 1.0)
+def test_each_top_up_adds_one_step_of_tokens_then_of_requests() -> None:
     engine = _Engine(tokens=1000, seqs=4)
     adm = _admission(engine, [300] * 10)
     assert adm.ids == [f"r{i}" for i in range(1, 11)]  # every id known before any is added
@@ -56,32 +54,13 @@ def test_each_top_up_adds_one_step_of_tokens_then_of_requests(monkeypatch) -> No
     assert len(short.added) == 4  # short prompts: the step's request limit binds first
 
 
-def test_the_first_top_up_fills_half_a_step_so_the_device_starts_sooner() -> None:
-    assert admission.FIRST_STEP_SHARE == 0.5
-    engine = _Engine(tokens=1024, seqs=8)
-    adm = _admission(engine, [128] * 20)
-    adm.top_up()
-    assert len(engine.added) == 4  # 512 tokens: half the budget, half the requests
-    adm.top_up()
-    assert len(engine.added) == 12  # then a whole step's worth a call
-    short = _Engine(tokens=1024, seqs=8)
-    adm = _admission(short, [10] * 20)
-    adm.top_up()
-    assert len(short.added) == 4  # (half the request limit binds first)
-    one = _Engine(tokens=1024, seqs=1)
-    adm = _admission(one, [10] * 3)
-    adm.top_up()
-    assert len(one.added) == 1  # (never less than one request)
-
-
 def test_priorities_add_every_request_at_once() -> None:
     engine = _Engine(tokens=1000, seqs=4)
     _admission(engine, [300] * 10, at_once=True).top_up()
     assert len(engine.added) == 10
 
 
-def test_a_refused_request_aborts_those_added_before_it(monkeypatch) -> None:
-    monkeypatch.setattr(admission, "FIRST_STEP_SHARE", 1.0)
+def test_a_refused_request_aborts_those_added_before_it() -> None:
     engine = _Engine(tokens=1000, seqs=4)
     adm = _admission(engine, [300] * 10, refuse=6)
     adm.top_up()

@@ -6,13 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# The share of a step the first ``top_up`` fills. The host prepares a step while the device
-# runs the one before it, but the first step has none before it: the device waits for its
-# requests to be added, scheduled and laid out (about 90 us a request on an H200's host). A
-# first step half as big starts the device in about half that time, and the host prepares the
-# second step (a full one) while the device runs it.
-FIRST_STEP_SHARE = 0.5
-
 
 class StepAdmission:
     """A batch's requests handed to the engine a step's worth at a time: ``add(i, request_id)``
@@ -23,10 +16,10 @@ class StepAdmission:
     copied, its request built): for thousands of prompts, the first step would wait for all of
     them while the device idles. Each ``top_up`` adds requests until those added by the call
     fill a step, its token budget or its ``max_num_seqs`` requests (or none is left): the
-    engine's waiting queue never holds less than a full step after the first, so the steps are
-    the ones adding the whole batch at once would give (first come, first served), except that
-    the first call fills ``FIRST_STEP_SHARE`` of a step, and the first step starts as soon as it
-    is full. ``at_once``: every request in the first call (priorities order the whole queue).
+    engine's waiting queue never holds less than a full step, so the steps are the ones adding
+    the whole batch at once would give (first come, first served), and the first one starts as
+    soon as it is full. ``at_once``: every request in the first call (priorities order the
+    whole queue).
     """
 
     def __init__(
@@ -36,7 +29,6 @@ class StepAdmission:
         self.add = add
         self.ids = [engine.new_request_id() for _ in range(count)]
         self.next = 0
-        self.at_once = at_once
         # The step's budgets as the engine runs them (a pooling model's token budget is its own).
         self.tokens = 1 << 62 if at_once else engine.info.max_num_batched_tokens
         self.reqs = count if at_once else engine.config.scheduler.max_num_seqs
@@ -47,11 +39,8 @@ class StepAdmission:
 
     def top_up(self) -> None:
         tokens = reqs = 0
-        share = FIRST_STEP_SHARE if self.next == 0 and not self.at_once else 1.0
-        max_tokens = max(1, int(self.tokens * share))
-        max_reqs = max(1, int(self.reqs * share))
         try:
-            while self.next < len(self.ids) and tokens < max_tokens and reqs < max_reqs:
+            while self.next < len(self.ids) and tokens < self.tokens and reqs < self.reqs:
                 tokens += self.add(self.next, self.ids[self.next])
                 self.next += 1
                 reqs += 1
