@@ -64,3 +64,49 @@ def residual_added_in_epilogue(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(llama, "linear_add_", always)
     return added
+
+
+@pytest.fixture
+def norms_in_projection(monkeypatch) -> list[str]:
+    """The native Llama family's norms folded into the projections after them at load, and
+    every step's folded norm applied by the projection (``pagoda.ops.NORM_IN_PROJECTION``'s
+    path, which a GPU takes for large steps with its fused kernels), forced on any device: the
+    fused qkv and gate/up kernels stand in as torch code that takes the rows' scales; the list
+    names each projection given scales (``qkv``, ``kv``: the kept rows' layer, ``gate_up``)."""
+    import torch.nn.functional as F
+
+    from pagoda import ops
+    from pagoda.attention.backend import write_kv_cache
+    from pagoda.models import llama
+    from pagoda.worker.model_runner import ModelRunner
+
+    scaled: list[str] = []
+
+    def qkv(x, weight, qh, kvh, d, qw, kw, eps, pos, cos, sin, store=None, row_scale=None):
+        if row_scale is not None:
+            scaled.append("qkv" if qh else "kv")
+            x = ops.scale_rows(x, row_scale)
+        n = x.shape[0]
+        q, k, v = F.linear(x, weight).split([qh * d, kvh * d, kvh * d], -1)
+        k = ops.rms_norm(k.reshape(n, kvh, d), kw, eps)
+        if qh:
+            q = ops.rms_norm(q.reshape(n, qh, d), qw, eps)
+            q, k = ops.rotary_embedding(pos, q, k, cos, sin)
+        else:
+            _, k = ops.rotary_embedding(pos, k, k, cos, sin)
+        if store is not None:
+            write_kv_cache(k, v.reshape(n, kvh, d), store[0], store[1], n)
+        return torch.cat((q.reshape(n, -1), k.reshape(n, -1), v), -1)
+
+    def gate_up(x, weight, row_scale=None):
+        if row_scale is not None:
+            scaled.append("gate_up")
+            x = ops.scale_rows(x, row_scale)
+        return ops.silu_and_mul(F.linear(x, weight))
+
+    monkeypatch.setattr(ops, "qkv_norm_rotary_applies", lambda *a: True)
+    monkeypatch.setattr(ops, "gate_up_silu_applies", lambda *a: True)
+    monkeypatch.setattr(llama, "qkv_norm_rotary", qkv)
+    monkeypatch.setattr(llama, "gate_up_silu", gate_up)
+    monkeypatch.setattr(ModelRunner, "_folds_norms", lambda self, m: hasattr(m, "fold_norms"))
+    return scaled

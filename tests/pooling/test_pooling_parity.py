@@ -212,3 +212,48 @@ def test_residual_added_in_the_projections_epilogue_keeps_the_embeddings(
     llm = LLM(model=str(folder), **ENGINE)
     _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
     assert added
+
+
+def _layers(llm: LLM):
+    return llm.engine.engine_core.executor.worker.model_runner.model.model.layers
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_norms_folded_into_the_projections_keep_the_embeddings(
+    st_dirs, pooling, norms_in_projection: list[str], residual_added_in_epilogue: list[int]
+) -> None:
+    """Each norm's weight folded into the projection after it at load, and every step's norm
+    applied by that projection to its accumulators (a large step's path on a GPU), forced on
+    every step here with the residual added in the projections' epilogue (as a GPU runs them
+    together): the embeddings stay sentence-transformers', through the last layer's kept rows
+    and through the final norm of every row. The norms' weights are not ones here
+    (``randomize``), so a fold that dropped them would fail (the next test)."""
+    folder = st_dirs("qwen3", pooling, True)
+    llm = LLM(model=str(folder), **ENGINE)
+    for layer in _layers(llm):
+        assert layer.input_norm_folded and layer.post_norm_folded
+        assert bool((layer.post_attention_layernorm.weight == 1).all())
+    _check(_embed(llm, TEXTS), _st_encode(folder, TEXTS))
+    # Every layer's projections took the scales, the last one's keys and values alone where
+    # it runs for the kept rows.
+    assert norms_in_projection.count("gate_up") >= 2 * len(TEXTS) // ENGINE["max_num_seqs"]
+    assert ("kv" in norms_in_projection) == (pooling == "lasttoken")
+    assert "qkv" in norms_in_projection
+
+
+def test_a_fold_that_drops_the_norm_weight_changes_the_embeddings(
+    st_dirs, norms_in_projection: list[str], monkeypatch
+) -> None:
+    from pagoda.models import llama
+
+    def drop(norm, weight):  # the norm's weight set to ones, the projection left as it was
+        if weight is None:
+            return False
+        with torch.no_grad():
+            norm.weight.fill_(1.0)
+        return True
+
+    monkeypatch.setattr(llama, "_fold", drop)
+    folder = st_dirs("qwen3", "lasttoken", True)
+    got = _embed(LLM(model=str(folder), **ENGINE), TEXTS)
+    assert np.abs(got - _st_encode(folder, TEXTS)).max() > 100 * TOL
