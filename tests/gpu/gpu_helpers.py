@@ -13,11 +13,9 @@ from pagoda import LLM, SamplingParams
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
 
 
-def save_random_qwen3(folder: Path, norm_weights: bool = False) -> Path:
+def save_random_qwen3(folder: Path) -> Path:
     """Qwen3-0.6B's shape (``benchmarks/configs``) on random bf16 weights (seed 0), with a
-    synthetic tokenizer, saved in ``folder`` for transformers and Pagoda alike.
-    ``norm_weights``: the layers' norms weigh each channel by 0.5 to 1.5 (transformers' init
-    leaves them ones, which a norm folded into the next projection would not show)."""
+    synthetic tokenizer, saved in ``folder`` for transformers and Pagoda alike."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagoda.loader.synthetic import synthetic_tokenizer
@@ -25,13 +23,7 @@ def save_random_qwen3(folder: Path, norm_weights: bool = False) -> Path:
     cfg = json.loads((CONFIGS / "qwen3-0.6b" / "config.json").read_text())
     torch.manual_seed(0)
     config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if norm_weights:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
-                    p.copy_(0.5 + torch.rand(p.shape))
-    model.save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
     synthetic_tokenizer(cfg["vocab_size"], cfg["eos_token_id"]).save_pretrained(folder)
     return folder
 

@@ -189,43 +189,6 @@ def test_qkv_norm_rotary_kernel_is_within_bf16_rounding_of_exact(tokens: int) ->
 
 
 @needs_hopper
-@pytest.mark.parametrize("tokens", [4096, 5000])
-def test_row_scales_in_the_projections_equal_projecting_the_scaled_rows(tokens: int) -> None:
-    """A norm folded into the projection after it: the rows' scales (one read of the rows) as
-    the norm computes them, and the fused gate/up and qkv kernels scaling their accumulators by
-    them give what they give on the rows scaled first (within the rounding of those rows)."""
-    from pagoda.ops.triton_gated_gemm import gate_up_silu_triton
-    from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
-
-    a = _arch("qwen3-0.6b")
-    x = _rand(tokens, a.hidden_size, seed=11) * (0.2 + 4 * torch.rand(tokens, 1, device="cuda"))
-    x = x.to(BF16)
-    scale = ops.norm_scale(x, a.rms_norm_eps)
-    torch.testing.assert_close(
-        scale, torch.rsqrt(x.float().pow(2).mean(-1) + a.rms_norm_eps), rtol=1e-5, atol=0
-    )
-    rows = ops.scale_rows(x, scale)
-    assert torch.equal(rows, ops.rms_norm(x, torch.ones(a.hidden_size, dtype=BF16, device="cuda"),
-                                          a.rms_norm_eps))  # fmt: skip
-
-    def close(got: torch.Tensor, want: torch.Tensor) -> None:
-        # (the scaled rows were rounded to bf16 before their products: about 2**-9 of each)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
-        assert (got.float() - want.float()).abs().mean() < 2e-3
-
-    w = (_rand(2 * a.intermediate_size, a.hidden_size, seed=12) * a.hidden_size**-0.5).to(BF16)
-    close(gate_up_silu_triton(x, w, row_scale=scale), gate_up_silu_triton(rows, w))
-    qh, kvh, d = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    wqkv = (_rand((qh + 2 * kvh) * d, a.hidden_size, seed=13) * a.hidden_size**-0.5).to(BF16)
-    wq, wk = 1 + 0.3 * _rand(d, seed=14), 0.5 + 0.3 * _rand(d, seed=15)
-    rot = RotaryEmbedding(d, a.max_position_embeddings, a.rope_theta).cuda()
-    pos = torch.randint(0, 4096, (tokens,), device="cuda")
-    args = (qh, kvh, d, wq, wk, a.rms_norm_eps, pos, rot.cos, rot.sin)
-    close(qkv_norm_rotary_triton(x, wqkv, *args, row_scale=scale),
-          qkv_norm_rotary_triton(rows, wqkv, *args))  # fmt: skip
-
-
-@needs_hopper
 def test_gate_up_silu_leaves_small_steps_and_other_layouts_to_the_unfused_path() -> None:
     from pagoda.ops import triton_gated_gemm
 

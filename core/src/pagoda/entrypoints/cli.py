@@ -69,8 +69,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             dest=_SPEC_JSON,
             metavar="JSON",
             default=None,
-            help='the speculative section as JSON, as vLLM takes it, e.g. \'{"method": "ngram",'
-            ' "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; a per-key flag wins',
+            help="the speculative section as JSON, as vLLM takes it, e.g. '{\"method\": \"ngram\","
+            " \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'; a per-key flag wins",
         )
 
 

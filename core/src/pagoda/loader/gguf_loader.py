@@ -132,8 +132,7 @@ def write_safetensors(reader: Any, config: dict[str, Any], out: Path) -> None:
 
     shards = _plan_shards(reader)
     names = (
-        ["model.safetensors"]
-        if len(shards) == 1
+        ["model.safetensors"] if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     index: dict[str, str] = {}
@@ -194,11 +193,9 @@ def hf_config_from_gguf(reader: Any) -> dict[str, Any]:
     kv_heads = meta("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         raise ValueError("GGUF files with a per-layer KV head count are not supported")
-    head_dim = (
-        meta("attention.key_length")
-        or (meta("rope.dimension_count") if gguf_arch == "llama" else None)
-        or hidden // heads
-    )
+    head_dim = meta("attention.key_length") or (
+        meta("rope.dimension_count") if gguf_arch == "llama" else None
+    ) or hidden // heads
     tensor_names = {t.name for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = meta("vocab_size") or (len(tokens.data) if tokens is not None else None)
@@ -257,11 +254,8 @@ def _rope_scaling(reader: Any, meta: Any, head_dim: int, theta: float) -> dict[s
 def _llama3_from_rope_freqs(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
     """llama.cpp stores Llama-3 rope scaling as per-frequency factors; recover the parameters."""
     scaling = {
-        "rope_type": "llama3",
-        "factor": float(factors.max()),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
     }
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq

@@ -188,7 +188,5 @@ def load_adapter(lora: LoRARequest, cfg: Any, max_rank: int) -> AdapterWeights:
             t = f.get_tensor(key).float()
             pair[0 if m.group(3) == "A" else 1] = t if m.group(3) == "A" else t * info.scaling
     return AdapterWeights(
-        lora,
-        info.rank,
-        {k: (a, b) for k, (a, b) in weights.items()},  # type: ignore[misc]
+        lora, info.rank, {k: (a, b) for k, (a, b) in weights.items()}  # type: ignore[misc]
     )

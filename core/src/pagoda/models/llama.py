@@ -12,7 +12,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pagoda import ops
 from pagoda.attention.backend import AttentionBackend
 from pagoda.attention.layer import Attention
 from pagoda.attention.spec import AttentionSpec
@@ -29,15 +28,7 @@ from pagoda.models.parallel_layers import (
     copy_weight,
     split_evenly,
 )
-from pagoda.ops import (
-    gate_up_silu,
-    linear_add_,
-    norm_scale,
-    qk_norm_rotary,
-    qkv_norm_rotary,
-    scale_rows,
-    silu_and_mul,
-)
+from pagoda.ops import gate_up_silu, linear_add_, qk_norm_rotary, qkv_norm_rotary, silu_and_mul
 from pagoda.quantization import LinearMethod, QuantizationMethod, kv_scale_of
 
 
@@ -88,17 +79,6 @@ def _project_into(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | Non
         if weight is not None and linear_add_(residual, x, weight):
             return None
     return proj(x)
-
-
-def _fold(norm: RMSNorm, weight: torch.Tensor | None) -> bool:
-    """``weight[:, k] *= norm.weight[k]`` (in float32, rounded once) and the norm's weight set
-    to ones; False (nothing done) where there is no plain weight to fold into."""
-    if weight is None or weight.shape[1] != norm.weight.shape[0]:
-        return False
-    with torch.no_grad():
-        weight.copy_(weight.float() * norm.weight.float()[None, :])
-        norm.weight.fill_(1.0)
-    return True
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
@@ -160,31 +140,16 @@ class LlamaAttention(nn.Module):
             spec,
         )
 
-    def takes_row_scale(self, x: torch.Tensor, positions: torch.Tensor) -> bool:
-        """Whether :meth:`forward` projects ``x`` in the fused kernel, which can apply the
-        input norm's scales itself (``row_scale``)."""
-        weight = _plain_weight(self.qkv_proj)
-        return (
-            self.qk_norm
-            and weight is not None
-            and ops.qkv_norm_rotary_applies(
-                x, weight, self.head_dim, positions, self.rotary_emb.cos
-            )
-        )
-
     def forward(
         self,
         positions: torch.Tensor,
         x: torch.Tensor,
         keep: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
-        row_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """``keep``: the rows whose output is read (every row's keys and values are cached).
         ``residual`` (the caller's own, of the output's rows): where the output projection
-        can add into it in place, it does and None is returned. ``row_scale``: ``x`` is not
-        normalised yet; each row is, by this scale (the norm's weight is in the projection's,
-        :meth:`LlamaForCausalLM.fold_norms`)."""
+        can add into it in place, it does and None is returned."""
         n = x.shape[0]
         qkv = store = None
         weight = _plain_weight(self.qkv_proj)
@@ -197,21 +162,18 @@ class LlamaAttention(nn.Module):
                 kv = qkv_norm_rotary(
                     x, weight[self.q_size :], 0, self.num_kv_heads, self.head_dim,
                     self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions,
-                    self.rotary_emb.cos, self.rotary_emb.sin, store, row_scale,
+                    self.rotary_emb.cos, self.rotary_emb.sin, store,
                 )  # fmt: skip
                 if kv is not None:
                     k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
-                    kept = x[keep] if row_scale is None else scale_rows(x[keep], row_scale[keep])
-                    q, _, _ = self._qkv(kept, positions[keep], None)
+                    q, _, _ = self._qkv(x[keep], positions[keep], None)
                     out = self.attn(q, k, v, kv_stored=True, keep=keep)
                     return _project_into(self.o_proj, out, residual)
             qkv = qkv_norm_rotary(
                 x, weight, self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
                 self.k_norm.weight, self.q_norm.eps, positions, self.rotary_emb.cos,
-                self.rotary_emb.sin, store, row_scale,
+                self.rotary_emb.sin, store,
             )  # fmt: skip
-        if qkv is None and row_scale is not None:  # (the projection apart: rows normalised)
-            x = scale_rows(x, row_scale)
         fused = qkv is not None
         q, k, v = self._qkv(x, positions, qkv)
         out = self.attn(q, k, v, kv_stored=fused and store is not None, keep=keep)
@@ -259,27 +221,13 @@ class LlamaMLP(nn.Module):
             quant=_linear_method(quant, prefix, ("down_proj",)),
         )
 
-    def takes_row_scale(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`forward` projects ``x`` in the fused kernel, which can apply the
-        norm's scales itself (``row_scale``)."""
-        weight = _plain_weight(self.gate_up_proj)
-        return weight is not None and ops.gate_up_silu_applies(x, weight)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None = None,
-        row_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """``residual`` (the caller's own): where the down projection can add into it in place,
-        it does and None is returned. ``row_scale``: ``x`` is not normalised yet; each row is,
-        by this scale (the norm's weight is in the projection's)."""
+        it does and None is returned."""
         # A large step's projection and activation in one kernel where it runs; else apart.
         weight = _plain_weight(self.gate_up_proj)
-        h = None if weight is None else gate_up_silu(x, weight, row_scale)
-        if h is None:
-            x = x if row_scale is None else scale_rows(x, row_scale)
-            h = silu_and_mul(self.gate_up_proj(x))
+        h = None if weight is None else gate_up_silu(x, weight)
+        h = silu_and_mul(self.gate_up_proj(x)) if h is None else h
         return _project_into(self.down_proj, h, residual)
 
 
@@ -297,29 +245,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, quant, f"model.layers.{layer_idx}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Whether each norm's weight is folded into the projection after it (``fold_norms``):
-        # a large step's fused projection then normalises the rows itself.
-        self.input_norm_folded = self.post_norm_folded = False
-
-    def fold_norms(self) -> None:
-        """Fold each norm's weight into the projection that reads its output, where that
-        projection's fused kernel can take the norm's scales (:func:`pagoda.ops.norm_scale`):
-        ``W[:, k] *= g[k]``, ``g = 1``. The layer computes the same function (rounding aside);
-        a large step then reads its activations once a norm instead of twice."""
-        attn, mlp = self.self_attn, self.mlp
-        if attn.qk_norm and _fold(self.input_layernorm, _plain_weight(attn.qkv_proj)):
-            self.input_norm_folded = True
-        if _fold(self.post_attention_layernorm, _plain_weight(mlp.gate_up_proj)):
-            self.post_norm_folded = True
-
-    def _norm_scale(
-        self, norm: RMSNorm, folded: bool, h: torch.Tensor, takes: bool
-    ) -> torch.Tensor | None:
-        """The scales of ``h``'s rows where ``norm`` is folded and the projection ``takes``
-        them (``h`` then goes to it as it is); None where ``h`` is to be normalised here."""
-        if folded and takes and ops.NORM_IN_PROJECTION:
-            return norm_scale(h, norm.eps)
-        return None
 
     def forward(
         self,
@@ -334,30 +259,22 @@ class LlamaDecoderLayer(nn.Module):
         Returns ``(x, residual)``, the layer's output and the residual to add to it; x is None
         where the down projection added it into the residual already (a large step on a GPU:
         :func:`pagoda.ops.linear_add_`), and takes the same None as input."""
-        scale = None
-        if residual is None or x is None:
-            # The rows to normalise are the input's, or the residual's (which holds the sum).
-            # (with no residual yet, the input is the caller's: nothing is added into it)
-            h = x if residual is None else residual
-            residual, owned = h, x is None
-            takes = self.input_norm_folded and self.self_attn.takes_row_scale(h, positions)
-            scale = self._norm_scale(self.input_layernorm, self.input_norm_folded, h, takes)
-            x = self.input_layernorm(h) if scale is None else h
+        if residual is None:
+            # (the input is the caller's: nothing is added into it in place)
+            residual, owned = x, False
+            x = self.input_layernorm(x)
+        elif x is None:
+            x, owned = self.input_layernorm(residual), True
         else:
             (x, residual), owned = self.input_layernorm(x, residual), True
         if keep is not None:
             residual, owned = residual[keep], True
-        x = self.self_attn(positions, x, keep, residual if owned else None, scale)
-        scale = None
+        x = self.self_attn(positions, x, keep, residual if owned else None)
         if x is None:
-            takes = self.post_norm_folded and self.mlp.takes_row_scale(residual)
-            scale = self._norm_scale(
-                self.post_attention_layernorm, self.post_norm_folded, residual, takes
-            )
-            x = self.post_attention_layernorm(residual) if scale is None else residual
+            x = self.post_attention_layernorm(residual)
         else:
             x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, residual, scale), residual
+        return self.mlp(x, residual), residual
 
 
 class LlamaModel(nn.Module):
@@ -463,14 +380,6 @@ class LlamaForCausalLM(nn.Module):
         hidden states and residual, [2, num_tokens, hidden_size], which the next stage takes
         as ``intermediate``."""
         return self.model(input_ids, positions, intermediate, keep)
-
-    def fold_norms(self) -> None:
-        """Fold each decoder layer's norms into the projections after them where a large
-        step's fused kernels can then apply the norms themselves
-        (:meth:`LlamaDecoderLayer.fold_norms`). After loading, before any adapter wraps the
-        projections; not for quantized projections (they have no plain weight)."""
-        for layer in self.model.layers[self.model.start : self.model.end]:
-            layer.fold_norms()
 
     def _elsewhere(self, name: str) -> bool:
         """Whether checkpoint weight ``name`` belongs to another pipeline stage."""

@@ -24,18 +24,14 @@ __all__ = [
     "fused_experts",
     "fused_ops_enabled",
     "gate_up_silu",
-    "gate_up_silu_applies",
     "kv_write_fused",
     "linear",
     "linear_add_",
-    "norm_scale",
     "qk_norm_rotary",
     "qkv_norm_rotary",
-    "qkv_norm_rotary_applies",
     "rms_norm",
     "rotary_embedding",
     "sample_from_logits",
-    "scale_rows",
     "set_fused_ops",
     "silu_and_mul",
 ]
@@ -157,56 +153,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x)
 
 
-# Whether a large step's RMSNorm whose weight is folded into the next projection (a model's
-# ``fold_norms``) is applied by that projection's kernel: the norm kernel then reads the rows
-# for their scales alone (:func:`norm_scale`) and writes nothing, the projection reads the
-# rows as they are and scales its accumulators (one activation pass a norm where there were
-# two).
-NORM_IN_PROJECTION = True
-
-
-def norm_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / rms`` of each row of ``x`` [tokens, hidden] (float32 [tokens]): with the norm's
-    weight folded into the next projection, ``rms_norm(x)`` is ``x * norm_scale(x)[:, None]``,
-    which a projection kernel applies to its accumulators (``row_scale``)."""
-    if _use_triton(x) and x.stride(-1) == 1:
-        # NOTE: Triton compiles on import: only where the kernel path runs.
-        from pagoda.ops.triton_norm import rms_rstd_triton
-
-        return rms_rstd_triton(x, eps)
-    return torch.rsqrt(x.float().pow(2).mean(-1) + eps)
-
-
-def scale_rows(x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
-    """``x`` with each row multiplied by its ``row_scale`` (float32), rounded to ``x``'s dtype
-    once, as :func:`rms_norm` with a weight of ones rounds: the rows a projection that cannot
-    take ``row_scale`` itself is given."""
-    return (x.float() * row_scale[:, None]).to(x.dtype)
-
-
-def gate_up_silu_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gate_up_silu` runs its kernel on ``x`` and ``weight``."""
-    if batch_invariant._enabled or not _use_triton(x):
-        return False
-    from pagoda.ops import triton_gated_gemm
-
-    return x.shape[0] >= triton_gated_gemm.MIN_ROWS and triton_gated_gemm.supported(x, weight)
-
-
-def gate_up_silu(
-    x: torch.Tensor, weight: torch.Tensor, row_scale: torch.Tensor | None = None
-) -> torch.Tensor | None:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` ([2 * I, K]) in one
-    kernel (:mod:`pagoda.ops.triton_gated_gemm`), where it runs and pays
-    (:func:`gate_up_silu_applies`): a step of at least its ``MIN_ROWS`` rows on a Hopper device,
-    outside batch-invariant mode. None elsewhere: the caller runs the projection and
-    :func:`silu_and_mul`. ``row_scale`` (float32 [M]): each row of ``x`` scaled by it first
-    (applied to the accumulators)."""
-    if not gate_up_silu_applies(x, weight):
+    kernel (:mod:`pagoda.ops.triton_gated_gemm`), where it runs and pays: a step of at least its
+    ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
+    caller runs the projection and :func:`silu_and_mul`."""
+    if batch_invariant._enabled or not _use_triton(x):
         return None
     from pagoda.ops import triton_gated_gemm
 
-    return triton_gated_gemm.gate_up_silu_triton(x, weight, row_scale=row_scale)
+    if x.shape[0] < triton_gated_gemm.MIN_ROWS or not triton_gated_gemm.supported(x, weight):
+        return None
+    return triton_gated_gemm.gate_up_silu_triton(x, weight)
 
 
 def qkv_norm_rotary(
@@ -222,46 +180,30 @@ def qkv_norm_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor] | None = None,
-    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The qkv projection ``x @ weight.T`` with each q and k head normalised and rotated, as
     the projection then :func:`qk_norm_rotary` give them, in one kernel
-    (:mod:`pagoda.ops.triton_qkv_norm_rotary`) where it is enabled and runs
-    (:func:`qkv_norm_rotary_applies`): a step of at least its ``MIN_ROWS`` rows on a Hopper
-    device, outside batch-invariant mode. None elsewhere: the caller runs the two apart.
-    ``kv_store``: (a KV cache, the rows' slots), where the kernel also stores each row's keys
-    and values (``Attention.kv_store_target``). ``row_scale`` (float32 [M]): each row of ``x``
-    scaled by it first (applied to the accumulators)."""
-    if not qkv_norm_rotary_applies(x, weight, head_dim, positions, cos):
+    (:mod:`pagoda.ops.triton_qkv_norm_rotary`) where it is enabled and runs: a step of at least
+    its ``MIN_ROWS`` rows on a Hopper device, outside batch-invariant mode. None elsewhere: the
+    caller runs the two apart. ``kv_store``: (a KV cache, the rows' slots), where the kernel
+    also stores each row's keys and values (``Attention.kv_store_target``)."""
+    if batch_invariant._enabled or not _use_triton(x):
         return None
     from pagoda.ops import triton_qkv_norm_rotary as fused
 
+    if (
+        not fused.ENABLED
+        or x.shape[0] < fused.MIN_ROWS
+        or positions.dim() != 1
+        or cos.shape[-1] * 2 != head_dim  # a partial rotation: the separate kernels
+        or not fused.supported(x, weight, head_dim)
+    ):
+        return None
     cache, slots = kv_store if kv_store is not None else (None, None)
     return fused.qkv_norm_rotary_triton(
         x, weight, q_heads, kv_heads, head_dim, q_weight, k_weight, eps, positions, cos, sin,
-        kv_cache=cache, slot_mapping=slots, row_scale=row_scale,
+        kv_cache=cache, slot_mapping=slots,
     )  # fmt: skip
-
-
-def qkv_norm_rotary_applies(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    head_dim: int,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-) -> bool:
-    """Whether :func:`qkv_norm_rotary` runs its kernel on these operands."""
-    if batch_invariant._enabled or not _use_triton(x):
-        return False
-    from pagoda.ops import triton_qkv_norm_rotary as fused
-
-    return (
-        fused.ENABLED
-        and x.shape[0] >= fused.MIN_ROWS
-        and positions.dim() == 1
-        and cos.shape[-1] * 2 == head_dim  # (a partial rotation: the separate kernels)
-        and fused.supported(x, weight, head_dim)
-    )
 
 
 def rotary_embedding(

@@ -38,7 +38,6 @@ def _gate_up_silu_kernel(
     x_desc,
     w_desc,
     out_desc,
-    scale_ptr,
     M,
     N,
     K,
@@ -48,7 +47,6 @@ def _gate_up_silu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     DTYPE: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
 ):
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -59,9 +57,6 @@ def _gate_up_silu_kernel(
         for k in range(0, K, BLOCK_K):
             w = w_desc.load([0, n0, k]).reshape(2 * BLOCK_N, BLOCK_K)  # the gate's rows, the up's
             acc = tl.dot(x_desc.load([m0, k]), w.T, acc)
-        if ROW_SCALE:  # (the norm before the projection: its weight is folded into the weight)
-            rows = m0 + tl.arange(0, BLOCK_M)
-            acc = acc * tl.load(scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
         gate, up = column_halves(acc, BLOCK_M, 1, BLOCK_N)
         out = tl.reshape(gate / (1.0 + tl.exp(-gate)) * up, (BLOCK_M, BLOCK_N))
         # (rows past M are dropped by the descriptor)
@@ -79,12 +74,9 @@ def gate_up_silu_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     launch: tuple[int, int, int, int, int, int] | None = None,
-    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` ([2 * I, K]): [M, I];
-    with ``row_scale`` (float32 [M]), of ``x``'s rows each scaled by it (the products' rows
-    scaled before the activation). The caller checks :func:`supported` (with ``launch``: its
-    block_n and block_k too)."""
+    """``silu(x @ gate.T) * (x @ up.T)`` for ``weight`` = ``[gate; up]`` ([2 * I, K]): [M, I].
+    The caller checks :func:`supported` (with ``launch``: its block_n and block_k too)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_m, block_n, block_k, group_m, stages, warps = launch or LAUNCH
@@ -96,7 +88,6 @@ def gate_up_silu_triton(
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         TensorDescriptor(weight.view(2, n, k), [2, n, k], [n * k, k, 1], [2, block_n, block_k]),
         TensorDescriptor.from_tensor(out, [block_m, block_n]),
-        row_scale if row_scale is not None else out,
         m,
         n,
         k,
@@ -106,7 +97,6 @@ def gate_up_silu_triton(
         BLOCK_K=block_k,
         GROUP_M=group_m,
         DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16,
-        ROW_SCALE=row_scale is not None,
         num_stages=stages,
         num_warps=warps,
     )

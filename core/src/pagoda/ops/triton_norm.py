@@ -83,34 +83,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def _rms_rstd_kernel(x_ptr, out_ptr, num_rows, n, stride_x, eps, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows < num_rows)[:, None] & (cols < n)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask)
-    tl.store(out_ptr + rows, _inv_rms(x.to(tl.float32), n, eps), mask=rows < num_rows)
-
-
-def rms_rstd_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / rms`` of each row of ``x`` [tokens, hidden] (float32 [tokens]), as the norm kernel
-    computes it: one read of ``x`` and nothing written but the scales (the norm that a projection
-    applies in its epilogue, :func:`pagoda.ops.norm_scale`)."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"rms_rstd takes a [tokens, hidden] tensor of unit column stride, got "
-                         f"{tuple(x.shape)} with strides {x.stride()}")  # fmt: skip
-    num_rows, n = x.shape
-    out = torch.empty(num_rows, dtype=torch.float32, device=x.device)
-    if num_rows > 0:
-        block_m, block_n, warps = launch_shape(n, num_rows)
-        _rms_rstd_kernel[(triton.cdiv(num_rows, block_m),)](
-            x, out, num_rows, n, x.stride(0), eps, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=warps,
-        )  # fmt: skip
-    return out
-
-
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """A [tokens, hidden] or [tokens, heads, dim] tensor with unit stride in its last dimension,
     and its token and head strides."""

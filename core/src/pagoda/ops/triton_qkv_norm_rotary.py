@@ -95,7 +95,6 @@ def _qkv_norm_rotary_kernel(
     cache_ptr,
     slot_ptr,
     plane,
-    scale_ptr,
     BLOCK_M: tl.constexpr,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -104,7 +103,6 @@ def _qkv_norm_rotary_kernel(
     DTYPE: tl.constexpr,
     EXACT: tl.constexpr,
     STORE_KV: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
 ):
     # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule).
     m0, tile = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), heads // HEADS, BLOCK_M, GROUP_M)
@@ -113,9 +111,6 @@ def _qkv_norm_rotary_kernel(
     acc = tl.zeros((BLOCK_M, HEADS * 2 * HALF), tl.float32)
     for k in range(0, K, BLOCK_K):
         acc = tl.dot(x_desc.load([m0, k]), w_desc.load([n0, k]).T, acc)
-    if ROW_SCALE:  # (the norm before the projection: its weight is folded into the weight)
-        rows = m0 + tl.arange(0, BLOCK_M)
-        acc = acc * tl.load(scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
     if head < q_heads + k_heads:
         # Each head's two halves (the neox rotation's operands) as projected and rounded as the
         # unfused path stores them, then the norm kernel's steps, per head.
@@ -190,7 +185,6 @@ def qkv_norm_rotary_triton(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     heads_per_program: int = HEADS_PER_PROGRAM,
-    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` ([M, (q_heads + 2 * kv_heads) * head_dim]: q's heads, k's, v's) with each
     q and k head normalised (``q_weight``, ``k_weight``: [head_dim]) then rotated at
@@ -199,9 +193,8 @@ def qkv_norm_rotary_triton(
     dtype), each row's key and value heads are also stored in its slot, ``slot_mapping[row]``
     (int64, M of them; below zero: none), as :func:`pagoda.attention.backend.write_kv_cache`
     stores them. ``launch`` and ``heads_per_program`` (:func:`heads_per_tile`'s preference):
-    the defaults, :data:`LAUNCH` and :data:`HEADS_PER_PROGRAM`, unless a sweep says.
-    ``row_scale`` (float32 [M]): each row of ``x`` scaled by it first (the products' rows
-    scaled before the norms). The caller checks :func:`supported`."""
+    the defaults, :data:`LAUNCH` and :data:`HEADS_PER_PROGRAM`, unless a sweep says. The caller
+    checks :func:`supported`."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     block_m, block_k, group_m, stages, warps = launch or LAUNCH
@@ -248,7 +241,6 @@ def qkv_norm_rotary_triton(
         kv_cache if store else out,
         slot_mapping if store else positions,
         kv_cache[0].numel() if store else 0,
-        row_scale if row_scale is not None else out,
         BLOCK_M=block_m,
         HEADS=per_tile,
         HALF=head_dim // 2,
@@ -258,7 +250,6 @@ def qkv_norm_rotary_triton(
         # NOTE: mul_rn is the device's; the interpreter's products are never fused anyway.
         EXACT=os.environ.get("TRITON_INTERPRET") != "1",
         STORE_KV=store,
-        ROW_SCALE=row_scale is not None,
         num_stages=stages,
         num_warps=warps,
     )

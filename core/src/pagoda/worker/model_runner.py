@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagoda import ops
 from pagoda.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagoda.attention.batch_invariant import invariant_attention_backend
 from pagoda.attention.layer import Attention, set_forward_context
@@ -36,7 +35,7 @@ from pagoda.loader import init_dummy_, iter_safetensors
 from pagoda.loader.construct import build_model
 from pagoda.loader.sharded import iter_safetensors_slices
 from pagoda.models.shape import ModelShape
-from pagoda.ops import batch_invariant, fused_ops_enabled, set_fused_ops
+from pagoda.ops import batch_invariant, set_fused_ops
 from pagoda.plugins import get_registry
 from pagoda.plugins.seams import build_logits_processors
 from pagoda.pooling.config import PoolerConfig
@@ -236,8 +235,6 @@ class ModelRunner:
             model.load_weights(read(self.hf_dir))
         if self.quantization is not None:
             finish_loading(model)
-        if self._folds_norms(model):
-            model.fold_norms()
         self.model = model.eval()
         if self.config.lora.enable_lora:  # (after loading: it wraps the loaded linears)
             self.lora = LoRAInputs(
@@ -251,21 +248,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_times["load_weights_s"] = time.perf_counter() - start
-
-    def _folds_norms(self, model: torch.nn.Module) -> bool:
-        """Whether the model's norms are folded into the projections after them
-        (``fold_norms``), so that a large step's fused kernels apply them: where those kernels
-        run (a GPU, fused ops on, not batch-invariant), with full-precision projections and no
-        LoRA adapters (an adapter reads the norm's output as the checkpoint defines it)."""
-        return (
-            hasattr(model, "fold_norms")
-            and ops.NORM_IN_PROJECTION
-            and self.device.type == "cuda"
-            and fused_ops_enabled()
-            and not self.batch_invariant
-            and self.quantization is None
-            and not self.config.lora.enable_lora
-        )
 
     def kv_cache_block_bytes(self) -> int:
         per_token = self.shape.kv_bytes_per_token(self.kv_cache_dtype.itemsize, self.stage)
