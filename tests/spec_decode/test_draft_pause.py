@@ -11,7 +11,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.spec_decode import DraftPause
-from pagoda.worker import draft_slots
+from pagoda.worker import draft_slots, model_runner
 
 
 def test_pauses_double_after_the_patience_and_end_at_a_draft() -> None:
@@ -62,9 +62,26 @@ def test_ngram_at_its_defaults_pauses_and_its_slot_steps_stop_waiting(monkeypatc
         return skipped[-1]
 
     monkeypatch.setattr(draft_slots, "_paused", spy)
+    # A launch whose slots are all paused's: whether it read the step in flight anyway.
+    waited_for_nothing: list[bool] = []
+    propose_for_slots = draft_slots.propose_for_slots
+
+    def watch(spec, scheduled) -> None:
+        step = spec.in_flight.last
+        unread = step is not None and not step.done
+        all_paused = step is not None and all(
+            paused(spec, step, r) for r, ids in scheduled.items() if draft_slots.is_draft_slots(ids)
+        )
+        propose_for_slots(spec, scheduled)
+        if unread and all_paused:
+            waited_for_nothing.append(step.done)
+
+    monkeypatch.setattr(model_runner, "propose_for_slots", watch)
     got = llm.generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert sum(skipped) > 20, skipped  # launches with slots that did not wait
+    # ... and did not read the step in flight for a proposal they would not take
+    assert len(waited_for_nothing) > 20 and not any(waited_for_nothing), waited_for_nothing
     # With the draft length given, every request is asked every step (vLLM's way).
     fixed = LLM(
         model=str(folder),
