@@ -6,11 +6,13 @@ launch without waiting for the step in flight, and greedy output is unchanged.""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.random_weights import ensure_random_weights
 from pagoda.spec_decode import DraftPause
+from pagoda.step import DRAFT_SLOT
 from pagoda.worker import draft_slots, model_runner
 
 
@@ -89,3 +91,52 @@ def test_ngram_at_its_defaults_pauses_and_its_slot_steps_stop_waiting(monkeypatc
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
     )
     assert fixed.engine.engine_core.executor.worker.model_runner.spec.proposer.pause is None
+
+
+class _Step:
+    """A step in flight, read or not (``reads``: the reads that waited for it); no request
+    verified drafts in it."""
+
+    drafted = None
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+        self.reads = 0
+
+    def get(self) -> None:
+        self.reads += not self.done
+        self.done = True
+
+
+def _spec(step: _Step, resume: dict[str, int]):
+    from types import SimpleNamespace
+
+    ib = SimpleNamespace(row_of={"a": 0, "b": 1}, num_tokens=np.array([10, 10]))
+    return SimpleNamespace(
+        in_flight=SimpleNamespace(last=step),
+        proposer=SimpleNamespace(resume_at=resume),
+        input_batch=ib,
+        num_spec_tokens=4,
+        proposals={},
+    )
+
+
+@pytest.mark.parametrize(
+    "paused,done,read,asked",
+    [
+        ({"a", "b"}, False, False, []),  # all paused: no wait, slots stay empty
+        ({"a"}, False, True, ["a", "b"]),  # read for "b" anyway: "a" is asked too
+        ({"a", "b"}, True, False, ["a", "b"]),  # read already: asking costs no wait
+        (set(), False, True, ["a", "b"]),
+    ],
+)
+def test_slots_read_the_step_in_flight_unless_all_are_paused(
+    monkeypatch, paused, done, read, asked
+) -> None:
+    step = _Step(done)
+    spec = _spec(step, {r: 12 for r in paused})  # (12 > the 10 tokens known: paused)
+    got: list[str] = []
+    monkeypatch.setattr(draft_slots, "propose", lambda spec, step, out, slots: got.extend(slots))
+    slots = [DRAFT_SLOT] * 4
+    draft_slots.propose_for_slots(spec, {"a": slots, "b": slots})
+    assert (step.reads == 1) == read and sorted(got) == asked

@@ -62,18 +62,18 @@ def propose_for_slots(spec: Speculation, scheduled: dict[str, list[int]]) -> Non
     """Async scheduling, for a proposer that reads only token history: propose now, once the
     step in flight (the last launched) is read, and only for the requests whose next step has
     draft slots (backed-off requests cost nothing). Fills ``spec.proposals``."""
-    step = spec.in_flight.last
-    # NOTE: a paused request's slots stay empty (``must_read_last``), and the step in flight is
-    # read for the others only: reading it for paused ones alone made every such launch wait.
-    slots = {
-        r: len(ids)
-        for r, ids in scheduled.items()
-        if is_draft_slots(ids) and not (step is not None and _paused(spec, step, r))
-    }
+    slots = {r: len(ids) for r, ids in scheduled.items() if is_draft_slots(ids)}
     spec.proposals = {}
-    if slots and step is not None:
-        step.get()
-        propose(spec, step, spec.proposals, slots)
+    step = spec.in_flight.last
+    if not slots or step is None:
+        return
+    if not step.done and all(_paused(spec, step, r) for r in slots):
+        # Paused requests' slots stay empty (``must_read_last``): reading the step in flight
+        # for them alone would make the launch wait, every step at batch 1. Where it is read
+        # anyway (another request's slots), they get drafts too.
+        return
+    step.get()
+    propose(spec, step, spec.proposals, slots)
 
 
 def fill_draft_slots(
