@@ -69,8 +69,8 @@ def propose_for_slots(spec: Speculation, scheduled: dict[str, list[int]]) -> Non
         return
     if not step.done and all(_paused(spec, step, r) for r in slots):
         # Paused requests' slots stay empty (``must_read_last``): reading the step in flight
-        # for them alone would make the launch wait, every step at batch 1. Where it is read
-        # anyway (another request's slots), they get drafts too.
+        # for them alone would make the launch wait, every step at batch 1. (Where it is read
+        # for another request, ``propose`` leaves them out itself.)
         return
     step.get()
     propose(spec, step, spec.proposals, slots)
