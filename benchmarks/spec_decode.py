@@ -432,6 +432,51 @@ _GPU_SUITE = [
 ] + [(dtype, "random", 64, "ngram", 128, 128) for dtype in ("bfloat16", "float32")]
 
 
+def _timeline(engines: dict[str, LLM], batch: list[dict], params: SamplingParams) -> dict:
+    """One more pass of ``batch`` on each engine under torch's profiler: the device's busy and
+    idle time, and the host work it waited for (:mod:`pagoda.bench.timeline`)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import pagoda.worker.model_runner as model_runner
+    from pagoda.bench.timeline import annotated, device_timeline
+    from pagoda.worker.step_output import StepOutput
+
+    out = {}
+    for name, llm in engines.items():
+        core = llm.engine.engine_core
+        runner = core.executor.worker.model_runner
+        spec = runner.spec
+        targets = [
+            (llm.engine, "step", "engine_step"),
+            (core.scheduler, "schedule", "schedule"),
+            (core.scheduler, "after_launch", "after_launch"),
+            (core.scheduler, "update_from_output", "update_from_output"),
+            (core.executor, "launch", "launch"),
+            (core, "_finish", "finish"),
+            (StepOutput, "get", "read_step"),
+            (runner, "_update_states", "update_states"),
+            (runner, "_sample", "sample"),
+            (runner, "_propose", "propose_after"),
+            (runner.in_flight, "read_all", "read_all"),
+            (runner.in_flight, "settle", "settle"),
+            (runner.decode_graphs, "run", "decode_graph"),
+            (model_runner, "propose_for_slots", "propose_for_slots"),
+            (model_runner, "fill_draft_slots", "fill_draft_slots"),
+            (model_runner, "run_verify_graph", "run_verify_graph"),
+            (model_runner, "verify_drafts", "verify_drafts"),
+            (None if spec is None else spec.verify_graphs, "run", "verify_graph"),
+        ]
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities) as prof, annotated(targets):
+            with record_function("spec_decode.call"):
+                _timed(llm, batch, params)
+        got = device_timeline(prof.events(), "spec_decode.call")
+        got["steps"] = sum(1 for e in prof.events() if e.name.endswith("timeline.launch"))
+        out[name] = got
+        print(f"--- timeline: {name}\n{json.dumps(got, indent=1)}", file=sys.stderr)
+    return out
+
+
 def run_suite(args: argparse.Namespace) -> None:
     """Each configuration of the suite in a process of its own (this script, with only
     ``--method`` among the speculative options), then one table of the figures."""
@@ -505,6 +550,12 @@ def main() -> None:
         metavar="N",
         help="after timing, profile one more pass of the first batch per engine (cProfile) and "
         "print its N costliest functions by own time, then by time with what they call",
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="after timing, one more pass of the first batch per engine under torch's profiler "
+        "(a GPU): the device's busy and idle time and the host work it waited for, in the report",
     )
     p.add_argument(
         "--no-adaptive",
@@ -668,6 +719,8 @@ def main() -> None:
     # measure, which pauses requests whose drafts do not pay for it).
     spec_runner = engines["spec"].engine.engine_core.executor.worker.model_runner
     report["slot_cost"] = spec_runner.spec.slot_cost.summary(args.batch_size)
+    if args.timeline:  # (after every count above: the pass adds to them)
+        report["timeline"] = _timeline(engines, batches[0], params)
     model, where = report_slugs(report, runner)
     which = "random" if random else args.prompts
     name = f"spec-decode-{args.method}-{model}-{which}-b{args.batch_size}-{where}"
