@@ -62,6 +62,7 @@ from pagoda.worker.spec_propose import propose_after
 from pagoda.worker.spec_verify import run_verify_graph, verify_drafts
 from pagoda.worker.speculation import Speculation
 from pagoda.worker.step_buffers import StepBuffers
+from pagoda.worker.step_inputs_kernel import warm as warm_step_inputs_kernel
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
 from pagoda.worker.steps_in_flight import StepsInFlight
 from pagoda.worker.verify_inputs_kernel import warm as warm_verify_inputs_kernel
@@ -418,6 +419,8 @@ class ModelRunner:
             # sets each layer's scales, which the graphs read from the layer's buffers.
             for layer in layers:
                 layer.calibrate_kv_scales = not layer.kv_scales_loaded
+        # The kernel that copies each step's inputs compiles here, not in the first step.
+        warm_step_inputs_kernel(self.device)
         if self.device.type == "cuda" and spec is not None:
             # The greedy verification kernel compiles here, not in the first step that verifies.
             # NOTE: imported here: it imports Triton, a heavy optional dependency that only CUDA
@@ -606,14 +609,10 @@ class ModelRunner:
             step = (counts, starts, qsl, input_ids, positions, slots, rows)
             verified = run_verify_graph(spec, *step, unknown, token_rows[unknown])
         if verified is None:
-            buffers.to_device(buffers.input_ids[:total], input_ids)
-            if len(unknown):
+            pos = positions if mm is None else mm.positions
+            buffers.copy_inputs(input_ids, pos, slots, qsl, seq_lens, block_table)
+            if len(unknown):  # (after the ids' copy: these overwrite their placeholders)
                 in_flight.fill_from_device(buffers, unknown, token_rows[unknown])
-            buffers.to_device(buffers.positions[:total], positions if mm is None else mm.positions)
-            buffers.to_device(buffers.slot_mapping[:total], slots)
-            buffers.to_device(buffers.query_start_loc[: num_reqs + 1], qsl.astype(np.int32))
-            buffers.to_device(buffers.seq_lens[:num_reqs], seq_lens.astype(np.int32))
-            buffers.to_device(buffers.block_table[:num_reqs, :max_blocks], block_table)
             common = CommonAttentionMetadata(
                 num_reqs=num_reqs,
                 num_actual_tokens=total,

@@ -351,15 +351,11 @@ def run_verify_graph(
     seq_lens = starts + q
     qsl_pad = r.arange[: n + 1] * q
     max_blocks = -(-int(seq_lens.max()) // r.block_size)
-    r.to_device(r.input_ids[: n * q], spread(input_ids))
+    table = spec.input_batch.block_table[rows, :max_blocks]
+    # (pads: slot 0 of block 0)
+    r.copy_inputs(spread(input_ids), spread(positions), spread(slots), qsl_pad, seq_lens, table)
     if unknown is not None and len(unknown):  # ids the last step sampled, still on the device
         spec.in_flight.fill_from_device(r, index[unknown], unknown_rows)
-    r.to_device(r.positions[: n * q], spread(positions))
-    r.to_device(r.slot_mapping[: n * q], spread(slots))  # pads: slot 0 of block 0
-    r.to_device(r.query_start_loc[: n + 1], qsl_pad.astype(np.int32))
-    r.to_device(r.seq_lens[:n], seq_lens.astype(np.int32))
-    table = spec.input_batch.block_table[rows, :max_blocks]
-    r.to_device(r.block_table[:n, :max_blocks], table)
     hidden = graphs.run(r.uniform_step(n, q, seq_lens), bucket)
     if total == n * q:  # every request has q tokens: no padding to drop
         return hidden[:total]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pagoda.attention.backend import CommonAttentionMetadata
+from pagoda.worker import step_inputs_kernel
 from pagoda.worker.pinned_stage import STAGED_DTYPES, PinnedStage
 
 
@@ -31,6 +32,8 @@ class StepBuffers:
     arange: np.ndarray  # 0 .. max(tokens, requests), int64, on the host
     # On CUDA, the page-locked staging regions host-to-device copies go through (None: CPU).
     stage: PinnedStage | None
+    # On CUDA, where :meth:`copy_inputs` copies a step's packed inputs (grown as needed).
+    packed: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -76,6 +79,44 @@ class StepBuffers:
         through page-locked memory (the launch's staging region, or a pinned block the allocator
         keeps until the copy has run)."""
         dst.copy_(self._host(src), non_blocking=True)
+
+    def copy_inputs(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+    ) -> None:
+        """A step's inputs into the first rows of their buffers (``block_table``: [requests,
+        columns], into the first columns): on CUDA in one copy and one kernel
+        (:mod:`pagoda.worker.step_inputs_kernel`), else each by :meth:`to_device`."""
+        n_tok, n_req = len(input_ids), len(seq_lens)
+        cols = block_table.shape[1]
+        if not step_inputs_kernel.available(self.device):
+            self.to_device(self.input_ids[:n_tok], input_ids)
+            self.to_device(self.positions[:n_tok], positions)
+            self.to_device(self.slot_mapping[:n_tok], slots)
+            self.to_device(self.query_start_loc[: n_req + 1], query_start_loc.astype(np.int32))
+            self.to_device(self.seq_lens[:n_req], seq_lens.astype(np.int32))
+            self.to_device(self.block_table[:n_req, :cols], block_table)
+            return
+        host = step_inputs_kernel.pack(
+            input_ids, positions, slots, query_start_loc, seq_lens, block_table
+        )
+        if self.packed is None or len(self.packed) < len(host):
+            self.packed = torch.empty(max(len(host), 4096), dtype=torch.int64, device=self.device)
+        self.to_device(self.packed[: len(host)], host)
+        out = (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.query_start_loc,
+            self.seq_lens,
+            self.block_table,
+        )
+        step_inputs_kernel.unpack(self.packed, out, n_tok, n_req, cols)
 
     def as_device(self, a: np.ndarray) -> torch.Tensor:
         """A new device tensor holding ``a``, copied like :meth:`to_device`."""
