@@ -144,6 +144,10 @@ class VerifiedBatch:
     token_ids: np.ndarray | None = None
 
 
+# ``Drafts.counts`` of at most this many requests runs a row at a time.
+_ROWS_IN_PYTHON = 4
+
+
 @dataclass
 class Drafts:
     """A proposer's answer: up to ``k`` draft tokens per request of the batch.
@@ -171,14 +175,27 @@ class Drafts:
         """[n] int64: how many leading drafts of each request are usable ids (capped). With
         ``k`` (``num_speculative_tokens``), more than ``k`` columns is a ``ValueError``."""
         ids = self.token_ids
-        want = f"[{len(max_num_drafts)}, <= {'k' if k is None else k}]"
-        if ids.ndim != 2 or ids.shape[0] != len(max_num_drafts):
-            raise ValueError(f"a proposer returned drafts of shape {ids.shape}; want {want}")
-        if k is not None and ids.shape[1] > k:
+        if (
+            ids.ndim != 2
+            or ids.shape[0] != len(max_num_drafts)
+            or (k is not None and ids.shape[1] > k)
+        ):
+            want = f"[{len(max_num_drafts)}, <= {'k' if k is None else k}]"
+            if ids.ndim != 2 or ids.shape[0] != len(max_num_drafts):
+                raise ValueError(f"a proposer returned drafts of shape {ids.shape}; want {want}")
             raise ValueError(
                 f"a proposer returned {ids.shape[1]} draft columns, more than "
                 f"speculative.num_speculative_tokens={k}; want {want}"
             )
+        if len(ids) <= _ROWS_IN_PYTHON:
+            # NOTE: a few requests (batch 1 above all): a row at a time in Python, where the
+            # arrays' five numpy calls cost more (this is on the host's critical path when
+            # drafts are proposed at launch).
+            out = []
+            for row, cap in zip(ids.tolist(), max_num_drafts.tolist()):
+                n = next((j for j, t in enumerate(row) if not 0 <= t < vocab_size), len(row))
+                out.append(min(n, cap))
+            return np.array(out, dtype=np.int64)
         ok = (ids >= 0) & (ids < vocab_size)
         leading = np.cumprod(ok, axis=1).sum(axis=1) if ids.shape[1] else np.zeros(len(ids))
         return np.minimum(leading.astype(np.int64), max_num_drafts)

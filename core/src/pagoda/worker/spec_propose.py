@@ -63,7 +63,8 @@ def propose(
                 feed.hold(step, held, np.asarray(n_tok)[held])
     if not any(ok_l):
         return
-    keep = np.flatnonzero(ok_l)
+    # (all kept, the usual case: the runner's arange, no array built from the list)
+    keep = spec.buffers.arange[: len(ok_l)] if all(ok_l) else np.flatnonzero(ok_l)
     num_tokens = np.asarray(n_tok, dtype=np.int64)
     max_drafts = np.asarray(most, dtype=np.int64)
     rows = step.sample_rows[keep]
