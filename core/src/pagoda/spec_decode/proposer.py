@@ -284,6 +284,16 @@ class SpeculativeProposer(ABC):
         tokens). It may keep per-request state between calls, keyed by ``req_ids``. Returns the
         :class:`Drafts` of the step."""
 
+    def settle(self) -> None:  # noqa: B027 (optional to override)
+        """Called by the runner once the step that ``propose``'s drafts were for is launched
+        (the device busy with it), and at the start of the next launch, before anything reads
+        ``resume_at``: the place for a proposer's bookkeeping of its last call (what it gave,
+        its pauses, its timing), off the host's critical path, which runs from reading the step
+        in flight to launching the next (at batch 1 every microsecond there is a microsecond of
+        the step). A proposer that defers work here also does it at the start of its next
+        ``propose`` and ``remove``, where ``settle`` was not called (a caller of its own).
+        Default: nothing."""
+
     def draft_after_verify(self, batch: VerifiedBatch) -> None:  # noqa: B027 (optional)
         """Called, for a proposer with ``needs_hidden_states`` or ``drafts_on_device``, in the
         launch of a step that verified drafts, right after verification and before the host

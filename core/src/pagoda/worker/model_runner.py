@@ -517,6 +517,7 @@ class ModelRunner:
         spec, in_flight, buffers = self.spec, self.in_flight, self.buffers
         if spec is not None:
             spec.verify_rows = None  # (set by this launch's padded verification graph)
+            spec.proposer.settle()  # (before anything reads its pauses)
         if in_flight.unread and in_flight.unread[-1].pending is not None:
             in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None
@@ -719,6 +720,10 @@ class ModelRunner:
         if out.pending is None:
             self._end_launch(out, bool(drafts))
         in_flight.launched(out)
+        if spec is not None:
+            # The proposer's bookkeeping of drafts proposed in this launch, now that the device
+            # runs the step they are for (``SpeculativeProposer.settle``).
+            spec.proposer.settle()
         return out
 
     def _stage_forward(self, total: int) -> torch.Tensor:

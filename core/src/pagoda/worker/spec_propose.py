@@ -34,6 +34,7 @@ def propose(
     drafts would be scheduled nowhere), and the hidden states it reads wait in the feed, the
     most recent ``HiddenFeed.max_hold`` positions of each request."""
     proposer = spec.proposer
+    proposer.settle()  # (its pauses, read below, as of its last call)
     ib = spec.input_batch
     if step.num_emitted is None or not len(step.sample_idx):
         return

@@ -158,6 +158,7 @@ def test_the_time_between_requests_is_not_a_step() -> None:
                 batch.req_ids = [f"req{r}"]
                 batch.max_num_drafts[:] = 1 + step % 8  # (counts that vary, 8 at the last)
                 given = int(p.propose(batch).counts(512, batch.max_num_drafts)[0])
+                p.settle()  # (as the runner does once the step is launched)
         assert given == 8  # (each request's last call gave 8 drafts)
         return p.adapt
 

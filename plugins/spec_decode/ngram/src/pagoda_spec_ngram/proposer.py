@@ -227,10 +227,12 @@ class NgramProposer(SpeculativeProposer):
                 f"num_speculative_tokens + 2 = {self.k + 2}"
             )
         self._ahead: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+        self._given: tuple | None = None  # the last call's, until ``settle`` records it
         self._pinned: list[torch.Tensor] | None = None  # (``_staging``, on CUDA)
         self._turn = 0
 
     def propose(self, batch: ProposalBatch) -> Drafts:
+        self.settle()  # (the last call's bookkeeping, where the runner did not ask for it)
         rows, num_tokens, caps = batch.rows, batch.num_tokens, batch.max_num_drafts
         end, match = ngram_match(batch.token_ids, rows, num_tokens, self.min_n, self.max_n, self.k)
         adapt = self.adapt
@@ -247,10 +249,21 @@ class NgramProposer(SpeculativeProposer):
         pause = self.pause
         # NOTE: with a request paused at the last call, steps may have run since without one.
         contiguous = seen and (pause is None or not pause.paused)
-        adapt.gave(rows, ids, match, num_tokens, contiguous=contiguous)
-        if pause is not None:
-            pause.update(batch.req_ids, num_tokens, ids[:, 0] >= 0, batch.slot_cost)
+        # What was given, the pauses and the step's timing are recorded in ``settle``: after
+        # the launch these drafts are for, off the host's critical path.
+        self._given = (rows, ids, match, num_tokens, contiguous, batch.req_ids, batch.slot_cost)
         return Drafts(ids)
+
+    def settle(self) -> None:
+        """Record the last call's drafts (scored at the next call), its step's time and its
+        requests' pauses."""
+        if self._given is None:
+            return
+        rows, ids, match, num_tokens, contiguous, req_ids, slot_cost = self._given
+        self._given = None
+        self.adapt.gave(rows, ids, match, num_tokens, contiguous=contiguous)
+        if self.pause is not None:
+            self.pause.update(req_ids, num_tokens, ids[:, 0] >= 0, slot_cost)
 
     def draft_after_verify(self, batch: VerifiedBatch) -> None:
         """With ``device_drafts``: each verified request's next ``k`` drafts, looked up on the
@@ -306,6 +319,7 @@ class NgramProposer(SpeculativeProposer):
         return got[1], got[2]
 
     def remove(self, req_ids: Iterable[str]) -> None:
+        self.settle()
         req_ids = list(req_ids)
         if self._ahead is not None and not set(req_ids).isdisjoint(self._ahead[0]):
             self._ahead = None

@@ -68,8 +68,10 @@ class SuffixProposer(SpeculativeProposer):
         self.cached_tokens = 0
         self.cost = DraftCost()
         self.pause = DraftPause(self.resume_at)
+        self._given: tuple | None = None  # the last call's, until ``settle`` records it
 
     def propose(self, batch: ProposalBatch) -> Drafts:
+        self.settle()  # (the last call's bookkeeping, where the runner did not ask for it)
         n, k = len(batch), self.k
         out = np.full((n, k), -1, dtype=np.int64)
         s = self.settings
@@ -96,9 +98,22 @@ class SuffixProposer(SpeculativeProposer):
         # NOTE: with a request paused at the last call, steps may have run since without one;
         # with a request new to it, the time since holds the gap between requests.
         contiguous = known == n and not self.pause.paused
-        self.cost.step(n, given, gained / known if known else None, contiguous=contiguous)
-        self.pause.update(batch.req_ids, batch.num_tokens, out[:, 0] >= 0, batch.slot_cost)
+        # The step's timing and the pauses are recorded in ``settle``: after the launch these
+        # drafts are for, off the host's critical path.
+        gained = gained / known if known else None
+        found = out[:, 0] >= 0
+        self._given = (n, given, gained, contiguous, batch.req_ids, batch.num_tokens, found,
+                       batch.slot_cost)  # fmt: skip
         return Drafts(out)
+
+    def settle(self) -> None:
+        """Record the last call's step time and its requests' pauses."""
+        if self._given is None:
+            return
+        n, given, gained, contiguous, req_ids, num_tokens, found, slot_cost = self._given
+        self._given = None
+        self.cost.step(n, given, gained, contiguous=contiguous)
+        self.pause.update(req_ids, num_tokens, found, slot_cost)
 
     def _catch_up(
         self, req_id: str, batch: ProposalBatch, i: int, longest: int
@@ -126,6 +141,7 @@ class SuffixProposer(SpeculativeProposer):
     def remove(self, req_ids: Iterable[str]) -> None:
         """Forget the requests; their outputs join the global tree (a request that comes back
         after preemption replaces its earlier entry when it leaves again)."""
+        self.settle()
         req_ids = list(req_ids)
         self.pause.forget(req_ids)
         for req_id in req_ids:
