@@ -4,7 +4,8 @@
 every call: tens of microseconds of Python, as much as some kernels run. A kernel launched once
 or more a step on a host-bound engine (a grammar's bitmask, the wait for a matcher process) pays
 that every step. ``CachedLaunch`` launches through the compiled kernel of the first JIT launch
-made with the same ``key``; the caller's key must hold everything the JIT specialises on for
+made with the same ``key``, and with that launch's grid; the caller's key must hold the grid
+and everything the JIT specialises on for
 those arguments (dtypes, the 16-byte alignment of pointers, the value of integer arguments
 unless the kernel is declared with ``do_not_specialize`` for them), and ``args`` must give every
 parameter of the kernel, constexprs included, in order.

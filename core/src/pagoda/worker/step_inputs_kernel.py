@@ -133,7 +133,8 @@ def unpack(
     total = 3 * n_tok + 2 * n_req + 1 + n_req * cols
     grid = (triton.cdiv(total, _BLOCK),)
     args = (packed, ids, pos, slots, qsl, seq_lens, table, n_tok, n_req, cols, table.stride(0))
-    _launch((packed.device.index,), grid, (*args, total, _BLOCK), num_warps=4)
+    # NOTE: the key holds the grid: a cached launch replays the grid it was first bound with.
+    _launch((grid[0], packed.device.index), grid, (*args, total, _BLOCK), num_warps=4)
 
 
 def warm(device: torch.device) -> None:
