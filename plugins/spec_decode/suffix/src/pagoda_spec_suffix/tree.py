@@ -73,9 +73,39 @@ class SuffixTree:
         return [child(0, token), *(child(node, token) for node in cursor[: self.depth - 1])]
 
     def add(self, tokens: Iterable[int], cursor: list[int] | None = None) -> list[int]:
+        """:meth:`extend` by each of ``tokens`` in turn (from ``cursor``, default the empty
+        context); returns the last cursor. The same steps as :meth:`_child`'s, inlined: this
+        runs for every token a request gains, ``depth`` steps each, on the host's critical path
+        at batch 1 (a verification that accepts 8 drafts adds 9 tokens: some 290 steps)."""
         cursor = [] if cursor is None else cursor
+        edges, count, total, best, best_tok = (
+            self.edges, self.count, self.total, self.best, self.best_tok
+        )  # fmt: skip
+        free, keep = self.free, self.depth - 1
         for t in tokens:
-            cursor = self.extend(cursor, t)
+            new = []
+            for node in (0, *cursor[:keep]):
+                key = node * _KEY + t
+                child = edges.get(key)
+                if child is None:
+                    if free:
+                        child = free.pop()
+                        count[child] = total[child] = 0
+                        best[child] = best_tok[child] = NONE
+                    else:
+                        child = len(count)
+                        count.append(0)
+                        total.append(0)
+                        best.append(NONE)
+                        best_tok.append(NONE)
+                    edges[key] = child
+                c = count[child] = count[child] + 1
+                total[node] += 1
+                b = best[node]
+                if b == NONE or (b != child and c > count[b]):
+                    best[node], best_tok[node] = child, t
+                new.append(child)
+            cursor = new
         return cursor
 
     def remove(self, tokens: Sequence[int]) -> None:
