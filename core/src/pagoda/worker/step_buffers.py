@@ -8,7 +8,7 @@ graphs, the profiling pass and a verification launched ahead read and write the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,8 @@ class StepBuffers:
     stage: PinnedStage | None
     # On CUDA, where :meth:`copy_inputs` copies a step's packed inputs (grown as needed).
     packed: torch.Tensor | None = None
+    # :meth:`uniform_step`'s views of the buffers, by (requests, tokens a request)
+    _uniform: dict = field(default_factory=dict)
 
     @classmethod
     def allocate(
@@ -139,16 +141,30 @@ class StepBuffers:
         """A step of ``n`` requests of ``q`` tokens each whose inputs are in these buffers (a
         decode or verification graph's); ``seq_lens`` [n] on the host (an upper bound where no
         backend re-plans before a replay)."""
+        # (the views made once per shape: slicing four tensors is host time on a batch-1
+        # verification's critical path)
+        views = self._uniform.get((n, q))
+        if views is None:
+            qsl_cpu = self.arange[: n + 1] * q
+            qsl_cpu.setflags(write=False)
+            views = self._uniform[(n, q)] = (
+                self.query_start_loc[: n + 1],
+                self.seq_lens[:n],
+                self.block_table[:n],
+                self.slot_mapping[: n * q],
+                qsl_cpu,
+            )
+        qsl, lens, table, slots, qsl_cpu = views
         return CommonAttentionMetadata(
             num_reqs=n,
             num_actual_tokens=n * q,
             max_query_len=q,
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_table=self.block_table[:n],
-            slot_mapping=self.slot_mapping[: n * q],
-            query_start_loc_cpu=self.arange[: n + 1] * q,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            block_table=table,
+            slot_mapping=slots,
+            query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens,
             block_size=self.block_size,
         )
