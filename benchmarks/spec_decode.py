@@ -434,7 +434,9 @@ _GPU_SUITE = [
 
 def _timeline(engines: dict[str, LLM], batch: list[dict], params: SamplingParams) -> dict:
     """One more pass of ``batch`` on each engine under torch's profiler: the device's busy and
-    idle time, and the host work it waited for (:mod:`pagoda.bench.timeline`)."""
+    idle time, and the host work it waited for (:mod:`pagoda.bench.timeline`; on the
+    benchmark's own prompts, where ``benchmarks/eagle_host_time.py --trace`` runs random
+    weights)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import pagoda.worker.model_runner as model_runner

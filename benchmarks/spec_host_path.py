@@ -8,6 +8,10 @@ waited and verified (``time.perf_counter_ns`` around the runner's functions; no 
 own cost would swamp them) and reports medians in microseconds, with ``read_to_replay``: from the
 read's end to the graph's replay, the host's share of the step.
 
+``benchmarks/eagle_host_time.py --method ngram --accept-all`` times the same functions, summed
+over whole runs and compared across variants; this one times them per launch and finds the
+window the device waits through.
+
 The model is random SmolLM2-135M weights whose final norm is zero (``--all-accepted`` of
 ``benchmarks/spec_decode.py``): greedy output repeats one token, every draft is accepted, so
 every step verifies. On a GPU: verification graphs are captured on CUDA only, so on a CPU no
