@@ -201,6 +201,51 @@ def check_proposer_case(
     return drafts
 
 
+def check_settle(
+    cls: type[SpeculativeProposer],
+    config: SpeculativeConfig,
+    device="cpu",
+    target: Callable[[ProposerContext], TargetModel] | None = None,
+    steps: int = 6,
+) -> None:
+    """Drafts must not depend on whether ``settle`` is called between calls: two proposers,
+    one settled after each ``propose`` (twice, as the runner may), the other never, propose
+    for the same requests over ``steps`` calls whose histories grow by some of the drafts and
+    a token after; their drafts agree at every call, and their ``resume_at`` once both are
+    settled."""
+    ctxs = [make_context(config, device) for _ in range(2)]
+    props = [_build(cls, ctx) for ctx in ctxs]
+    if target is not None:
+        for p, ctx in zip(props, ctxs):
+            p.bind_target(target(ctx))
+    case = proposer_cases()[2]
+    histories = [list(h) for h in case.histories]
+    k = ctxs[0].num_speculative_tokens
+    for step in range(steps):
+        got = []
+        for settled, (p, ctx) in enumerate(zip(props, ctxs)):
+            batch = make_batch(ProposerCase(case.name, histories, case.rows), ctx,
+                               p.hidden_state_layers)  # fmt: skip
+            drafts = p.propose(batch)
+            if settled == 0:
+                p.settle()
+                p.settle()
+            n = drafts.counts(ctx.vocab_size, batch.max_num_drafts, k)
+            got.append([drafts.token_ids[i, : n[i]].tolist() for i in range(len(n))])
+        if got[0] != got[1]:
+            raise AssertionError(
+                f"call {step}: drafts {got[0]} with settle() after each call, {got[1]} without:"
+                " a proposer must settle what it deferred at the start of its next propose"
+            )
+        for i, d in enumerate(got[0]):  # half of the drafts accepted, then a token of its own
+            histories[i] += d[: (len(d) + 1) // 2] + [(step * 7 + i) % VOCAB]
+    props[1].settle()
+    if props[0].resume_at != props[1].resume_at:
+        raise AssertionError(
+            f"resume_at {props[0].resume_at} settled after each call, {props[1].resume_at} not"
+        )
+
+
 def check_drafts_ahead(
     cls: type[SpeculativeProposer],
     config: SpeculativeConfig,

@@ -24,6 +24,7 @@ from pagoda.testing.spec_decode import (
     ProposerCase,
     check_drafts_ahead,
     check_proposer_case,
+    check_settle,
     proposer_cases,
 )
 
@@ -65,6 +66,12 @@ class SpeculativeProposerConformance:
         cls = self.proposer_class()
         drafts = check_proposer_case(cls, self.config, case, self.device, self._target())
         assert (drafts.token_ids[:, :1] >= 0).any(), "no draft for a history that repeats"
+
+    def test_settle_changes_no_draft(self) -> None:
+        cls = self.proposer_class()
+        if cls.settle is SpeculativeProposer.settle:
+            pytest.skip("this proposer defers nothing (settle not overridden)")
+        check_settle(cls, self.config, self.device, self._target())
 
     def test_drafts_promised_ahead_are_the_drafts_proposed(self) -> None:
         cls = self.proposer_class()
