@@ -292,7 +292,7 @@ class SpeculativeProposer(ABC):
         in flight to launching the next (at batch 1 every microsecond there is a microsecond of
         the step). A proposer that defers work here also does it at the start of its next
         ``propose`` and ``remove``, where ``settle`` was not called (a caller of its own).
-        Default: nothing."""
+        Returns nothing; the default does nothing."""
 
     def draft_after_verify(self, batch: VerifiedBatch) -> None:  # noqa: B027 (optional)
         """Called, for a proposer with ``needs_hidden_states`` or ``drafts_on_device``, in the
