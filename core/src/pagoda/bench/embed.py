@@ -208,6 +208,8 @@ def _profile(
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from pagoda.bench.timeline import busy_and_gaps
+
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -239,15 +241,9 @@ def _profile(
             and e.name != "pagoda.bench.embed"
             and not e.name.startswith(PHASE)
         )
-        busy, lo, hi = 0, spans[0][0], spans[0][1]
-        gaps = []
-        for s, e, name in spans[1:]:
-            if s > hi:
-                busy += hi - lo
-                gaps.append((s - hi, hi, name))
-                lo = s
-            hi = max(hi, e)
-        busy += hi - lo
+        busy, between = busy_and_gaps(spans)
+        hi = max(e for _, e, _ in spans)
+        gaps = [(b - a, a, name) for a, b, name in between]
         out.update(
             device_busy_ms=round(busy / 1e3, 2),
             device_idle_ms=round((hi - spans[0][0] - busy) / 1e3, 2),
@@ -281,38 +277,21 @@ def _profile(
 PHASE = "pagoda.bench.embed."
 
 
-@contextlib.contextmanager
 def _host_phases(engine: Any) -> Any:
     """Each step's phases on the host (the scheduler's ``schedule`` and ``after_launch``, the
     executor's ``launch``, reading a step's output) as profiler ranges, while the block runs;
     an engine whose core runs in another process has none."""
-    from torch.profiler import record_function
+    from pagoda.bench.timeline import annotated
 
     core = engine.engine_core
+    scheduler, executor = getattr(core, "scheduler", None), getattr(core, "executor", None)
     targets = [
-        (getattr(core, "scheduler", None), ("schedule", "after_launch")),
-        (getattr(core, "executor", None), ("launch",)),
-        (core, ("_finish",)),
+        (scheduler, "schedule", "schedule"),
+        (scheduler, "after_launch", "after_launch"),
+        (executor, "launch", "launch"),
+        (core, "_finish", "finish"),
     ]
-    patched = []
-
-    def ranged(name: str, fn: Any) -> Any:
-        def call(*a: Any, **k: Any) -> Any:
-            with record_function(PHASE + name.lstrip("_")):
-                return fn(*a, **k)
-
-        return call
-
-    for obj, names in targets:
-        for name in names:
-            if obj is not None and hasattr(obj, name):
-                setattr(obj, name, ranged(name, getattr(obj, name)))
-                patched.append((obj, name))
-    try:
-        yield
-    finally:
-        for obj, name in patched:
-            delattr(obj, name)  # (the class's method again)
+    return annotated(targets, prefix=PHASE)
 
 
 def _phase_at(ranges: list[tuple[int, int, str]], at: int) -> str | None:

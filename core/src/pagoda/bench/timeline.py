@@ -20,15 +20,15 @@ PREFIX = "pagoda.timeline."
 
 
 @contextlib.contextmanager
-def annotated(targets: list[tuple[Any, str, str]]) -> Iterator[None]:
+def annotated(targets: list[tuple[Any, str, str]], prefix: str = PREFIX) -> Iterator[None]:
     """Each ``(owner, attribute, label)``'s callable (a method of an object or a class, or a
-    module's function) runs inside a profiler range ``PREFIX + label`` while the block runs;
-    owners lacking the attribute are left out."""
+    module's function) runs inside a profiler range ``prefix + label`` while the block runs;
+    owners that are None or lack the attribute are left out."""
     from torch.profiler import record_function
 
     def ranged(label: str, fn: Any) -> Any:
         def call(*a: Any, **k: Any) -> Any:
-            with record_function(PREFIX + label):
+            with record_function(prefix + label):
                 return fn(*a, **k)
 
         return call
@@ -78,17 +78,10 @@ def device_timeline(events: Any, call: str, top: int = 12) -> dict[str, Any]:
     out: dict[str, Any] = {"wall_ms": round((end - start) / 1e3, 3)}
     if not device:
         return out
-    busy, lo, hi = 0, device[0][0], device[0][1]
-    gaps = []
-    for s, e, _ in device[1:]:
-        if s > hi:
-            busy += hi - lo
-            gaps.append((hi, s))
-            lo = s
-        hi = max(hi, e)
-    busy += hi - lo
+    busy, gaps = busy_and_gaps(device)
+    hi = max(e for _, e, _ in device)
     idle: dict[str, float] = {}
-    for a, b in gaps:
+    for a, b, _ in gaps:
         for label, us in _split(ranges, a, b):
             idle[label] = idle.get(label, 0.0) + us
     kernels: dict[str, list[float]] = {}
@@ -110,6 +103,20 @@ def device_timeline(events: Any, call: str, top: int = 12) -> dict[str, Any]:
         ],
     )
     return out
+
+
+def busy_and_gaps(spans: list[tuple[int, int, str]]) -> tuple[int, list[tuple[int, int, str]]]:
+    """Over ``spans`` (``(start, end, name)``, sorted by start, at least one): the time their
+    union covers, and each gap in it as ``(gap start, gap end, name of the span after it)``."""
+    busy, lo, hi = 0, spans[0][0], spans[0][1]
+    gaps = []
+    for s, e, name in spans[1:]:
+        if s > hi:
+            busy += hi - lo
+            gaps.append((hi, s, name))
+            lo = s
+        hi = max(hi, e)
+    return busy + hi - lo, gaps
 
 
 def _split(ranges: list[tuple[int, int, str]], a: int, b: int) -> list[tuple[str, float]]:

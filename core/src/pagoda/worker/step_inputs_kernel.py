@@ -99,13 +99,7 @@ def pack(
     table: np.ndarray,
 ) -> np.ndarray:
     """The six arrays as one int64 array, in the kernel's order."""
-    parts = (ids, positions, slots, qsl, seq_lens, table.reshape(-1))
-    out = np.empty(sum(len(p) for p in parts), dtype=np.int64)
-    at = 0
-    for p in parts:
-        out[at : at + len(p)] = p
-        at += len(p)
-    return out
+    return np.concatenate((ids, positions, slots, qsl, seq_lens, table.reshape(-1)), dtype=np.int64)
 
 
 def unpack_torch(
