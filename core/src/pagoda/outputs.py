@@ -69,13 +69,40 @@ class PoolingRequestOutput:
     prompt: str | None = None
 
 
-@dataclass
 class EmbeddingOutput:
-    embedding: list[float]
+    """One embedding: ``data`` as the engine made it (a float32 numpy array, or the sequence
+    given), and ``embedding`` (vLLM's list of floats), made from it when first read.
+
+    NOTE: the list is not made up front: a thousand Python floats a prompt cost the host more
+    than the device's step of that prompt's tokens (made, then walked by the collector and
+    freed), and a caller that takes the array (``data``, as sentence-transformers returns)
+    pays none of it."""
+
+    __slots__ = ("data", "_list")
+
+    def __init__(self, embedding: Any) -> None:
+        self.data = embedding
+        self._list = embedding if isinstance(embedding, list) else None
+
+    @property
+    def embedding(self) -> list[float]:
+        if self._list is None:
+            self._list = self.data.tolist()
+        return self._list
 
     @property
     def hidden_size(self) -> int:
-        return len(self.embedding)
+        return len(self.data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EmbeddingOutput):
+            return NotImplemented
+        return self.embedding == other.embedding
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable, compared by value: as a dataclass)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(embedding={self.embedding!r})"
 
 
 @dataclass

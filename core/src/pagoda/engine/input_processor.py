@@ -144,7 +144,10 @@ class InputProcessor:
                 "a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}; got "
                 f"{type(prompt).__name__}"
             )
-        return ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
+        ids = prompt["prompt_token_ids"]
+        # NOTE: a list is taken as given (the engine never changes a prompt's ids): a copy is a
+        # new object the collector walks, 512 references a prompt, at the call's end.
+        return ProcessedPrompt(prompt.get("prompt"), ids if type(ids) is list else list(ids))
 
     def _check_ids(self, ids: list[int]) -> None:
         _check_token_ids(ids, self.info.shape.vocab_size)

@@ -319,7 +319,7 @@ class LLM:
 
 def _embedding_output(o: PoolingRequestOutput) -> EmbeddingRequestOutput:
     return EmbeddingRequestOutput(
-        o.request_id, EmbeddingOutput(o.outputs.data.tolist()), o.prompt_token_ids
+        o.request_id, EmbeddingOutput(o.outputs.data), o.prompt_token_ids
     )
 
 

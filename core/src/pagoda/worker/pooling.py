@@ -37,7 +37,10 @@ class PooledStep:
     flat: torch.Tensor
 
     def split(self) -> dict[str, np.ndarray]:
-        data = self.flat.numpy()
+        """Each request's output: views of one copy of the step's outputs (the copy lets the
+        page-locked buffer go back to the allocator, not held as long as a caller keeps an
+        output)."""
+        data = self.flat.numpy().copy()
         out, start = {}, 0
         for rid, shape in zip(self.req_ids, self.shapes):
             n = int(np.prod(shape))
