@@ -168,7 +168,8 @@ def test_throughput_is_three_times_sentence_transformers(embedder, qwen3_dir) ->
         f"embed 256x512: pagoda {pagoda_s:.3f} s ({tokens / pagoda_s:.0f} tok/s), "
         f"sentence-transformers {st_s:.3f} s ({tokens / st_s:.0f} tok/s), "
         f"ratio {st_s / pagoda_s:.2f}, min cosine {cos.min():.4f}; runs (s): pagoda "
-        f"{[round(r, 4) for r in pagoda_runs]}, sentence-transformers {[round(r, 4) for r in st_runs]}"
+        f"{[round(r, 4) for r in pagoda_runs]}, "
+        f"sentence-transformers {[round(r, 4) for r in st_runs]}"
     )
     assert cos.min() > 0.99
     assert st_s / pagoda_s >= 3.0
