@@ -11,6 +11,9 @@ Python literals (``True``/``False`` by default)::
     python benchmarks/embed_ab.py --toggle pagoda.ops.triton_gated_gemm:LAUNCH \\
         --values "(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 128, 8, 2, 8)"
 
+``--call llm`` times ``LLM.embed`` (with its outputs, as the issue's GPU test times it) instead
+of the engine's steps as ``pagoda bench embed`` runs them.
+
 It prints each setting's median wall and its ratio to the first's (above 1 when the first is
 faster), and saves them with the clocks seen (``nvidia-smi``, where there is one) to
 ``benchmarks/results/`` (or ``--output-json``). On a CPU it runs too (``--device cpu``, a small
@@ -52,6 +55,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--attention-backend", default=None, help="default: the engine's choice")
     p.add_argument("--device", default=None, help="default: cuda where there is one")
+    p.add_argument(
+        "--call",
+        choices=("loop", "llm"),
+        default="loop",
+        help="what is timed: the engine's steps as `pagoda bench embed` runs them (loop), or "
+        "LLM.embed with its outputs, as the issue's GPU test times it (llm)",
+    )
     p.add_argument("--reps", type=int, default=10, help="calls of each setting")
     p.add_argument("--warm-s", type=float, default=2.0, help="seconds of calls before timing")
     p.add_argument("--output-json", default=None)
@@ -91,6 +101,16 @@ def main(argv: list[str] | None = None) -> dict:
         # New prompts every call: no prefix-cache hits.
         return rng.integers(10, vocab, (n, args.input_len)).tolist()
 
+    def batch(ids: list[list[int]]) -> list:
+        # (LLM.embed's prompts built before the clock starts)
+        return [{"prompt_token_ids": x} for x in ids] if args.call == "llm" else ids
+
+    def embed(prompts: list) -> None:
+        if args.call == "llm":
+            llm.embed(prompts, use_tqdm=False)
+        else:
+            _embed(engine, prompts)
+
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -101,19 +121,19 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for v in values:  # each setting's kernels compiled before anything is timed
             setattr(mod, attr, v)
-            _embed(engine, prompts(min(args.num_prompts, 64)))
+            embed(batch(prompts(min(args.num_prompts, 64))))
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < args.warm_s:
-            _embed(engine, prompts())
+            embed(batch(prompts()))
         with ClockWatch(device.index or 0, enabled=device.type == "cuda") as watch:
             for i in range(args.reps):
                 order = list(zip(names, values))
                 for name, v in order if i % 2 == 0 else order[::-1]:
                     setattr(mod, attr, v)
-                    ids = prompts()
+                    ids = batch(prompts())
                     sync()
                     t = time.perf_counter()
-                    _embed(engine, ids)
+                    embed(ids)
                     sync()
                     walls[name].append(time.perf_counter() - t)
     finally:
@@ -123,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "embed_ab",
         "toggle": args.toggle,
+        "call": args.call,
         "config": Path(args.config).name,
         "device": str(device),
         "hardware": hardware(device),

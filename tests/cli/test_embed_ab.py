@@ -86,3 +86,28 @@ def test_a_setting_that_does_not_exist_or_fewer_than_two_values_are_named() -> N
     for bad in ("True", "(1, 2", "[4]"):
         with pytest.raises(SystemExit, match="two or more Python literals"):
             _script().main(["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE", "--values", bad])
+
+
+def test_call_llm_times_llm_embed(tmp_path, monkeypatch) -> None:
+    """``--call llm`` times ``LLM.embed`` (the issue's GPU test's call), its prompts built
+    before the clock starts; the default times the engine's steps alone."""
+    from pagoda import LLM
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    calls: list[int] = []
+    real = LLM.embed
+
+    def spy(self, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        assert all(set(p) == {"prompt_token_ids"} for p in prompts)
+        return real(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "embed", spy)
+    argv = ["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE", "--config", str(TINY)]
+    argv += ["--device", "cpu", "--num-prompts", "3", "--input-len", "8", "--max-model-len", "64"]
+    argv += ["--reps", "2", "--warm-s", "0", "--output-json", str(tmp_path / "ab.json")]
+    report = _script().main(argv + ["--call", "llm"])
+    assert report["call"] == "llm"
+    assert calls == [3] * 6  # a warm-up call a setting, then two of each
+    calls.clear()
+    assert _script().main(argv)["call"] == "loop" and calls == []
