@@ -2,6 +2,7 @@
 a pooling step's outputs copied out of the page-locked buffer they came back in."""
 
 import numpy as np
+import pytest
 import torch
 
 from pagoda.outputs import EmbeddingOutput
@@ -27,8 +28,9 @@ def test_an_embedding_given_as_a_list_stays_that_list() -> None:
     assert repr(out) == "EmbeddingOutput(embedding=[1.0, 2.0])"
 
 
-def test_pooled_outputs_do_not_share_the_steps_buffer() -> None:
-    flat = torch.arange(6, dtype=torch.float32)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_pooled_outputs_do_not_share_the_steps_page_locked_buffer() -> None:
+    flat = torch.arange(6, dtype=torch.float32).pin_memory()
     step = PooledStep(["a", "b"], [(2,), (2, 2)], flat)
     out = step.split()
     assert out["a"].tolist() == [0.0, 1.0]
@@ -36,3 +38,9 @@ def test_pooled_outputs_do_not_share_the_steps_buffer() -> None:
     flat.fill_(-1)  # (the buffer reused by a later step)
     assert out["a"].tolist() == [0.0, 1.0]
     assert not np.shares_memory(out["b"], flat.numpy())
+
+
+def test_pooled_outputs_of_a_cpu_step_are_views_of_it() -> None:
+    flat = torch.arange(4, dtype=torch.float32)  # (a CPU step's own tensor: nothing reuses it)
+    out = PooledStep(["a", "b"], [(2,), (2,)], flat).split()
+    assert out["b"].tolist() == [2.0, 3.0] and np.shares_memory(out["a"], flat.numpy())

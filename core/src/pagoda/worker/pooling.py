@@ -37,10 +37,12 @@ class PooledStep:
     flat: torch.Tensor
 
     def split(self) -> dict[str, np.ndarray]:
-        """Each request's output: views of one copy of the step's outputs (the copy lets the
-        page-locked buffer go back to the allocator, not held as long as a caller keeps an
-        output)."""
-        data = self.flat.numpy().copy()
+        """Each request's output: views of the step's outputs, copied once out of a page-locked
+        buffer (which then goes back to the allocator for the next step's copy, not held as
+        long as a caller keeps an output)."""
+        data = self.flat.numpy()
+        if self.flat.is_pinned():
+            data = data.copy()
         out, start = {}, 0
         for rid, shape in zip(self.req_ids, self.shapes):
             n = int(np.prod(shape))
