@@ -51,20 +51,27 @@ def _norm_rotate(h: torch.Tensor, w: torch.Tensor, eps: float, cos, sin) -> torc
     return torch.cat((h1 * cos - h2 * sin, h2 * cos + h1 * sin), dim=-1)
 
 
+def _qkv_inputs(m: int, k: int, heads: int, d: int, seed: int):
+    """A step's rows ``x`` [m, k], a qkv weight of ``heads`` heads of ``d``, the q and k norms'
+    weights (different: a kernel giving k's heads q's weight fails) and a rotary table."""
+    from pagoda.models.layers import RotaryEmbedding
+
+    x, w = _rand(m, k, seed=seed), _rand(heads * d, k, seed=seed + 1, scale=k**-0.5)
+    wq = (1 + _rand(d, seed=seed + 2, scale=0.5)).to(F16)
+    wk = (0.5 + _rand(d, seed=seed + 3, scale=0.5)).to(F16)
+    return x, w, wq, wk, RotaryEmbedding(d, 4096, 10000.0).to(DEVICE)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_qkv_norm_rotary_kernel_matches_float64(head_dim: int) -> None:
     """q and k heads normalised with their own weights and rotated at each row's position, v
     heads as projected. The two norms' weights differ (a kernel giving k's heads q's weight, or
     none, fails), and the positions are far apart (a kernel that skipped the rotation fails)."""
-    from pagoda.models.layers import RotaryEmbedding
     from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
 
     m, k, qh, kvh, eps = 200, 128, 4, 2, 1e-6
     heads = qh + 2 * kvh
-    x, w = _rand(m, k, seed=2), _rand(heads * head_dim, k, seed=3, scale=k**-0.5)
-    wq = (1 + _rand(head_dim, seed=4, scale=0.5)).to(F16)
-    wk = (0.5 + _rand(head_dim, seed=5, scale=0.5)).to(F16)
-    rot = RotaryEmbedding(head_dim, 4096, 10000.0).to(DEVICE)
+    x, w, wq, wk, rot = _qkv_inputs(m, k, heads, head_dim, seed=2)
     pos = torch.randint(0, 4096, (m,), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     got = qkv_norm_rotary_triton(x, w, qh, kvh, head_dim, wq, wk, eps, pos, rot.cos, rot.sin)
     assert got.shape == (m, heads * head_dim) and got.dtype == F16
@@ -88,15 +95,11 @@ def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does() -> Non
     of order, a padded row's slot -1 writing nothing), bit for bit what ``write_kv_cache``
     stores from the projection's keys and values; the projection's output is unchanged."""
     from pagoda.attention.backend import write_kv_cache
-    from pagoda.models.layers import RotaryEmbedding
     from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
 
     m, k, qh, kvh, d, eps, page = 200, 128, 4, 2, 64, 1e-6, 16
     heads = qh + 2 * kvh
-    x, w = _rand(m, k, seed=7), _rand(heads * d, k, seed=8, scale=k**-0.5)
-    wq = (1 + _rand(d, seed=9, scale=0.5)).to(F16)
-    wk = (0.5 + _rand(d, seed=10, scale=0.5)).to(F16)
-    rot = RotaryEmbedding(d, 4096, 10000.0).to(DEVICE)
+    x, w, wq, wk, rot = _qkv_inputs(m, k, heads, d, seed=7)
     gen = torch.Generator().manual_seed(11)
     pos = torch.randint(0, 4096, (m,), generator=gen).to(DEVICE)
     blocks = torch.randperm(40, generator=gen)[: -(-m // page)]
@@ -133,15 +136,10 @@ def test_qkv_norm_rotary_tma_store_of_gapless_tiles(monkeypatch) -> None:
     (128 rows each, the last cut short), only the first runs on: the second's slots jump
     between blocks, the third holds a padding slot (-1), and the fourth ends past the step's
     rows; those scatter, as the count of scattered tiles shows."""
-    from pagoda.models.layers import RotaryEmbedding
     from pagoda.ops import triton_qkv_norm_rotary as fused
 
     m, k, qh, kvh, d, eps, page = 428, 64, 2, 2, 64, 1e-6, 16
-    heads = qh + 2 * kvh
-    x, w = _rand(m, k, seed=12), _rand(heads * d, k, seed=13, scale=k**-0.5)
-    wq = (1 + _rand(d, seed=14, scale=0.5)).to(F16)
-    wk = (0.5 + _rand(d, seed=15, scale=0.5)).to(F16)
-    rot = RotaryEmbedding(d, 4096, 10000.0).to(DEVICE)
+    x, w, wq, wk, rot = _qkv_inputs(m, k, qh + 2 * kvh, d, seed=12)
     pos = torch.arange(m, device=DEVICE) * 7
     run = torch.arange(128)
     slots = torch.cat(
