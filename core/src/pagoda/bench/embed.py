@@ -241,8 +241,7 @@ def _profile(
             and e.name != "pagoda.bench.embed"
             and not e.name.startswith(PHASE)
         )
-        busy, between = busy_and_gaps(spans)
-        hi = max(e for _, e, _ in spans)
+        busy, hi, between = busy_and_gaps(spans)
         gaps = [(b - a, a, name) for a, b, name in between]
         out.update(
             device_busy_ms=round(busy / 1e3, 2),

@@ -78,8 +78,7 @@ def device_timeline(events: Any, call: str, top: int = 12) -> dict[str, Any]:
     out: dict[str, Any] = {"wall_ms": round((end - start) / 1e3, 3)}
     if not device:
         return out
-    busy, gaps = busy_and_gaps(device)
-    hi = max(e for _, e, _ in device)
+    busy, hi, gaps = busy_and_gaps(device)
     idle: dict[str, float] = {}
     for a, b, _ in gaps:
         for label, us in _split(ranges, a, b):
@@ -105,9 +104,12 @@ def device_timeline(events: Any, call: str, top: int = 12) -> dict[str, Any]:
     return out
 
 
-def busy_and_gaps(spans: list[tuple[int, int, str]]) -> tuple[int, list[tuple[int, int, str]]]:
+def busy_and_gaps(
+    spans: list[tuple[int, int, str]],
+) -> tuple[int, int, list[tuple[int, int, str]]]:
     """Over ``spans`` (``(start, end, name)``, sorted by start, at least one): the time their
-    union covers, and each gap in it as ``(gap start, gap end, name of the span after it)``."""
+    union covers, where it ends, and each gap in it as ``(gap start, gap end, name of the span
+    after it)``."""
     busy, lo, hi = 0, spans[0][0], spans[0][1]
     gaps = []
     for s, e, name in spans[1:]:
@@ -116,7 +118,7 @@ def busy_and_gaps(spans: list[tuple[int, int, str]]) -> tuple[int, list[tuple[in
             gaps.append((hi, s, name))
             lo = s
         hi = max(hi, e)
-    return busy + hi - lo, gaps
+    return busy + hi - lo, hi, gaps
 
 
 def _split(ranges: list[tuple[int, int, str]], a: int, b: int) -> list[tuple[str, float]]:
