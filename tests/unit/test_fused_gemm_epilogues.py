@@ -90,12 +90,20 @@ def test_qkv_norm_rotary_kernel_matches_float64(head_dim: int) -> None:
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 4e-3).all()
 
 
-def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does() -> None:
+@pytest.mark.parametrize("wide", [False, True], ids=["32-bit", "64-bit"])
+def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does(
+    wide: bool, monkeypatch
+) -> None:
     """With a KV cache, each row's key and value heads also land in its slot (blocks taken out
     of order, a padded row's slot -1 writing nothing), bit for bit what ``write_kv_cache``
-    stores from the projection's keys and values; the projection's output is unchanged."""
+    stores from the projection's keys and values; the projection's output is unchanged. Slots'
+    offsets are 32-bit below ``WIDE_PLANE`` elements a plane, 64-bit from it on."""
     from pagoda.attention.backend import write_kv_cache
+    from pagoda.ops import triton_qkv_norm_rotary as fused
     from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
+
+    if wide:
+        monkeypatch.setattr(fused, "WIDE_PLANE", 0)
 
     m, k, qh, kvh, d, eps, page = 200, 128, 4, 2, 64, 1e-6, 16
     heads = qh + 2 * kvh
@@ -192,12 +200,23 @@ from triton.compiler import ASTSource
 from pagoda.ops import triton_gated_gemm as gg, triton_qkv_norm_rotary as fq
 
 def shared(fn, sig, const, warps, stages):
+    # (shared memory, bytes of register spills a thread) of the kernel compiled for sm_90
+    import re, subprocess, tempfile
+    import triton.backends.nvidia.compiler as nvidia
+
     names = fn.arg_names
     signature = {n: "constexpr" if n in const else sig[n] for n in names}
     constexprs = {(names.index(n),): v for n, v in const.items()}
     source = ASTSource(fn, signature, constexprs)
     options = {"num_warps": warps, "num_stages": stages}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    ptxas = nvidia.get_ptxas(90).path
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                            capture_output=True, text=True, check=True).stderr
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
+    return kernel.metadata.shared, spills
 
 bm, bn, bk, gm, stages, warps = gg.LAUNCH
 gate_up = shared(
@@ -221,7 +240,8 @@ qkv = {
          "eps": "fp32", "cache_ptr": "*bf16", "slot_ptr": "*i64", "plane": "i64",
          "cache_desc": f"tensordesc<bf16[{bm},{n}]>"},
         {"BLOCK_M": bm, "HEADS": n // d, "HALF": d // 2, "BLOCK_K": bk, "GROUP_M": gm,
-         "DTYPE": tl.bfloat16, "EXACT": True, "STORE_KV": True, "TMA_STORE": tma},
+         "DTYPE": tl.bfloat16, "EXACT": True, "STORE_KV": True, "TMA_STORE": tma,
+         "WIDE": False},
         warps, stages,
     )
     for tma in (False, True)  # (the cache's tensor-memory store: off by default, a setting)
@@ -233,7 +253,8 @@ print(json.dumps({"gate_up": gate_up, **qkv}))
 def test_default_launches_fit_hoppers_shared_memory() -> None:
     """Each kernel compiled for sm_90 at its default launch (bf16, Qwen3's heads) asks for no
     more shared memory than a Hopper block may have (227 KB): a launch that does not fit fails
-    only when a GPU first runs it (a persistent qkv kernel asked for 278 KB)."""
+    only when a GPU first runs it (a persistent qkv kernel asked for 278 KB). Nor does it spill
+    registers to local memory, as the qkv kernel did with 64-bit offsets for its KV store."""
     import json
     import subprocess
     import sys
@@ -245,6 +266,8 @@ def test_default_launches_fit_hoppers_shared_memory() -> None:
     if run.returncode != 0 and "ptxas" in run.stderr.lower() and "not found" in run.stderr:
         pytest.skip("Triton's CUDA toolchain (ptxas) is not installed")
     assert run.returncode == 0, run.stderr[-2000:]
-    shared = json.loads(run.stdout.strip().splitlines()[-1])
-    for kernel, size in shared.items():
+    compiled = json.loads(run.stdout.strip().splitlines()[-1])
+    for kernel, (size, spills) in compiled.items():
         assert 0 < size <= 232448, (kernel, size)
+        # (the qkv kernel's KV store once spilled: 64-bit offsets of every element of a tile)
+        assert spills == 0, (kernel, spills)

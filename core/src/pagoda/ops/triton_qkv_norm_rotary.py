@@ -66,27 +66,38 @@ MIN_ROWS = 4096
 # (``benchmarks/embed_ab.py --toggle pagoda.ops.triton_qkv_norm_rotary:TMA_KV_STORE --call llm``);
 # tiles with a gap, a padding slot or rows past the step's end always scatter.
 TMA_KV_STORE = False
+# A cache plane of this many elements or more is addressed with 64-bit offsets a row.
+WIDE_PLANE = 2**31
 
 
 @triton.jit
 def _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M: tl.constexpr,
-              COLS: tl.constexpr, D: tl.constexpr):  # fmt: skip
+              COLS: tl.constexpr, D: tl.constexpr, WIDE: tl.constexpr):  # fmt: skip
     """A tile of keys (``kv_head`` below ``kv_heads``) or values (from ``kv_heads`` on), its
     first column head ``kv_head``'s, stored in its rows' slots of the cache (``[2, slots,
-    kv_heads, D]``, ``plane`` elements apart); a slot below zero writes nothing."""
+    kv_heads, D]``, ``plane`` elements apart); a slot below zero writes nothing. A row's offset
+    in its plane is 32-bit unless ``WIDE`` (a plane of 2**31 elements or more): compiled for
+    sm_90 by Triton 3.9, 64-bit offsets of a tile's elements held the kernel at the register
+    file's limit and spilled (255 registers and 956 bytes of spills a thread, against 250 and
+    none); Triton 3.6 gives it 168 registers and no spills either way, and on an H200 with it
+    embedding calls took the same time with both (medians 240.6 and 239.7 ms)."""
     kind = kv_head // kv_heads  # 0: keys, 1: values
     rows = m0 + tl.arange(0, BLOCK_M)
-    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
+    slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
+    if WIDE:
+        slot = slot.to(tl.int64)
+    else:
+        slot = slot.to(tl.int32)
     cols = tl.arange(0, COLS)
-    first = kind * plane + (kv_head - kind * kv_heads) * D
-    tl.store(cache_ptr + first + slot[:, None] * (kv_heads * D) + cols[None, :], tile,
+    base = cache_ptr + kind.to(tl.int64) * plane + (kv_head - kind * kv_heads) * D
+    tl.store(base + (slot * (kv_heads * D))[:, None] + cols[None, :], tile,
              mask=(slot >= 0)[:, None])  # fmt: skip
 
 
 @triton.jit
 def _cache_tile(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, cache_desc,
                 BLOCK_M: tl.constexpr, COLS: tl.constexpr, D: tl.constexpr,
-                TMA_STORE: tl.constexpr):  # fmt: skip
+                TMA_STORE: tl.constexpr, WIDE: tl.constexpr):  # fmt: skip
     """:func:`_store_kv`, or with ``TMA_STORE`` one copy of the tile into the cache seen as
     ``[2 * slots, kv_heads * D]`` (``cache_desc``) where its rows' slots run on without a gap."""
     if TMA_STORE:
@@ -101,9 +112,10 @@ def _cache_tile(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, cach
             cache_desc.store([first.to(tl.int32), (kv_head - kind * kv_heads) * D], tile)
         else:
             _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M, COLS,
-                      D)  # fmt: skip
+                      D, WIDE)  # fmt: skip
     else:
-        _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M, COLS, D)
+        _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M, COLS, D,
+                  WIDE)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -136,6 +148,7 @@ def _qkv_norm_rotary_kernel(
     EXACT: tl.constexpr,
     STORE_KV: tl.constexpr,
     TMA_STORE: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule).
     m0, tile = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), heads // HEADS, BLOCK_M, GROUP_M)
@@ -171,13 +184,15 @@ def _qkv_norm_rotary_kernel(
         out_desc.store([m0, n0], out)
         if STORE_KV and head >= q_heads:
             _cache_tile(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane,
-                        cache_desc, BLOCK_M, HEADS * 2 * HALF, 2 * HALF, TMA_STORE)  # fmt: skip
+                        cache_desc, BLOCK_M, HEADS * 2 * HALF, 2 * HALF, TMA_STORE,
+                        WIDE)  # fmt: skip
     else:
         out = acc.to(DTYPE)
         out_desc.store([m0, n0], out)
         if STORE_KV:
             _cache_tile(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane,
-                        cache_desc, BLOCK_M, HEADS * 2 * HALF, 2 * HALF, TMA_STORE)  # fmt: skip
+                        cache_desc, BLOCK_M, HEADS * 2 * HALF, 2 * HALF, TMA_STORE,
+                        WIDE)  # fmt: skip
 
 
 def heads_per_tile(
@@ -293,6 +308,7 @@ def qkv_norm_rotary_triton(
         EXACT=os.environ.get("TRITON_INTERPRET") != "1",
         STORE_KV=store,
         TMA_STORE=tma_store,
+        WIDE=store and kv_cache[0].numel() >= WIDE_PLANE,
         num_stages=stages,
         num_warps=warps,
     )
