@@ -100,14 +100,17 @@ def test_a_hung_worker_fails_generation_and_is_killed(tiny_models) -> None:
 
 
 SCRIPT = """
-import sys, time
+import faulthandler, signal, sys, time
 from pagoda import LLM, SamplingParams
 
 if __name__ == "__main__":
+    # (where it hangs, if it does: every thread's stack on SIGUSR1, to the file the test reads)
+    faulthandler.register(signal.SIGUSR1, file=open(sys.argv[2], "w"), all_threads=True)
     llm = LLM(model=sys.argv[1], tensor_parallel_size=2, executor="multiproc", dtype="float32",
               max_model_len=512, kv_cache_memory_bytes=16 << 20)
     ex = llm.engine.engine_core.executor
     print(" ".join(map(str, ex.worker_pids)), flush=True)
+    print(signal.getsignal(signal.SIGINT), flush=True)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     while True:
         llm.generate(["a b c"] * 4, params, use_tqdm=False)
@@ -133,8 +136,9 @@ if __name__ == "__main__":
 def test_no_worker_outlives_its_engine(tiny_models, tmp_path, how: str) -> None:
     script = tmp_path / "engine.py"
     script.write_text(textwrap.dedent(SCRIPT))
+    stacks = tmp_path / "stacks.txt"
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tiny_models["llama"])],
+        [sys.executable, str(script), str(tiny_models["llama"]), str(stacks)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -143,12 +147,22 @@ def test_no_worker_outlives_its_engine(tiny_models, tmp_path, how: str) -> None:
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2, "the engine did not start"
+        # (a SIGINT the test's own process ignores is ignored by the engine it starts too)
+        sigint = proc.stdout.readline().strip()
         time.sleep(1.0)  # generating
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         else:
             proc.kill()
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            raise AssertionError(
+                f"the engine did not exit within 20 s ({how}; its SIGINT handler: {sigint}); "
+                f"its threads:\n{stacks.read_text()}"
+            ) from None
         assert _gone(pids, timeout_s=10), f"workers {pids} outlive the engine ({how})"
     finally:
         if proc.poll() is None:
