@@ -189,35 +189,6 @@ def test_qkv_norm_rotary_kernel_is_within_bf16_rounding_of_exact(tokens: int) ->
 
 
 @needs_hopper
-def test_qkv_kv_store_by_tensor_copy_leaves_the_cache_as_the_scattered_store(monkeypatch) -> None:
-    """``TMA_KV_STORE`` at Qwen3-0.6B's heads, 5,000 rows: blocks in order (tiles copied whole)
-    but for a jump every 1,000 rows and a padding slot (tiles scattered), the last tile cut
-    short. The output and the cache are bit for bit the scattered store's."""
-    from pagoda.ops import triton_qkv_norm_rotary as fused
-
-    a = _arch("qwen3-0.6b")
-    qh, kvh, d, eps = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.rms_norm_eps
-    tokens, page = 5000, 16
-    x = _rand(tokens, a.hidden_size, seed=17)
-    w = (_rand((qh + 2 * kvh) * d, a.hidden_size, seed=18) * a.hidden_size**-0.5).to(BF16)
-    wq, wk = 1 + 0.3 * _rand(d, seed=19), 0.5 + 0.3 * _rand(d, seed=20)
-    rot = RotaryEmbedding(d, a.max_position_embeddings, a.rope_theta).cuda()
-    pos = torch.arange(tokens, device="cuda") % 4096
-    rows = torch.arange(tokens, device="cuda")
-    slots = rows + (rows // 1000) * 3 * page  # three blocks skipped every 1,000 rows
-    slots[2500] = -1
-    blocks = int(slots.max()) // page + 1
-    args = (x, w, qh, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin)
-    want = torch.zeros(2, blocks, page, kvh, d, dtype=BF16, device="cuda")
-    plain = fused.qkv_norm_rotary_triton(*args, kv_cache=want, slot_mapping=slots)
-    monkeypatch.setattr(fused, "TMA_KV_STORE", True)
-    got = torch.zeros_like(want)
-    out = fused.qkv_norm_rotary_triton(*args, kv_cache=got, slot_mapping=slots)
-    assert torch.equal(out, plain)
-    assert torch.equal(got, want)
-
-
-@needs_hopper
 def test_gate_up_silu_leaves_small_steps_and_other_layouts_to_the_unfused_path() -> None:
     from pagoda.ops import triton_gated_gemm
 

@@ -138,46 +138,6 @@ def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does(
         qkv_norm_rotary_triton(*args, kv_cache=wrong, slot_mapping=slots)
 
 
-def test_qkv_norm_rotary_tma_store_of_gapless_tiles(monkeypatch) -> None:
-    """``TMA_KV_STORE``: a tile of keys or values whose slots run on without a gap is copied
-    into the cache whole, and the cache ends as the scattered store leaves it. Of four tiles
-    (128 rows each, the last cut short), only the first runs on: the second's slots jump
-    between blocks, the third holds a padding slot (-1), and the fourth ends past the step's
-    rows; those scatter, as the count of scattered tiles shows."""
-    from pagoda.ops import triton_qkv_norm_rotary as fused
-
-    m, k, qh, kvh, d, eps, page = 428, 64, 2, 2, 64, 1e-6, 16
-    x, w, wq, wk, rot = _qkv_inputs(m, k, qh + 2 * kvh, d, seed=12)
-    pos = torch.arange(m, device=DEVICE) * 7
-    run = torch.arange(128)
-    slots = torch.cat(
-        (
-            5 * page + run,  # blocks 5 - 12 in order: one copy
-            torch.cat((20 * page + run[:64], 30 * page + run[:64])),  # a jump between blocks
-            40 * page + run,  # in order but for one padding row
-            50 * page + run[: m - 384],  # in order, the step's last rows
-        )
-    ).to(DEVICE)
-    slots[256 + 9] = -1
-    args = (x, w, qh, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin)
-    want = torch.full((2, 64, page, kvh, d), -7.0, dtype=F16, device=DEVICE)
-    plain = fused.qkv_norm_rotary_triton(*args, kv_cache=want, slot_mapping=slots)
-    scattered: list[int] = []
-    store = fused._store_kv
-
-    def counted(tile, m0, *rest):
-        scattered.append(int(m0))
-        return store(tile, m0, *rest)
-
-    monkeypatch.setattr(fused, "TMA_KV_STORE", True)
-    monkeypatch.setattr(fused, "_store_kv", counted)
-    got = torch.full_like(want, -7.0)
-    out = fused.qkv_norm_rotary_triton(*args, kv_cache=got, slot_mapping=slots)
-    assert torch.equal(out, plain)
-    assert torch.equal(got, want)
-    assert sorted(set(scattered)) == [128, 256, 384]  # each k and v head's tiles but the first
-
-
 def test_qkv_norm_rotary_refuses_a_weight_of_other_heads() -> None:
     from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
 
@@ -230,23 +190,18 @@ gate_up = shared(
 bm, bk, gm, stages, warps = fq.LAUNCH
 d = 128  # Qwen3's heads: 16 of q, 8 of k and v
 n = fq.heads_per_tile(16, 8, d) * d
-qkv = {
-    f"qkv tma_store={tma}": shared(
-        fq._qkv_norm_rotary_kernel,
-        {"x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{n},{bk}]>",
-         "out_desc": f"tensordesc<bf16[{bm},{n}]>", "pos_ptr": "*i64", "wq_ptr": "*bf16",
-         "wk_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_cos": "i32",
-         "M": "i32", "K": "i32", "q_heads": "i32", "k_heads": "i32", "heads": "i32",
-         "eps": "fp32", "cache_ptr": "*bf16", "slot_ptr": "*i64", "plane": "i64",
-         "cache_desc": f"tensordesc<bf16[{bm},{n}]>"},
-        {"BLOCK_M": bm, "HEADS": n // d, "HALF": d // 2, "BLOCK_K": bk, "GROUP_M": gm,
-         "DTYPE": tl.bfloat16, "EXACT": True, "STORE_KV": True, "TMA_STORE": tma,
-         "WIDE": False},
-        warps, stages,
-    )
-    for tma in (False, True)  # (the cache's tensor-memory store: off by default, a setting)
-}
-print(json.dumps({"gate_up": gate_up, **qkv}))
+qkv = shared(
+    fq._qkv_norm_rotary_kernel,
+    {"x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{n},{bk}]>",
+     "out_desc": f"tensordesc<bf16[{bm},{n}]>", "pos_ptr": "*i64", "wq_ptr": "*bf16",
+     "wk_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "stride_cos": "i32",
+     "M": "i32", "K": "i32", "q_heads": "i32", "k_heads": "i32", "heads": "i32",
+     "eps": "fp32", "cache_ptr": "*bf16", "slot_ptr": "*i64", "plane": "i64"},
+    {"BLOCK_M": bm, "HEADS": n // d, "HALF": d // 2, "BLOCK_K": bk, "GROUP_M": gm,
+     "DTYPE": tl.bfloat16, "EXACT": True, "STORE_KV": True, "WIDE": False},
+    warps, stages,
+)
+print(json.dumps({"gate_up": gate_up, "qkv": qkv}))
 """
 
 

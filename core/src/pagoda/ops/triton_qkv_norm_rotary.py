@@ -58,14 +58,6 @@ ENABLED = True
 LAUNCH = (128, 64, 8, 2, 4)
 HEADS_PER_PROGRAM = 1
 MIN_ROWS = 4096
-# A tile of keys or values whose rows' slots run on without a gap (a new prompt's blocks, taken
-# from the free queue in order, mostly do) is stored in the cache by one tensor-memory copy of
-# the tile, as its output is, instead of rows scattered by their slots: compiled for sm_90 the
-# scattered store moves the tile through shared memory in another layout (160 more shared loads,
-# 46 more barriers a thread than the kernel without the store). Off until a GPU has measured it
-# (``benchmarks/embed_ab.py --toggle pagoda.ops.triton_qkv_norm_rotary:TMA_KV_STORE --call llm``);
-# tiles with a gap, a padding slot or rows past the step's end always scatter.
-TMA_KV_STORE = False
 # A cache plane of this many elements or more is addressed with 64-bit offsets a row.
 WIDE_PLANE = 2**31
 
@@ -94,30 +86,6 @@ def _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_
              mask=(slot >= 0)[:, None])  # fmt: skip
 
 
-@triton.jit
-def _cache_tile(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, cache_desc,
-                BLOCK_M: tl.constexpr, COLS: tl.constexpr, D: tl.constexpr,
-                TMA_STORE: tl.constexpr, WIDE: tl.constexpr):  # fmt: skip
-    """:func:`_store_kv`, or with ``TMA_STORE`` one copy of the tile into the cache seen as
-    ``[2 * slots, kv_heads * D]`` (``cache_desc``) where its rows' slots run on without a gap."""
-    if TMA_STORE:
-        rows = m0 + tl.arange(0, BLOCK_M)
-        slot = tl.load(slot_ptr + rows, mask=rows < M, other=-1)
-        gap = slot - rows
-        lo = tl.min(gap, axis=0)
-        whole = (m0 + BLOCK_M <= M) & (lo == tl.max(gap, axis=0)) & (lo + m0 >= 0)
-        if whole:
-            kind = kv_head // kv_heads  # 0: keys, 1: values
-            first = kind * (plane // (kv_heads * D)) + lo + m0
-            cache_desc.store([first.to(tl.int32), (kv_head - kind * kv_heads) * D], tile)
-        else:
-            _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M, COLS,
-                      D, WIDE)  # fmt: skip
-    else:
-        _store_kv(tile, m0, kv_head, M, kv_heads, cache_ptr, slot_ptr, plane, BLOCK_M, COLS, D,
-                  WIDE)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["M"])
 def _qkv_norm_rotary_kernel(
     x_desc,
@@ -138,7 +106,6 @@ def _qkv_norm_rotary_kernel(
     cache_ptr,
     slot_ptr,
     plane,
-    cache_desc,
     BLOCK_M: tl.constexpr,
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -147,7 +114,6 @@ def _qkv_norm_rotary_kernel(
     DTYPE: tl.constexpr,
     EXACT: tl.constexpr,
     STORE_KV: tl.constexpr,
-    TMA_STORE: tl.constexpr,
     WIDE: tl.constexpr,
 ):
     # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule).
@@ -183,16 +149,14 @@ def _qkv_norm_rotary_kernel(
         out = join_halves(o1, o2, BLOCK_M, HEADS, HALF).to(DTYPE)
         out_desc.store([m0, n0], out)
         if STORE_KV and head >= q_heads:
-            _cache_tile(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane,
-                        cache_desc, BLOCK_M, HEADS * 2 * HALF, 2 * HALF, TMA_STORE,
-                        WIDE)  # fmt: skip
+            _store_kv(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane, BLOCK_M,
+                      HEADS * 2 * HALF, 2 * HALF, WIDE)  # fmt: skip
     else:
         out = acc.to(DTYPE)
         out_desc.store([m0, n0], out)
         if STORE_KV:
-            _cache_tile(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane,
-                        cache_desc, BLOCK_M, HEADS * 2 * HALF, 2 * HALF, TMA_STORE,
-                        WIDE)  # fmt: skip
+            _store_kv(out, m0, head - q_heads, M, k_heads, cache_ptr, slot_ptr, plane, BLOCK_M,
+                      HEADS * 2 * HALF, 2 * HALF, WIDE)  # fmt: skip
 
 
 def heads_per_tile(
@@ -269,19 +233,11 @@ def qkv_norm_rotary_triton(
             f"with a slot for each of the {m} rows"
         )
     out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    box = [block_m, per_tile * head_dim]
-    out_desc = TensorDescriptor.from_tensor(out, box)
-    tma_store = store and TMA_KV_STORE
-    # (the cache's two planes as rows of a slot's heads; without the TMA store, out's
-    # descriptor stands in, unused)
-    cache_desc = out_desc
-    if tma_store:
-        cache_desc = TensorDescriptor.from_tensor(kv_cache.view(-1, kv_heads * head_dim), box)
     grid = (triton.cdiv(m, block_m) * (heads // per_tile),)
     _qkv_norm_rotary_kernel[grid](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         TensorDescriptor.from_tensor(weight, [per_tile * head_dim, block_k]),
-        out_desc,
+        TensorDescriptor.from_tensor(out, [block_m, per_tile * head_dim]),
         positions,
         q_weight,
         k_weight,
@@ -297,7 +253,6 @@ def qkv_norm_rotary_triton(
         kv_cache if store else out,
         slot_mapping if store else positions,
         kv_cache[0].numel() if store else 0,
-        cache_desc,
         BLOCK_M=block_m,
         HEADS=per_tile,
         HALF=head_dim // 2,
@@ -307,7 +262,6 @@ def qkv_norm_rotary_triton(
         # NOTE: mul_rn is the device's; the interpreter's products are never fused anyway.
         EXACT=os.environ.get("TRITON_INTERPRET") != "1",
         STORE_KV=store,
-        TMA_STORE=tma_store,
         WIDE=store and kv_cache[0].numel() >= WIDE_PLANE,
         num_stages=stages,
         num_warps=warps,
