@@ -9,12 +9,13 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The core's floors (.importlinter, docs/architecture.md): a module imports only from its own
 # floor and below, the scheduler and the worker not each other, and no package cycle.
 "${PAGODA_VENV:-.venv}/bin/lint-imports" --no-cache
-# Two processes, a test module each at a time, each running torch on one thread: on the CI
-# machine's two cores the suite took 888 s where one process took 1,166 - 1,320. Arguments that
-# choose the processes themselves (-n, --numprocesses, --dist, -p no:xdist) win;
-# PAGODA_TEST_WORKERS=0 runs one process.
+# PAGODA_TEST_WORKERS=2 runs the suite in two processes, a test module each at a time, each with
+# one torch thread: on two cores it took 775 - 888 s where one process took 1,166 - 1,320, but on
+# a 24 GiB machine it once reached Ray's memory limit (95%) and Ray killed a test's workers, so one
+# process stays the default. Arguments that choose the processes (-n, --numprocesses, --dist,
+# -p no:xdist) win.
 parallel=()
-workers="${PAGODA_TEST_WORKERS:-2}"
+workers="${PAGODA_TEST_WORKERS:-0}"
 chosen=0
 for arg in "$@"; do
   case "$arg" in -n*|--numprocesses*|--dist*|no:xdist) chosen=1 ;; esac
