@@ -203,7 +203,7 @@ qkv = shared(
      "programs": "i32"},
     {"BLOCK_M": bm, "HEADS": n // d, "HALF": d // 2, "BLOCK_K": bk, "GROUP_M": gm,
      "DTYPE": tl.bfloat16, "EXACT": True, "STORE_KV": True, "WIDE": False,
-     "ALIGNED": True, "FLATTEN": False},
+     "ALIGNED": True},
     warps, stages,
 )
 print(json.dumps({"gate_up": gate_up, "qkv": qkv}))

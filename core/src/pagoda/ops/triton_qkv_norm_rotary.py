@@ -65,12 +65,6 @@ ENABLED = True
 LAUNCH = (128, 64, 16, 3, 8)
 HEADS_PER_PROGRAM = 2
 MIN_ROWS = 4096
-# Whether the KV store is told that a head's row in the cache starts 16 bytes aligned (where it
-# does), so that it stores 16 bytes at a time.
-ALIGNED_KV_STORE = True
-# Whether the tile loop and the K loop are flattened into one (the next tile's loads issued
-# during this one's epilogue).
-FLATTEN = False
 # A cache plane of this many elements or more is addressed with 64-bit offsets a row.
 WIDE_PLANE = 2**31
 
@@ -135,7 +129,6 @@ def _qkv_norm_rotary_kernel(
     STORE_KV: tl.constexpr,
     WIDE: tl.constexpr,
     ALIGNED: tl.constexpr,
-    FLATTEN: tl.constexpr,
 ):
     # HEADS heads' columns a tile, all of q, all of k or all of v (the caller's rule); each
     # program takes every ``programs``-th tile. (Not flattened into one loop with the K steps:
@@ -143,7 +136,7 @@ def _qkv_norm_rotary_kernel(
     # buffers and the epilogue's no longer share shared memory: 278 KB at the default launch.)
     num_m = tl.cdiv(M, BLOCK_M)
     tiles_n = heads // HEADS
-    for t in tl.range(tl.program_id(0), num_m * tiles_n, programs, flatten=FLATTEN):
+    for t in tl.range(tl.program_id(0), num_m * tiles_n, programs):
         m0, tile = grouped_tile(t, num_m, tiles_n, BLOCK_M, GROUP_M)
         head = tile * HEADS
         n0 = head * 2 * HALF
@@ -294,11 +287,7 @@ def qkv_norm_rotary_triton(
         STORE_KV=store,
         WIDE=store and kv_cache[0].numel() >= WIDE_PLANE,
         # each head's row in the cache starts 16 bytes aligned
-        ALIGNED=ALIGNED_KV_STORE
-        and store
-        and kv_cache.data_ptr() % 16 == 0
-        and head_dim * x.element_size() % 16 == 0,
-        FLATTEN=FLATTEN,
+        ALIGNED=store and kv_cache.data_ptr() % 16 == 0 and head_dim * x.element_size() % 16 == 0,
         num_stages=stages,
         num_warps=warps,
     )
