@@ -11,6 +11,15 @@ Python literals (``True``/``False`` by default)::
     python benchmarks/embed_ab.py --toggle pagoda.ops.triton_gated_gemm:LAUNCH \\
         --values "(128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 128, 8, 2, 8)"
 
+or several attributes set together (``--toggle`` again; each value a tuple, an attribute's value
+an item)::
+
+    python benchmarks/embed_ab.py --call llm \\
+        --toggle pagoda.ops.triton_qkv_norm_rotary:LAUNCH \\
+        --toggle pagoda.ops.triton_qkv_norm_rotary:HEADS_PER_PROGRAM \\
+        --toggle pagoda.ops.triton_qkv_norm_rotary:PERSISTENT \\
+        --values "((128, 64, 16, 3, 8), 2, True), ((128, 64, 8, 2, 4), 1, False)"
+
 ``--call llm`` times ``LLM.embed`` (with its outputs, as the issue's GPU test times it) instead
 of the engine's steps as ``pagoda bench embed`` runs them.
 
@@ -45,7 +54,12 @@ def _setting(spec: str) -> tuple[object, str]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--toggle", required=True, help="module:attribute the engine reads per call")
+    p.add_argument(
+        "--toggle",
+        required=True,
+        action="append",
+        help="module:attribute the engine reads per call (again: set together, a tuple a value)",
+    )
     p.add_argument(
         "--values", default="True, False", help="the settings: two or more Python literals"
     )
@@ -84,7 +98,17 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--values takes two or more Python literals, not {args.values!r}")
     if args.reps < 1:
         raise SystemExit("--reps must be at least 1")
-    mod, attr = _setting(args.toggle)
+    settings = [_setting(spec) for spec in args.toggle]
+    if len(settings) > 1:
+        bad = [v for v in values if not (isinstance(v, tuple) and len(v) == len(settings))]
+        if bad:
+            raise SystemExit(
+                f"--values: with {len(settings)} --toggle each value is a tuple of "
+                f"{len(settings)}, not {bad[0]!r}"
+            )
+    else:
+        values = [(v,) for v in values]
+    attrs = [attr for _, attr in settings]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     folder, _ = ensure_random_weights(Path(args.config), 0, device)
     engine_args: dict = dict(task="embed", max_model_len=args.max_model_len)
@@ -115,12 +139,16 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    before = getattr(mod, attr)
-    names = [f"{attr}={v!r}" for v in values]
+    def apply(value: tuple) -> None:
+        for (mod, attr), v in zip(settings, value):
+            setattr(mod, attr, v)
+
+    before = tuple(getattr(mod, attr) for mod, attr in settings)
+    names = [", ".join(f"{a}={v!r}" for a, v in zip(attrs, value)) for value in values]
     walls: dict[str, list[float]] = {n: [] for n in names}
     try:
         for v in values:  # each setting's kernels compiled before anything is timed
-            setattr(mod, attr, v)
+            apply(v)
             embed(batch(prompts(min(args.num_prompts, 64))))
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < args.warm_s:
@@ -129,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             for i in range(args.reps):
                 order = list(zip(names, values))
                 for name, v in order if i % 2 == 0 else order[::-1]:
-                    setattr(mod, attr, v)
+                    apply(v)
                     ids = batch(prompts())
                     sync()
                     t = time.perf_counter()
@@ -137,12 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
                     sync()
                     walls[name].append(time.perf_counter() - t)
     finally:
-        setattr(mod, attr, before)
+        apply(before)
     medians = {n: statistics.median(w) for n, w in walls.items()}
     first = medians[names[0]]
     report = {
         "benchmark": "embed_ab",
-        "toggle": args.toggle,
+        "toggle": args.toggle[0] if len(args.toggle) == 1 else args.toggle,
         "call": args.call,
         "config": Path(args.config).name,
         "device": str(device),
@@ -162,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = report["over_first"][n]
         print(f"{n}: median {medians[n] * 1e3:.1f} ms ({ratio} of the first's), runs {runs}")
     board = slug(report["hardware"]) if device.type == "cuda" else "cpu"
-    name = f"embed-ab-{slug(attr)}-{board}-{report['commit']}"
+    name = f"embed-ab-{slug('-'.join(attrs))}-{board}-{report['commit']}"
     print(f"saved {save_report(report, name, args.output_json)}")
     llm.engine.shutdown()
     return report

@@ -111,3 +111,42 @@ def test_call_llm_times_llm_embed(tmp_path, monkeypatch) -> None:
     assert calls == [3] * 6  # a warm-up call a setting, then two of each
     calls.clear()
     assert _script().main(argv)["call"] == "loop" and calls == []
+
+
+def test_several_attributes_are_set_together(tmp_path, monkeypatch) -> None:
+    """Two ``--toggle``: each value a pair, both attributes set at each call (the model sees
+    the pairs given, never one attribute's value with the other's of another pair), both
+    restored after; a value that is not a pair stops it."""
+    import pagoda.ops as ops
+    from pagoda.models import llama
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    seen: list[tuple] = []
+    real = llama.linear_add_
+
+    def spy(residual, x, weight):
+        seen.append((ops.RESIDUAL_IN_EPILOGUE, ops.RESIDUAL_IN_EPILOGUE_MIN_ROWS))
+        return real(residual, x, weight)
+
+    monkeypatch.setattr(llama, "linear_add_", spy)
+    before = (ops.RESIDUAL_IN_EPILOGUE, ops.RESIDUAL_IN_EPILOGUE_MIN_ROWS)
+    toggles = ["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE"]
+    toggles += ["--toggle", "pagoda.ops:RESIDUAL_IN_EPILOGUE_MIN_ROWS"]
+    common = ["--config", str(TINY), "--device", "cpu", "--num-prompts", "2"]
+    common += ["--input-len", "8", "--max-model-len", "64", "--reps", "2", "--warm-s", "0"]
+    common += ["--output-json", str(tmp_path / "ab.json")]
+    report = _script().main(toggles + ["--values", "(True, 7), (False, 9)"] + common)
+    assert (ops.RESIDUAL_IN_EPILOGUE, ops.RESIDUAL_IN_EPILOGUE_MIN_ROWS) == before
+    assert report["toggle"] == [
+        "pagoda.ops:RESIDUAL_IN_EPILOGUE",
+        "pagoda.ops:RESIDUAL_IN_EPILOGUE_MIN_ROWS",
+    ]
+    assert list(report["over_first"]) == [
+        "RESIDUAL_IN_EPILOGUE=True, RESIDUAL_IN_EPILOGUE_MIN_ROWS=7",
+        "RESIDUAL_IN_EPILOGUE=False, RESIDUAL_IN_EPILOGUE_MIN_ROWS=9",
+    ]
+    assert set(seen) == {(True, 7), (False, 9)}
+    changes = [v for i, v in enumerate(seen) if i == 0 or v != seen[i - 1]]
+    assert changes == [(True, 7), (False, 9), (True, 7), (False, 9), (True, 7)]
+    with pytest.raises(SystemExit, match="a tuple of 2"):
+        _script().main(toggles + ["--values", "(True, 7), False"] + common)

@@ -138,6 +138,40 @@ def test_qkv_norm_rotary_stores_keys_and_values_as_the_cache_write_does(
         qkv_norm_rotary_triton(*args, kv_cache=wrong, slot_mapping=slots)
 
 
+@pytest.mark.parametrize("heads_per_tile", [1, 2])
+def test_qkv_norm_rotary_persistent_programs_match_a_program_a_tile(
+    heads_per_tile: int, monkeypatch
+) -> None:
+    """Persistent (the interpreter's two programs taking the tiles in turn) or a program a tile,
+    at one head a tile or two: the same output and cache, bit for bit. A program that skipped
+    its later tiles, or took a tile twice at another's place, would leave rows unwritten or
+    wrong."""
+    from pagoda.ops import triton_qkv_norm_rotary as fused
+    from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
+
+    m, k, qh, kvh, d, eps, page = 300, 128, 4, 2, 32, 1e-6, 16
+    heads = qh + 2 * kvh
+    x, w, wq, wk, rot = _qkv_inputs(m, k, heads, d, seed=13)
+    gen = torch.Generator().manual_seed(17)
+    pos = torch.randint(0, 4096, (m,), generator=gen).to(DEVICE)
+    slots = torch.randperm(40 * page, generator=gen)[:m].to(DEVICE)
+    args = (x, w, qh, kvh, d, wq, wk, eps, pos, rot.cos, rot.sin)
+    launch = (64, 32, 2, 2, 4)  # 5 row tiles x 4 or 8 column tiles: many tiles a program
+    got = {}
+    for persistent in (True, False):
+        monkeypatch.setattr(fused, "PERSISTENT", persistent)
+        cache = torch.full((2, 40, page, kvh, d), -7.0, dtype=F16, device=DEVICE)
+        out = qkv_norm_rotary_triton(
+            *args, launch=launch, kv_cache=cache, slot_mapping=slots,
+            heads_per_program=heads_per_tile,
+        )  # fmt: skip
+        got[persistent] = (out, cache)
+    assert fused.heads_per_tile(qh, kvh, d, heads_per_tile) == heads_per_tile
+    assert torch.equal(got[True][0], got[False][0])
+    assert torch.equal(got[True][1], got[False][1])
+    assert not (got[True][1] == -7.0).all()  # (the cache was written)
+
+
 def test_qkv_norm_rotary_refuses_a_weight_of_other_heads() -> None:
     from pagoda.ops.triton_qkv_norm_rotary import qkv_norm_rotary_triton
 

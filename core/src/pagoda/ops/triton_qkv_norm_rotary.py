@@ -64,6 +64,8 @@ ENABLED = True
 # faster than 3 at one head on 4 warps, and 128-column K steps 9.7% slower.
 LAUNCH = (128, 64, 16, 3, 8)
 HEADS_PER_PROGRAM = 2
+# False: a program a tile (the kernel before it was persistent; its loop then runs once).
+PERSISTENT = True
 MIN_ROWS = 4096
 # A cache plane of this many elements or more is addressed with 64-bit offsets a row.
 WIDE_PLANE = 2**31
@@ -255,7 +257,8 @@ def qkv_norm_rotary_triton(
             f"with a slot for each of the {m} rows"
         )
     out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
-    programs = min(num_sms(x.device), triton.cdiv(m, block_m) * (heads // per_tile))
+    tiles = triton.cdiv(m, block_m) * (heads // per_tile)
+    programs = min(num_sms(x.device), tiles) if PERSISTENT else tiles
     _qkv_norm_rotary_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         TensorDescriptor.from_tensor(weight, [per_tile * head_dim, block_k]),
