@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from pagoda.attention.backend import AttentionBackend, AttentionImpl
+from pagoda.attention.backend import AttentionBackend, AttentionImpl, model_stored_kv
 from pagoda.testing import AttentionBackendConformance, attention_cases, check_attention_backend
+from pagoda.testing.attention import fresh_prompt_cases
 
 
 class TestTorchNativeConformance(AttentionBackendConformance):
@@ -27,11 +28,14 @@ class NaiveImpl(AttentionImpl):
 
     bug: str | None = None
 
+    def attends_from_inputs(self, kv_cache, attn_metadata) -> bool:
+        return self.bug == "claims_inputs"  # (it always reads the cache)
+
     def forward(self, query, key, value, kv_cache, attn_metadata) -> torch.Tensor:
         md = attn_metadata
         n, bs = md.num_actual_tokens, md.block_size
         kc, vc = kv_cache[0], kv_cache[1]
-        if self.bug != "no_cache_write":
+        if self.bug != "no_cache_write" and not model_stored_kv():
             kc.view(-1, self.num_kv_heads, self.head_size)[md.slot_mapping[:n]] = key[:n]
             vc.view(-1, self.num_kv_heads, self.head_size)[md.slot_mapping[:n]] = value[:n]
         out = torch.empty_like(query)
@@ -90,6 +94,15 @@ def test_the_kit_fails_a_backend_with_a_classic_bug(bug: str, case: str) -> None
     check_attention_backend(_backend(None), CASES[case])  # without the bug, the case passes
     with pytest.raises(AssertionError, match=re.escape(f"Naive on {case} ")):
         check_attention_backend(_backend(bug), CASES[case])
+
+
+def test_the_kit_fails_an_impl_that_reads_the_cache_it_says_it_need_not() -> None:
+    """``attends_from_inputs`` true, but the forward reads the step's keys from the cache: with
+    nothing stored there, its output is not the reference's."""
+    case = fresh_prompt_cases()[0]
+    check_attention_backend(_backend(None), case, unread=True)  # (says false: stores, passes)
+    with pytest.raises(AssertionError, match=re.escape(f"Naive on {case.name} ")):
+        check_attention_backend(_backend("claims_inputs"), case, unread=True)
 
 
 def test_cases_cover_the_scenarios_gqa_ratios_block_and_head_sizes() -> None:

@@ -95,8 +95,13 @@ def test_steps_of_one_pooled_row_a_request_run_the_last_layer_for_those_rows(
     first, last = attended[0], attended[len(layers) - 1]
     assert sum(q for q, _ in last) == len(TEXTS), last  # the last layer: one query a prompt
     assert sum(q for q, _ in first) > 2 * len(TEXTS), first  # the first: every token
-    # ...over keys of every token in both layers' caches (slots holding a nonzero key)
-    assert [slots for _, slots in last] == [slots for _, slots in first]
+    # ...over keys of every token in the last layer's cache (slots holding a nonzero key). The
+    # first layer's: no later step reads these prompts' keys, and the CPU's backend attends
+    # over a causal step's own (``attends_from_inputs``), so it stores none of them; a
+    # bidirectional layer it runs over the cache, so the encoders' store them.
+    assert all(slots >= q for (q, _), (_, slots) in zip(first, last)), (first, last)
+    stored = [slots for _, slots in first]
+    assert stored == ([0] * len(first) if body == "qwen3" else [slots for _, slots in last])
 
 
 @pytest.mark.parametrize("pooling", ["lasttoken", "mean", "cls"])
@@ -113,18 +118,53 @@ def test_last_token_pooling_takes_prefix_cache_hits_and_mean_pooling_does_not(st
     last = st_dirs("qwen3", "lasttoken", True)
     long_text = TEXTS[4]
     llm = LLM(model=str(last), **ENGINE)
-    first = llm.encode([long_text], use_tqdm=False)[0]
-    again = llm.encode([long_text], use_tqdm=False)[0]
-    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 64  # four full blocks
+    # (the first sighting of a prompt's first block leaves nothing cached, the second caches
+    # it: ``KVCacheManager.admits_pooled_prompt``)
+    outs = [llm.encode([long_text], use_tqdm=False)[0] for _ in range(3)]
+    assert [o.num_cached_tokens for o in outs[:2]] == [0, 0]
+    assert outs[2].num_cached_tokens >= 64  # four full blocks
     ref = _st_encode(last, [long_text])
-    _check(np.stack([first.outputs.data, again.outputs.data]), np.concatenate([ref, ref]))
+    _check(np.stack([o.outputs.data for o in outs]), np.concatenate([ref] * 3))
 
     mean = st_dirs("qwen3", "mean", True)
     llm = LLM(model=str(mean), **ENGINE)
-    outs = [llm.encode([long_text], use_tqdm=False)[0] for _ in range(2)]
-    assert [o.num_cached_tokens for o in outs] == [0, 0]  # it needs every token's hidden state
+    outs = [llm.encode([long_text], use_tqdm=False)[0] for _ in range(3)]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0]  # it needs every token's state
     ref = _st_encode(mean, [long_text])
-    _check(np.stack([o.outputs.data for o in outs]), np.concatenate([ref, ref]))
+    _check(np.stack([o.outputs.data for o in outs]), np.concatenate([ref] * 3))
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_new_prompts_store_only_the_keys_a_step_reads(st_dirs, monkeypatch, pooling) -> None:
+    """A step of new pooling prompts whose blocks the prefix cache does not keep (the first
+    sighting of each prompt's first block) stores keys and values only where its own attention
+    reads them from the cache: the last layer's kept rows (last-token pooling) attend through
+    it, the other layers over the step's own. The embeddings stay sentence-transformers'. A
+    prompt seen again stores every layer's (it is cached); so does every prompt with the skip
+    off (``SKIP_UNREAD_KV``)."""
+    from pagoda.attention.layer import Attention
+    from pagoda.scheduler import scheduler as sched_mod
+
+    folder = st_dirs("qwen3", pooling, True)
+    ref = _st_encode(folder, TEXTS)
+
+    def run(skip: bool, texts: list[str]) -> list[int]:
+        monkeypatch.setattr(sched_mod, "SKIP_UNREAD_KV", skip)
+        llm = LLM(model=str(folder), **ENGINE)
+        model = llm.engine.engine_core.executor.worker.model_runner.model
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        _check(_embed(llm, texts), ref[[TEXTS.index(t) for t in texts]])  # (one step)
+        # slots holding a nonzero key, per layer
+        return [int((a.kv_cache[0] != 0).any(-1).any(-1).sum()) for a in layers]
+
+    tokens = sum(len(t.split()) for t in TEXTS)  # (at least a token a word)
+    stored = run(True, TEXTS)
+    kept = pooling == "lasttoken"
+    assert stored[:-1] == [0] * (len(stored) - 1)
+    assert (stored[-1] >= tokens) if kept else (stored[-1] == 0), stored
+    assert min(run(False, TEXTS)) >= tokens  # every layer, every token
+    again = run(True, [TEXTS[4], TEXTS[4]])  # (the second sighting: stored and cached)
+    assert min(again) >= len(TEXTS[4].split()), again
 
 
 def test_encoder_runs_prompts_whole_without_prefix_cache(st_dirs) -> None:

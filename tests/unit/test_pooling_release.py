@@ -57,12 +57,16 @@ def test_blocks_return_at_the_launch_of_the_step_that_ends_the_prompt() -> None:
     so = sched.schedule()
     assert so.num_scheduled_tokens == {"whole": 8, "gen": 3, "chunked": 1}
     assert kv.block_pool.get_num_free_blocks() == free - 4
+    assert not so.kv_unread  # (the others' keys are read by their next steps)
     sched.after_launch(so)
-    # The ending prompt's blocks are back (and cached); the others keep theirs.
+    # The ending prompt's blocks are back (not cached: the first sighting of its first block,
+    # the only one hashed); the others keep theirs.
     assert kv.num_held_blocks("whole") == 0
     assert kv.num_held_blocks("gen") == 1 and kv.num_held_blocks("chunked") == 1
     assert kv.block_pool.get_num_free_blocks() == free - 2
-    assert kv.block_pool.get_cached_block(sched.requests["whole"].block_hashes[1]) is not None
+    whole = sched.requests["whole"]
+    assert not whole.caches_prefix and len(whole.block_hashes) == 1
+    assert kv.block_pool.get_cached_block(whole.block_hashes[0]) is None
     # Its output is read after: it ends with it, no block freed twice.
     outs = sched.update_from_output(so, _output(so, {"whole": np.ones(4, np.float32)}))
     (whole,) = [o for o in outs if o.request_id == "whole"]
@@ -81,16 +85,53 @@ def test_blocks_return_at_the_launch_of_the_step_that_ends_the_prompt() -> None:
     assert sched.requests.keys() == {"gen"}
 
 
-def test_a_prefix_hit_on_the_returned_blocks_reads_them_from_the_cache() -> None:
+def test_a_prompt_seen_again_is_cached_and_its_third_request_hits() -> None:
+    """Pooling prompts computed whole enter the prefix cache from the second sighting of their
+    first block on: the first leaves no keys behind (its step is ``kv_unread``), the second
+    stores and caches them, the third reads them from the cache."""
     sched = _scheduler()
-    sched.add_request(_pooling("first", 8))
-    so = sched.schedule()
-    sched.after_launch(so)
-    sched.update_from_output(so, _output(so, {"first": np.ones(4, np.float32)}))
-    sched.add_request(_pooling("again", 9))  # the same 8 tokens, then one more
-    so = sched.schedule()
-    assert so.num_scheduled_tokens == {"again": 1}  # two blocks from the prefix cache
-    assert sched.requests["again"].num_cached_tokens == 8
+    kv = sched.kv_cache_manager
+    seen = []
+    for rid, n in [("first", 8), ("second", 8), ("third", 9)]:  # the third: one token more
+        sched.add_request(_pooling(rid, n))
+        so = sched.schedule()
+        sched.after_launch(so)
+        sched.update_from_output(so, _output(so, {rid: np.ones(4, np.float32)}))
+        seen.append((so.kv_unread, so.num_scheduled_tokens[rid]))
+    assert seen == [(True, 8), (False, 8), (False, 1)]  # the third: two blocks from the cache
+    assert kv.prefix_cache_stats.hits == 8
+
+
+def test_every_prompt_cached_with_the_skip_off_or_behind_other_readers(monkeypatch) -> None:
+    """``SKIP_UNREAD_KV`` off, or with pipeline batches in flight (another reader behind the
+    step): a pooling prompt's step is not ``kv_unread`` and its blocks are cached at once."""
+    from pagoda.scheduler import scheduler as mod
+
+    for skip, batch_queue in [(False, False), (True, True)]:
+        monkeypatch.setattr(mod, "SKIP_UNREAD_KV", skip)
+        sched = _scheduler(batch_queue=batch_queue)
+        sched.add_request(_pooling("p", 8))
+        so = sched.schedule()
+        assert not so.kv_unread
+        sched.after_launch(so)
+        sched.update_from_output(so, _output(so, {"p": np.ones(4, np.float32)}))
+        assert "p" not in sched.requests
+        sched.add_request(_pooling("q", 9))
+        assert sched.schedule().num_scheduled_tokens == {"q": 1}, (skip, batch_queue)
+
+
+def test_the_manager_admits_a_prompt_on_its_first_blocks_second_sighting() -> None:
+    kv = KVCacheManager(2, BS, True, 64)  # remembers two sightings
+    a, b, c = (_pooling(r, 8, first=f) for r, f in [("a", 100), ("b", 200), ("c", 300)])
+    assert not kv.admits_pooled_prompt(a) and not kv.admits_pooled_prompt(b)
+    assert kv.admits_pooled_prompt(_pooling("a2", 5, first=100))  # the same first block
+    # (admitted, a's sighting is spent: a third request of it is a first sighting again)
+    assert not kv.admits_pooled_prompt(c) and not kv.admits_pooled_prompt(_pooling("a3", 8))
+    assert not kv.admits_pooled_prompt(_pooling("b2", 8, first=200))  # forgotten: c, a since
+    assert not kv.admits_pooled_prompt(_pooling("short", BS - 1))  # no full block
+    assert not kv.admits_pooled_prompt(_pooling("short", BS - 1))
+    off = KVCacheManager(8, BS, False, 64)
+    assert not off.admits_pooled_prompt(a) and not off.admits_pooled_prompt(a)
 
 
 @pytest.mark.parametrize("aborted", [False, True])

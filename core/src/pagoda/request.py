@@ -79,6 +79,10 @@ class Request:
     lora_request: LoRARequest | None = None
     # The prompt's images: placeholder ranges, hashes, encoder inputs (None: text only).
     mm_inputs: MultiModalInputs | None = None
+    # Whether its computed blocks enter the prefix cache (and are hashed for it). False for a
+    # pooling prompt computed whole by one step whose blocks the KV cache manager does not
+    # admit (``KVCacheManager.admits_pooled_prompt``): no later step reads its keys and values.
+    caches_prefix: bool = True
 
     @property
     def lora_name(self) -> str | None:

@@ -100,6 +100,11 @@ class SchedulerOutput:
     # drops first (the scheduler's encoder cache evicted them).
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     free_encoder_ids: list[str] = field(default_factory=list)
+    # No later step reads the keys and values this step computes: every request it schedules
+    # is a pooling prompt it computes whole whose blocks the prefix cache does not keep
+    # (``Request.caches_prefix``). Layers that attend over the step's own keys and values then
+    # skip storing them (``pagoda.attention.layer.Attention.stores_kv``).
+    kv_unread: bool = False
 
     @property
     def is_empty(self) -> bool:

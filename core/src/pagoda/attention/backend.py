@@ -124,6 +124,18 @@ class AttentionImpl(ABC):
         Returns a new ``[num_tokens, num_heads, v_head_size]`` tensor, dtype and device of
         ``query``; rows past ``num_actual_tokens`` are never read."""
 
+    def attends_from_inputs(self, kv_cache: torch.Tensor, attn_metadata: Any) -> bool:
+        """Called by the layer before a step whose keys and values no later step reads (a step
+        of pooling prompts computed whole, whose blocks the prefix cache does not keep), with
+        this layer's ``kv_cache`` and the step's ``attn_metadata``. Returns whether ``forward``
+        of this step attends over the ``key`` and ``value`` it is given alone, reading nothing
+        of the cache (the step's own rows included). Asked only of a backend that says
+        ``accepts_model_stored_kv``: where true, the layer skips the cache write (it runs
+        ``forward`` under :func:`kv_stored_by_model` with nothing stored), and the step's slots
+        keep whatever they held. Default: false (the forward reads the cache; the write
+        stays)."""
+        return False
+
 
 class AttentionBackend(ABC):
     """A family of attention kernels. Subclasses are classes, not instances: the runner calls

@@ -17,11 +17,15 @@ from pagoda.ops.fp8 import FP8_MAX
 _attn_metadata: Any = None
 _slot_mapping: torch.Tensor | None = None
 _kept_metadata: Any = None
+_kv_unread = False
 
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: Any, slot_mapping: torch.Tensor | None = None, kept_metadata: Any = None
+    attn_metadata: Any,
+    slot_mapping: torch.Tensor | None = None,
+    kept_metadata: Any = None,
+    kv_unread: bool = False,
 ) -> Iterator[None]:
     """Make this step's attention metadata visible to every :class:`Attention` layer; with
     ``slot_mapping`` (the step's, a slot for each of its tokens), a layer may let the model
@@ -29,14 +33,18 @@ def set_forward_context(
     the backend's metadata of one row a request alone (its last; in a bidirectional model, any),
     as a step of one query a request over the same contexts
     (:meth:`CommonAttentionMetadata.kept_rows`), where the model reads only those rows of its
-    last layer (``Attention.forward``'s ``keep``)."""
-    global _attn_metadata, _slot_mapping, _kept_metadata
-    prev = _attn_metadata, _slot_mapping, _kept_metadata
+    last layer (``Attention.forward``'s ``keep``). ``kv_unread``: no later step reads the keys
+    and values this step computes (the scheduler's ``SchedulerOutput.kv_unread``), so a layer
+    whose attention reads none of them from the cache skips storing them
+    (:meth:`Attention.stores_kv`)."""
+    global _attn_metadata, _slot_mapping, _kept_metadata, _kv_unread
+    prev = _attn_metadata, _slot_mapping, _kept_metadata, _kv_unread
     _attn_metadata, _slot_mapping, _kept_metadata = attn_metadata, slot_mapping, kept_metadata
+    _kv_unread = kv_unread
     try:
         yield
     finally:
-        _attn_metadata, _slot_mapping, _kept_metadata = prev
+        _attn_metadata, _slot_mapping, _kept_metadata, _kv_unread = prev
 
 
 class Attention(nn.Module):
@@ -148,6 +156,22 @@ class Attention(nn.Module):
             return None
         return cache, slots
 
+    def stores_kv(self, keep: torch.Tensor | None = None) -> bool:
+        """Whether this step's keys and values go into this layer's cache. Not where no later
+        step reads them (the runner's ``kv_unread``: a step of pooling prompts computed whole,
+        whose blocks the prefix cache does not keep) and this layer's attention reads none of
+        them from the cache either: its impl attends over the keys and values it is given
+        (``AttentionImpl.attends_from_inputs``, asked of a backend that says
+        ``accepts_model_stored_kv``), and its kept rows (``keep``, the last layer's) do not
+        attend through the cache. A model whose kernel would store them asks this first; the
+        layer's ``forward`` then writes nothing either."""
+        if not _kv_unread or (keep is not None and _kept_metadata is not None):
+            return True
+        return not (
+            self.backend.accepts_model_stored_kv
+            and self.impl.attends_from_inputs(self.kv_cache, _attn_metadata)
+        )
+
     def attends_kept_rows(self, num_tokens: int, dtype: torch.dtype) -> bool:
         """Whether this step's kept rows (``forward``'s ``keep``) attend as a step of their own:
         the runner gave their metadata, and the keys and values of the step's ``num_tokens``
@@ -178,6 +202,8 @@ class Attention(nn.Module):
         n = q.shape[0]
         if self.calibrate_kv_scales:
             self._calibrate(k, v)
+        if not kv_stored and not self.stores_kv(keep):
+            kv_stored = True  # (nothing to store: no step reads them, nor this one's attention)
         md = _attn_metadata
         if keep is not None and _kept_metadata is not None:
             target = None if kv_stored else self.kv_store_target(k.shape[0], k.dtype)

@@ -19,6 +19,7 @@ stored, not to the step's own, so that every read of a token sees the same value
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,6 +202,17 @@ class TorchNativeBackend(AttentionBackend):
 
 
 class TorchNativeImpl(AttentionImpl):
+    def attends_from_inputs(self, kv_cache: torch.Tensor, attn_metadata: Any) -> bool:
+        # New prompts of two tokens or more (a one-token prompt takes the decode path, which
+        # gathers from the cache), plain attention, a cache in the model's dtype.
+        md: TorchNativeMetadata = attn_metadata
+        return (
+            md.decodes is None
+            and kv_cache.dtype != FP8_DTYPE
+            and not self.spec.features()
+            and all(p.mask is None for p in md.prefills)
+        )
+
     def forward(
         self,
         query: torch.Tensor,

@@ -9,6 +9,7 @@ preempted before its step runs leaves no uncomputed block behind in the cache.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -65,6 +66,9 @@ class KVCacheManager:
         # How many leading blocks of each request have been offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # First full blocks of pooling prompts not admitted to the prefix cache, most recent
+        # last, at most one per block (``admits_pooled_prompt``).
+        self._sightings: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def usage(self) -> float:
@@ -99,12 +103,33 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def admits_pooled_prompt(self, request: Request) -> bool:
+        """Whether a pooling prompt that one step computes whole (nothing of it cached) enters
+        the prefix cache: only on the second sighting of its first full block. A first sighting
+        is remembered (the most recent ``num_blocks`` of them) and its blocks are not kept, so
+        its keys and values need not be stored at all (``Request.caches_prefix``): the common
+        embedding load, every document new, stores nothing, while a prefix that recurs (an
+        instruction before each query, a repeated input) is cached from its second request
+        on and hit from its third. Generation requests are always kept (their own decode
+        steps read their keys). A prompt without a full block has nothing to cache."""
+        if not self.enable_caching or request.num_tokens < self.block_size:
+            return False
+        first = update_block_hashes(request, self.block_size, 1)[0]
+        seen = self._sightings
+        if first in seen:
+            del seen[first]
+            return True
+        seen[first] = None
+        if len(seen) > self.num_blocks:
+            seen.popitem(last=False)
+        return False
+
     def hash_blocks(self, request: Request) -> None:
         """Hash every full block of the request's tokens, for the prefix cache to file them
         under when they are computed: host work the engine does while a step runs (the lookup
         hashes only as far as the hit; ``_cache_computed_blocks`` hashes what is still missing
         itself)."""
-        if self.enable_caching:
+        if self.enable_caching and request.caches_prefix:
             update_block_hashes(request, self.block_size)
 
     def allocate_slots(
@@ -180,7 +205,7 @@ class KVCacheManager:
             self._cache_computed_blocks(request, request.num_computed_tokens)
 
     def _cache_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        if not self.enable_caching:
+        if not self.enable_caching or not request.caches_prefix:
             return
         req_id = request.request_id
         num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
@@ -228,6 +253,7 @@ class KVCacheManager:
         """Forget all cached blocks. Blocks of running requests are offered to the cache again
         at their next allocation."""
         self.block_pool.reset_prefix_cache()
+        self._sightings.clear()
         if self.offload is not None:
             self.offload.reset()
         for req_id in self.num_cached_blocks:

@@ -155,8 +155,9 @@ class LlamaAttention(nn.Module):
         weight = _plain_weight(self.qkv_proj)
         if self.qk_norm and weight is not None:
             # Qwen3's norms and rotation in the projection's own kernel, where it runs; the
-            # kernel also stores the keys and values in the cache where the layer lets it.
-            store = self.attn.kv_store_target(n, x.dtype)
+            # kernel also stores the keys and values in the cache where the layer lets it (and
+            # where a step reads them: ``stores_kv``).
+            store = self.attn.kv_store_target(n, x.dtype) if self.attn.stores_kv(keep) else None
             if keep is not None and store is not None and self.attn.attends_kept_rows(n, x.dtype):
                 # Every row's keys and values (stored), the kept rows' queries alone.
                 kv = qkv_norm_rotary(

@@ -53,6 +53,12 @@ from pagoda.step import (
 if TYPE_CHECKING:
     from pagoda.structured_output.manager import StructuredOutputManager
 
+#: Pooling prompts computed whole by one step leave no keys and values behind unless the prefix
+#: cache admits them (``KVCacheManager.admits_pooled_prompt``; ``SchedulerOutput.kv_unread``).
+#: False: every prompt's blocks are stored and cached, as generation's are (read per step, for
+#: an A/B).
+SKIP_UNREAD_KV = True
+
 
 def _priority_key(request: Request) -> tuple[int, float]:
     """Smaller is served first and preempted last."""
@@ -439,7 +445,13 @@ class Scheduler:
         for r in self.running:
             r.spec_token_ids = []  # consumed: scheduled now (``step.spec``) or dropped
         ending = self._pooling_ending = []
+        # Whether a pooling prompt computed whole may leave no keys and values behind: its
+        # blocks go back at the launch (``after_launch``), nobody else reads them behind the
+        # step, and the prefix cache does not admit them.
+        transient = SKIP_UNREAD_KV and self.offload is None and not self.batch_queue
+        unread = transient
         for r in itertools.chain(step.new_reqs, step.cached_reqs):
+            whole = r.num_computed_tokens == 0
             r.num_computed_tokens += step.num_scheduled[r.request_id]
             if r.mm_inputs is not None:
                 self.encoder_cache.release_computed(r)
@@ -447,7 +459,11 @@ class Scheduler:
                 # It samples nothing: its prompt's last chunk gives its pooler output.
                 if r.num_computed_tokens >= r.num_tokens:
                     ending.append(r)
+                    if transient and whole and not kv.admits_pooled_prompt(r):
+                        r.caches_prefix = False
+                unread = unread and not r.caches_prefix
                 continue
+            unread = False
             if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:
                 # This step samples the next token, and may emit every draft before it.
                 r.num_output_placeholders += 1 + len(step.spec.get(r.request_id, ()))
@@ -467,6 +483,7 @@ class Scheduler:
                 rid: todo for rid, todo in step.encoder_inputs.items() if rid in step.num_scheduled
             },
             free_encoder_ids=[] if self.encoder_cache is None else self.encoder_cache.take_freed(),
+            kv_unread=unread and bool(step.num_scheduled),
         )
 
     @staticmethod

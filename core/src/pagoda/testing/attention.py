@@ -205,6 +205,21 @@ def fp8_kv_cases() -> list[AttentionCase]:
     return cases
 
 
+def fresh_prompt_cases() -> list[AttentionCase]:
+    """Steps of new prompts only, each of two tokens or more and one step whole (a pooling
+    model's step): 8 heads over 2 KV heads of 64, causal and bidirectional, and 4 heads over
+    one of 128, blocks of 16. Run with ``unread`` (:func:`run_attention_case`)."""
+    bs = 16
+    lens = (2, bs - 1, bs + 1, 2 * bs + 3)
+    step = (tuple((r, 0, n) for r, n in enumerate(lens)),)
+    return [
+        AttentionCase("fresh", h, kv, d, bs, lens, step, 0, 300 + i, **spec)
+        for i, (h, kv, d, spec) in enumerate(
+            [(8, 2, 64, {}), (8, 2, 64, FEATURES["causal"]), (4, 1, 128, {})]
+        )
+    ]
+
+
 def _case(scenario: str, h: int, kv: int, d: int, bs: int, seed: int, **spec: Any) -> AttentionCase:
     lens, steps, shared = _scenarios(bs)[scenario]
     final = [(r, s, e) for r, (s, e) in enumerate((n, n + 1) for n in lens)]
@@ -331,6 +346,7 @@ def run_attention_case(
     kv_cache_dtype: torch.dtype | None = None,
     model_stores: bool = False,
     kept_rows: bool = False,
+    unread: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run every step of ``case`` through ``backend``; (output, float64 reference) per step.
     The reference follows ``reference_spec``'s rules (default: the case's ``spec``; a negative
@@ -342,13 +358,18 @@ def run_attention_case(
     ``model_stores``): then only one query a request attends, its last of the step (a
     bidirectional case's first), through the metadata of
     :meth:`CommonAttentionMetadata.kept_rows` (a pooling model's last layer), and the reference
-    is those rows'."""
+    is those rows'. ``unread``: a step whose keys and values no later step reads (a case of
+    :func:`fresh_prompt_cases`): where the impl's ``attends_from_inputs`` says so for it,
+    nothing is stored and the forward runs under ``kv_stored_by_model`` over a cache whose
+    slots hold other values; ``AssertionError`` where it changes the cache."""
     device = torch.device(device)
     ref_spec = case.spec if reference_spec is None else reference_spec
     cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
     if kept_rows and not model_stores:
         raise ValueError("kept_rows attend over keys and values stored first: model_stores")
-    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores, kept_rows)
+    if unread and (model_stores or len(case.steps) != 1):
+        raise ValueError("unread runs one step of new prompts, with nothing stored")
+    args = (backend, case, device, dtype, ref_spec, cache_dtype, model_stores, kept_rows, unread)
     if device.type != "cpu":
         return _run(*args)
     # NOTE: the shapes are tiny; on a CPU, threads only contend (several times slower).
@@ -369,6 +390,7 @@ def _run(
     cache_dtype: torch.dtype,
     model_stores: bool = False,
     kept_rows: bool = False,
+    unread: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     lay = _layout(case, dtype)
     bs, d, spec = case.block_size, case.head_size, case.spec
@@ -413,8 +435,11 @@ def _run(
         with torch.inference_mode():
             if model_stores:  # the model's store, before the forward
                 write_kv_cache(k, v, kv_cache, common.slot_mapping, q.shape[0])
+            # (nothing stored at all: the step's slots keep the cache's random values)
+            skip = unread and impl.attends_from_inputs(kv_cache, md)
+            if model_stores or skip:
                 stored = kv_cache.clone()
-            with kv_stored_by_model() if model_stores else nullcontext():
+            with kv_stored_by_model() if model_stores or skip else nullcontext():
                 if kept is None:
                     out = impl.forward(q, k, v, kv_cache, md)
                 else:
@@ -424,6 +449,11 @@ def _run(
                     f"{backend.__name__} says accepts_model_stored_kv, but its forward changed "
                     f"the cache the model had stored the step's keys and values in "
                     f"({case.name}, step {list(step)})"
+                )
+            if skip and not torch.equal(kv_cache, stored):
+                raise AssertionError(
+                    f"{backend.__name__}'s impl says attends_from_inputs, but its forward under "
+                    f"kv_stored_by_model wrote the cache ({case.name}, step {list(step)})"
                 )
         ref = torch.cat(
             [
@@ -483,6 +513,7 @@ def check_attention_backend(
     kv_cache_dtype: torch.dtype | None = None,
     model_stores: bool = False,
     kept_rows: bool = False,
+    unread: bool = False,
 ) -> None:
     """Run ``case`` and raise ``AssertionError`` at the first step whose output differs from the
     float64 reference (of ``reference_spec``, default the case's) by more than the tolerance of
@@ -490,7 +521,9 @@ def check_attention_backend(
     ``tolerances`` says). A case whose spec the backend's ``unsupported`` rejects, or a cache
     dtype its ``supports_kv_cache_dtype`` does not, raises ``ValueError``. ``model_stores``:
     the keys and values come stored by the model, and with ``kept_rows`` only one query a
-    request attends (see :func:`run_attention_case`)."""
+    request attends; ``unread``: a step whose keys and values no later step reads, stored only
+    where the impl's ``attends_from_inputs`` says it reads them (see
+    :func:`run_attention_case`)."""
     missing = backend.unsupported(case.spec)
     if missing is not None:
         raise ValueError(f"{backend.__name__} does not support {missing}, which {case.name} needs")
@@ -500,7 +533,15 @@ def check_attention_backend(
     base = FP8_KV_TOLERANCES if fp8 else DEFAULT_TOLERANCES
     atol, rtol = {**base, **(tolerances or {})}[dtype]
     steps = run_attention_case(
-        backend, case, device, dtype, reference_spec, kv_cache_dtype, model_stores, kept_rows
+        backend,
+        case,
+        device,
+        dtype,
+        reference_spec,
+        kv_cache_dtype,
+        model_stores,
+        kept_rows,
+        unread,
     )
     for i, (out, ref) in enumerate(steps):
         err = (out - ref).abs().max().item() if out.shape == ref.shape else float("nan")

@@ -25,6 +25,7 @@ from pagoda.testing.attention import (
     attention_cases,
     check_attention_backend,
     fp8_kv_cases,
+    fresh_prompt_cases,
 )
 
 
@@ -109,6 +110,21 @@ class AttentionBackendConformance:
             check_attention_backend(
                 cls, case, device, dtype, self.tolerances, model_stores=True, kept_rows=True
             )
+
+    @pytest.mark.parametrize("case", fresh_prompt_cases(), ids=lambda c: c.name)
+    def test_attends_a_step_of_new_prompts_without_its_keys_stored(
+        self, case: AttentionCase
+    ) -> None:
+        """A backend that says ``accepts_model_stored_kv``: for a step of new prompts whose keys
+        and values no later step reads, where its impl says ``attends_from_inputs``, its
+        forward with nothing stored (the step's slots holding other values) matches the
+        reference and writes nothing; elsewhere the step runs as any other."""
+        cls, device, dtypes = self._takes_stored_kv(case)
+        missing = cls.unsupported(case.spec)
+        if missing is not None:
+            pytest.skip(f"{cls.__name__} does not support {missing}")
+        for dtype in dtypes:
+            check_attention_backend(cls, case, device, dtype, self.tolerances, unread=True)
 
     def _takes_stored_kv(
         self, case: AttentionCase

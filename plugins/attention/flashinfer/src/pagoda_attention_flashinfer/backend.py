@@ -27,8 +27,9 @@ where the layer has them rather than through the page table. On an H200, 64 prom
 (16 query and 8 KV heads of 128, causal, bf16) took 201 us there against 303 for the paged
 prefill; an embedding call of 256 such prompts on Qwen3-0.6B took 260 ms against 274 (medians
 of seven, interleaved in one process). Groups with sinks keep their own wrapper. The cache is
-still written: later steps read these prompts from it. A ragged wrapper is planned again only when
-a step's layout of queries (or the group) differs from its last plan's.
+still written where later steps read these prompts from it (a step whose keys and values none
+reads skips the write: ``attends_from_inputs``). A ragged wrapper is planned again only when a
+step's layout of queries (or the group) differs from its last plan's.
 
 Decode CUDA graphs: each captured batch size gets fixed page-table buffers, and each group its own
 wrapper made with ``use_cuda_graph`` over them (the groups' plans write the same page table). The
@@ -306,6 +307,10 @@ class FlashInferImpl(AttentionImpl):
             raise ValueError(f"the flashinfer attention backend does not support {missing}")
         self._spec = spec
         self._group = PlanGroup.of(spec)
+
+    def attends_from_inputs(self, kv_cache: torch.Tensor, attn_metadata: Any) -> bool:
+        # The ragged wrapper's steps (``_wrapper_key``): over the keys and values as given.
+        return attn_metadata.fresh and not self._group.sinks
 
     def forward(
         self,

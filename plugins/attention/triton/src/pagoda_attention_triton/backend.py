@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
@@ -164,21 +165,16 @@ def _fresh(common: CommonAttentionMetadata) -> bool:
     return bool(np.array_equal(np.diff(qsl[: n + 1]), seq_lens[:n]))
 
 
-def _ragged(
-    spec: AttentionSpec, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> bool:
+def _ragged(spec: AttentionSpec, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a fresh step of this layer takes the ragged kernel: plain attention (causal or
     not; no window, chunks, soft-cap or sinks), a cache in the model's dtype (an FP8 one is read
-    back as stored, so every read of a token sees the same values), keys and values with unit
-    stride in the head dim."""
+    back as stored, so every read of a token sees the same values)."""
     return (
         spec.sliding_window is None
         and spec.chunk_size is None
         and spec.logit_softcap is None
         and not spec.sinks
-        and kv_cache.dtype == key.dtype
-        and key.stride(-1) == 1
-        and value.stride(-1) == 1
+        and kv_cache.dtype == dtype
     )
 
 
@@ -264,6 +260,12 @@ class TritonAttentionImpl(AttentionImpl):
         # the layout they were captured with).
         self.fp8_transposed_values = TritonAttentionBackend.fp8_transposed_values
 
+    def attends_from_inputs(self, kv_cache: torch.Tensor, attn_metadata: Any) -> bool:
+        # The ragged kernel's steps: over the keys and values as given (an FP8 cache never: its
+        # keys are the model's dtype, not the cache's).
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        return attn_metadata.fresh and not fp8 and _ragged(self.spec, kv_cache, kv_cache.dtype)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -303,7 +305,10 @@ class TritonAttentionImpl(AttentionImpl):
                 key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
             )
         out = torch.empty_like(query)
-        if attn_metadata.fresh and _ragged(spec, kv_cache, key, value):
+        if attn_metadata.fresh and _ragged(spec, kv_cache, key.dtype):
+            # (the kernel reads keys and values with unit stride in the head dim)
+            key = key if key.stride(-1) == 1 else key.contiguous()
+            value = value if value.stride(-1) == 1 else value.contiguous()
             return ragged_prefill_attention(
                 query, key, value, out, c.query_start_loc, c.num_reqs, n, self.scale, spec.causal
             )
