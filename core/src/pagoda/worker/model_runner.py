@@ -675,8 +675,7 @@ class ModelRunner:
                 )
             # (a step whose keys and values no later step reads: layers that attend over the
             # step's own skip storing them; see ``Attention.stores_kv``)
-            unread = so.kv_unread and self.kv_offload is None
-            with set_forward_context(metadata, common.slot_mapping, kept, unread):
+            with set_forward_context(metadata, common.slot_mapping, kept, so.kv_unread):
                 if eager:
                     pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
                     hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)

@@ -165,16 +165,16 @@ def _fresh(common: CommonAttentionMetadata) -> bool:
     return bool(np.array_equal(np.diff(qsl[: n + 1]), seq_lens[:n]))
 
 
-def _ragged(spec: AttentionSpec, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+def _ragged(spec: AttentionSpec, kv_cache: torch.Tensor) -> bool:
     """Whether a fresh step of this layer takes the ragged kernel: plain attention (causal or
-    not; no window, chunks, soft-cap or sinks), a cache in the model's dtype (an FP8 one is read
-    back as stored, so every read of a token sees the same values)."""
+    not; no window, chunks, soft-cap or sinks), a cache in the model's dtype, not FP8 (an FP8
+    one is read back as stored, so every read of a token sees the same values)."""
     return (
         spec.sliding_window is None
         and spec.chunk_size is None
         and spec.logit_softcap is None
         and not spec.sinks
-        and kv_cache.dtype == dtype
+        and kv_cache.dtype != torch.float8_e4m3fn
     )
 
 
@@ -261,10 +261,8 @@ class TritonAttentionImpl(AttentionImpl):
         self.fp8_transposed_values = TritonAttentionBackend.fp8_transposed_values
 
     def attends_from_inputs(self, kv_cache: torch.Tensor, attn_metadata: Any) -> bool:
-        # The ragged kernel's steps: over the keys and values as given (an FP8 cache never: its
-        # keys are the model's dtype, not the cache's).
-        fp8 = kv_cache.dtype == torch.float8_e4m3fn
-        return attn_metadata.fresh and not fp8 and _ragged(self.spec, kv_cache, kv_cache.dtype)
+        # The ragged kernel's steps: over the keys and values as given.
+        return attn_metadata.fresh and _ragged(self.spec, kv_cache)
 
     def forward(
         self,
@@ -305,7 +303,7 @@ class TritonAttentionImpl(AttentionImpl):
                 key, value, kv_cache, c.slot_mapping, n, self.k_scale, self.v_scale
             )
         out = torch.empty_like(query)
-        if attn_metadata.fresh and _ragged(spec, kv_cache, key.dtype):
+        if attn_metadata.fresh and _ragged(spec, kv_cache):
             # (the kernel reads keys and values with unit stride in the head dim)
             key = key if key.stride(-1) == 1 else key.contiguous()
             value = value if value.stride(-1) == 1 else value.contiguous()
