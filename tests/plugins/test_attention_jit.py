@@ -87,6 +87,18 @@ def test_auto_starts_on_a_ready_backend_and_compiles_the_best_in_the_background(
     assert select_attention_backend("auto", CPU, torch.float32, 64) is slowjit
 
 
+def test_waiting_for_background_compiles_lets_the_next_start_pick_the_best(
+    slowjit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not jit.wait_for_background_compiles()  # none started: nothing to wait for
+    monkeypatch.setattr(SlowJitBackend, "seconds", 1.0)
+    assert select_attention_backend("auto", CPU, torch.float32, 64) is TorchNativeBackend
+    assert not slowjit.built.exists()
+    assert jit.wait_for_background_compiles(timeout=30)
+    assert slowjit.built.read_text() == "ok"  # the compile had ended when the wait returned
+    assert select_attention_backend("auto", CPU, torch.float32, 64) is slowjit
+
+
 def test_a_named_backend_compiles_before_the_first_step_and_says_how_long(slowjit, caplog) -> None:
     assert select_attention_backend("slowjit", CPU, torch.float32, 64) is slowjit
     assert slowjit.built.read_text() == "ok"  # done before selection returned

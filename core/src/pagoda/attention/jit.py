@@ -149,6 +149,20 @@ def compile_in_background(backend: Any, what: str, argv: list[str]) -> threading
     return thread
 
 
+def wait_for_background_compiles(timeout: float | None = None) -> bool:
+    """Wait until every compile this process started in the background has ended (built,
+    failed or stopped), ``timeout`` seconds at most in all; returns whether one had been started.
+    A benchmark or a test that measures the engine as it serves once its kernels are built waits
+    for them, then starts its engine again: an ``auto`` engine started before they were built
+    runs on another backend until its next start."""
+    with _lock:
+        threads = list(_started.values())
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return bool(threads)
+
+
 @atexit.register
 def stop_background_compiles() -> None:
     """Stop the background compiles still running, each with the compilers it started (at exit:

@@ -58,6 +58,7 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     import numpy as np
     import torch
 
+    from pagoda.attention import jit
     from pagoda.bench.random_weights import ensure_random_weights
     from pagoda.bench.report import commit, hardware, report_text
     from pagoda.engine.llm_engine import LLMEngine
@@ -74,7 +75,17 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
         overrides["model"] = str(folder)
     if config.model.task == "auto":
         overrides["task"] = "embed"
-    llm = LLMEngine(config.with_overrides(overrides) if overrides else config)
+    config = config.with_overrides(overrides) if overrides else config
+    llm = LLMEngine(config)
+    # An ``auto`` engine whose best backend's kernels were not built yet runs on another while
+    # they compile in the background: the figure is the engine's once they are, so wait and
+    # start again (the report names the backend the figure ran on).
+    if jit.wait_for_background_compiles():
+        llm.shutdown()
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        llm = LLMEngine(config)
     info = llm.info
     backend = _attention_backend(llm)
     gen = np.random.default_rng(0)
