@@ -79,8 +79,9 @@ def run_embed(args: argparse.Namespace, config: Any) -> int:
     llm = LLMEngine(config)
     # An ``auto`` engine whose best backend's kernels were not built yet runs on another while
     # they compile in the background: the figure is the engine's once they are, so wait and
-    # start again (the report names the backend the figure ran on).
-    if jit.wait_for_background_compiles():
+    # start again (the report names the backend the figure ran on; a compile still running
+    # after the wait's 15 minutes leaves the figure on the backend the engine started on).
+    if jit.wait_for_background_compiles(timeout=900):
         llm.shutdown()
         del llm
         if torch.cuda.is_available():
