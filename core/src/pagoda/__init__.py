@@ -5,16 +5,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagoda.cpu_threads import set_wait_policy
-from pagoda.lora_request import LoRARequest
-from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.plugins.hookspecs import hookimpl
-from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 from pagoda.version import __version__
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
     from pagoda.engine.async_llm import AsyncLLM
     from pagoda.entrypoints.llm import LLM
+    from pagoda.lora_request import LoRARequest
+    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
+
+# The package face's light names, imported when first asked for: plugin discovery imports
+# ``pagoda`` (for ``hookimpl``) in every process, and needs none of them.
+_LAZY = {
+    "LoRARequest": "pagoda.lora_request",
+    "CompletionOutput": "pagoda.outputs",
+    "RequestOutput": "pagoda.outputs",
+    "SamplingParams": "pagoda.sampling_params",
+    "StructuredOutputsParams": "pagoda.sampling_params",
+}
 
 __all__ = [
     "__version__",
@@ -46,4 +56,10 @@ def __getattr__(name: str) -> Any:
         from pagoda.config import EngineConfig
 
         return EngineConfig
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # (once: later lookups find it without this function)
+        return value
     raise AttributeError(f"module 'pagoda' has no attribute {name!r}")

@@ -118,8 +118,10 @@ def _discover() -> PluginState:
     ]
     for ep in sorted(metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
         dist = getattr(ep, "dist", None)
+        # (each of a distribution's name and version parses its METADATA file again: read once)
+        meta = dist.metadata if dist else None
         rec = PluginRecord(
-            ep.name, dist.name if dist else None, dist.version if dist else None, ep.value
+            ep.name, meta["Name"] if meta else None, meta["Version"] if meta else None, ep.value
         )
         found.append((rec, ep.load))
     for mod in dict.fromkeys(env_modules()):
