@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     from pagoda.outputs import CompletionOutput, RequestOutput
     from pagoda.sampling_params import SamplingParams, StructuredOutputsParams
 
-# The package face's light names, imported when first asked for: plugin discovery imports
+# The package face's other names, imported when first asked for: plugin discovery imports
 # ``pagoda`` (for ``hookimpl``) in every process, and needs none of them.
 _LAZY = {
+    "EngineConfig": "pagoda.config",
     "LoRARequest": "pagoda.lora_request",
     "CompletionOutput": "pagoda.outputs",
     "RequestOutput": "pagoda.outputs",
@@ -52,10 +53,6 @@ def __getattr__(name: str) -> Any:
         from pagoda.engine.async_llm import AsyncLLM
 
         return AsyncLLM
-    if name == "EngineConfig":
-        from pagoda.config import EngineConfig
-
-        return EngineConfig
     if name in _LAZY:
         import importlib
 

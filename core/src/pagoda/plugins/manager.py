@@ -121,7 +121,10 @@ def _discover() -> PluginState:
         # (each of a distribution's name and version parses its METADATA file again: read once)
         meta = dist.metadata if dist else None
         rec = PluginRecord(
-            ep.name, meta["Name"] if meta else None, meta["Version"] if meta else None, ep.value
+            ep.name,
+            None if meta is None else meta["Name"],
+            None if meta is None else meta["Version"],
+            ep.value,
         )
         found.append((rec, ep.load))
     for mod in dict.fromkeys(env_modules()):
