@@ -483,9 +483,10 @@ def _paged_decode(
     VALUES_T: tl.constexpr,
 ):
     """Decode (one query a request, no split): a program takes ``HEADS_PER_PROGRAM`` KV heads
-    of one request, requests in ``order_ptr``'s order, in one loop over (head, key tile): the
-    loads of a head's first tiles are issued while the previous head's last tiles are reduced,
-    where a program a head would start each head with its pipeline empty. Each head's arithmetic
+    of one request, requests in ``order_ptr``'s order. One head (the default) is a plain loop
+    over its key tiles; more are one loop over (head, key tile): the loads of a head's first
+    tiles are issued while the previous head's last tiles are reduced, where a program a head
+    would start each head with its pipeline empty. Each head's arithmetic
     is that of ``_paged_attention``'s decode programs, tile for tile (a window's or chunk's
     first tile is theirs too)."""
     pid = tl.program_id(0)
@@ -734,9 +735,10 @@ def paged_attention(
     ``order`` (int32, ``[num_seqs]``, a permutation of the requests; decode steps only, one
     query a request) is the order the requests' programs start in: longest context first keeps
     the last wave of programs short (:func:`longest_first`). Unsplit, a program then takes
-    ``heads_per_program`` of a request's KV heads in one pipelined loop (default 1: at batch
-    256 on an H200, 2 heads gained 4% with 128-key tiles and nothing with the default 64, and 4
-    or 8 lost: too few programs to even out the end).
+    ``heads_per_program`` of a request's KV heads in one pipelined loop (default 1, which runs a
+    plain loop of its own: at batch 256 on an H200, Llama-3.1-8B's heads, it read a bf16 cache
+    in 153.9 us against two heads' 156.9, and an FP8 cache in 122.1 against 147.8; 4 or 8 heads
+    lost earlier: too few programs to even out the end).
 
     ``sliding_window``, ``logit_softcap``, ``sinks`` (``[num_heads]``, any float dtype) and
     ``chunk_size`` are the layer's :class:`~pagoda.attention.spec.AttentionSpec` extras (None:
