@@ -183,3 +183,39 @@ def test_kv_offload_carries_an_fp8_cache_through_the_cpu_pool(fp8_folders) -> No
             assert medium.cpu.dtype == torch.uint8  # the FP8 bytes
     assert [t for t, _ in runs[0.01]] == [t for t, _ in runs[0.0]]
     assert all(cached >= 80 for _, cached in runs[0.01][4:])  # hits, from the pool
+
+
+def test_norms_before_fp8_projections_quantize_as_the_projections_would(
+    fp8_folders, monkeypatch
+) -> None:
+    """The norm before each FP8 projection quantizes its output in its own kernel (interpreted
+    here, as on a GPU): the same tokens and logprobs, bit for bit, as normalising, storing and
+    quantizing in the projection; fails if the norms stop quantizing (no fused call) or
+    quantize otherwise. (Both engines quantize through Triton's code, interpreted: the
+    interpreter's FP8 cast rounds some values that carry into the next power of two down, 126.4
+    to 64 where torch and a GPU give 128, so torch's quantization is not the reference here.)"""
+    from pagoda import ops
+    from pagoda.ops import triton_norm
+
+    calls: list[int] = []
+    real = triton_norm.rms_norm_fp8_triton
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setenv("PAGODA_TRITON_ON_CPU", "1")
+    monkeypatch.setattr(triton_norm, "rms_norm_fp8_triton", counted)
+    enabled = ops._enabled
+    try:
+        fused_tokens, fused, llm = _run(fp8_folders["full"], quantization="fp8")
+        # Both norms of every layer, at every forward (a prefill and seven decode steps at least).
+        assert len(calls) >= 2 * len(_model(llm).model.layers) * 8
+        calls.clear()
+        monkeypatch.setattr(ops, "FUSED_NORM_FP8", False)
+        tokens, unfused, _ = _run(fp8_folders["full"], quantization="fp8")
+        assert not calls
+    finally:
+        ops.set_fused_ops(enabled)
+    assert fused_tokens == tokens
+    assert torch.equal(fused, unfused)

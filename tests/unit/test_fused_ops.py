@@ -85,6 +85,33 @@ def test_rms_norm_without_residual_matches_torch(dtype: torch.dtype) -> None:
     _same(rms_norm_triton(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), exact=False)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_quantized_for_fp8_is_the_stored_norm_quantized(
+    dtype: torch.dtype, with_residual: bool
+) -> None:
+    """The norm kernel's FP8 output (``rms_norm_fp8``) holds what the per-token quantization of
+    its stored output holds: the same FP8 values and scales, and the same residual sum."""
+    from pagoda.ops.triton_fp8 import quantize_tokens_triton
+    from pagoda.ops.triton_norm import rms_norm_fp8_triton, rms_norm_triton
+
+    hidden = 576
+    x, res = _rand(7, hidden, dtype=dtype), _rand(7, hidden, dtype=dtype, seed=1)
+    x = x * 4  # (some rows' largest values past 448 before scaling)
+    weight = _rand(hidden, dtype=dtype, seed=2).abs() + 0.5
+    residual = res if with_residual else None
+    got = rms_norm_fp8_triton(x, weight, 1e-6, residual)
+    want = rms_norm_triton(x, weight, 1e-6, residual)
+    if with_residual:
+        (got, got_sum), (want, want_sum) = got, want
+        assert torch.equal(got_sum, want_sum)
+    q, scale = quantize_tokens_triton(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.scale, scale)
+    assert torch.equal(got.data.view(torch.uint8), q.view(torch.uint8))
+
+
 def _qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """q, k, v as the attention layer gets them: strided views of one qkv projection output."""
     q_size, kv_size = heads * head_dim, kv_heads * head_dim

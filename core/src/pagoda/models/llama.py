@@ -28,7 +28,14 @@ from pagoda.models.parallel_layers import (
     copy_weight,
     split_evenly,
 )
-from pagoda.ops import gate_up_silu, linear_add_, qk_norm_rotary, qkv_norm_rotary, silu_and_mul
+from pagoda.ops import (
+    gate_up_silu,
+    linear_add_,
+    qk_norm_rotary,
+    qkv_norm_rotary,
+    rms_norm_fp8,
+    silu_and_mul,
+)
 from pagoda.quantization import LinearMethod, QuantizationMethod, kv_scale_of
 
 
@@ -79,6 +86,19 @@ def _project_into(proj: nn.Module, x: torch.Tensor, residual: torch.Tensor | Non
         if weight is not None and linear_add_(residual, x, weight):
             return None
     return proj(x)
+
+
+def _norm_into(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Module):
+    """``norm(x)``, or ``norm(x, residual)``, for ``proj`` to read: where ``proj`` is a plain
+    projection (no LoRA layer in its place) whose quantization takes rows quantized already
+    (FP8), the norm's kernel quantizes its output (:func:`pagoda.ops.rms_norm_fp8`) and the
+    projection's own quantization of the stored output is saved."""
+    method = getattr(proj, "quant_method", None)
+    if type(proj) is ColumnParallelLinear and method is not None and method.takes_quantized_rows:
+        out = rms_norm_fp8(x, norm.weight, norm.eps, residual)
+        if out is not None:
+            return out
+    return norm(x) if residual is None else norm(x, residual)
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
@@ -260,21 +280,24 @@ class LlamaDecoderLayer(nn.Module):
         Returns ``(x, residual)``, the layer's output and the residual to add to it; x is None
         where the down projection added it into the residual already (a large step on a GPU:
         :func:`pagoda.ops.linear_add_`), and takes the same None as input."""
+        # (a kept step's rows are the projection's rows: none are quantized before it)
+        qkv = self.self_attn.qkv_proj if keep is None else None
         if residual is None:
             # (the input is the caller's: nothing is added into it in place)
             residual, owned = x, False
-            x = self.input_layernorm(x)
+            x = _norm_into(self.input_layernorm, x, None, qkv)
         elif x is None:
-            x, owned = self.input_layernorm(residual), True
+            x, owned = _norm_into(self.input_layernorm, residual, None, qkv), True
         else:
-            (x, residual), owned = self.input_layernorm(x, residual), True
+            (x, residual), owned = _norm_into(self.input_layernorm, x, residual, qkv), True
         if keep is not None:
             residual, owned = residual[keep], True
         x = self.self_attn(positions, x, keep, residual if owned else None)
+        gate_up = getattr(self.mlp, "gate_up_proj", None)
         if x is None:
-            x = self.post_attention_layernorm(residual)
+            x = _norm_into(self.post_attention_layernorm, residual, None, gate_up)
         else:
-            x, residual = self.post_attention_layernorm(x, residual)
+            x, residual = _norm_into(self.post_attention_layernorm, x, residual, gate_up)
         return self.mlp(x, residual), residual
 
 

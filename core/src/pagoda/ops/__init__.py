@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,33 @@ def rms_norm(
 
         return rms_norm_triton(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> Any:
+    """:func:`rms_norm` of a [tokens, hidden] ``x`` with its output quantized a row at a time
+    for an FP8 linear, in the norm's own kernel: a :class:`~pagoda.ops.fp8.QuantizedRows` (with
+    ``residual``, and the sum), holding what ``quantize_tokens`` of the output would. None where
+    that kernel does not run (no Triton, batch-invariant mode, an output of another dtype than
+    the sum's): the caller normalises and the linear quantizes."""
+    if batch_invariant._enabled or not FUSED_NORM_FP8 or not _use_triton(x) or x.dim() != 2:
+        return None
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    if torch.promote_types(weight.dtype, sum_dtype) != sum_dtype:
+        return None
+    # NOTE: Triton compiles on import: only where the kernel path runs.
+    from pagoda.ops.triton_norm import rms_norm_fp8_triton
+
+    return rms_norm_fp8_triton(x, weight, eps, residual)
+
+
+# Whether a norm whose output an FP8 linear reads quantizes it in its own kernel
+# (:func:`rms_norm_fp8`); off, the linear quantizes the stored output (an A/B switch).
+FUSED_NORM_FP8 = True
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

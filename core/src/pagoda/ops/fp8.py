@@ -13,6 +13,7 @@ tests compare with).
 from __future__ import annotations
 
 from functools import cache
+from typing import NamedTuple
 
 import torch
 
@@ -71,24 +72,44 @@ def fp8_unsupported(device: torch.device) -> str | None:
     return None
 
 
+class QuantizedRows(NamedTuple):
+    """Activations [M, K] already quantized a row at a time, as :func:`quantize_tokens` would
+    (a norm kernel that quantizes its output hands these to the FP8 linear that reads it:
+    :func:`pagoda.ops.rms_norm_fp8`)."""
+
+    data: torch.Tensor  # FP8 [M, K]
+    scale: torch.Tensor  # float32 [M, 1]
+    dtype: torch.dtype  # the activations' own: the linear's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     dequantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ (weight * weight_scale).T + bias`` with ``x`` [..., K] quantized per token.
+    """``x @ (weight * weight_scale).T + bias`` with ``x`` [..., K] quantized per token (or
+    given quantized: :class:`QuantizedRows`, [M, K]).
 
     ``weight`` [N, K] FP8, ``weight_scale`` [N] float32 (one per output channel); the result is in
     ``x``'s dtype. ``dequantized`` (the emulation's float32 ``weight * weight_scale``, kept by the
     caller) saves dequantizing the weight again each call."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if x.is_cuda:
-        out = _scaled_mm(x2, weight, weight_scale, x.dtype)
+    if isinstance(x, QuantizedRows):
+        rows = (x.data, x.scale)
+        x2, on_cuda = x.data, x.data.is_cuda
     else:
-        out = _emulated(x2, weight, weight_scale, dequantized)
+        rows = None
+        x2, on_cuda = x.reshape(-1, shape[-1]), x.is_cuda
+    if on_cuda:
+        out = _scaled_mm(x2, weight, weight_scale, x.dtype, rows)
+    else:
+        out = _emulated(x2, weight, weight_scale, dequantized, rows, x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
@@ -99,18 +120,26 @@ def _emulated(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     dequantized: torch.Tensor | None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    q, scale = quantize_rows(x)
+    # (quantized as the GPU path quantizes: the Triton kernel where it runs, interpreted on a
+    # CPU for tests, else the torch code)
+    q, scale = quantize_tokens(x) if rows is None else rows
     w = dequantized if dequantized is not None else weight.float() * weight_scale[:, None]
-    return ((q.float() * scale) @ w.T).to(x.dtype)
+    return ((q.float() * scale) @ w.T).to(dtype)
 
 
 def _scaled_mm(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    dtype: torch.dtype,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     # NOTE: the per-token quantization is a few elementwise kernels here; the Triton kernel in
     # pagoda.ops.triton_fp8 does it in one where Triton runs.
-    q, scale = quantize_tokens(x)
+    q, scale = quantize_tokens(x) if rows is None else rows
     # NOTE: cuBLASLt wants the second operand column-major: the [N, K] row-major weight's
     # transpose is exactly that, with no copy.
     wt = weight.t()

@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.fp8 import QuantizedRows
+from pagoda.ops.fp8_format import FP8_DTYPE, FP8_INV_MAX, FP8_MAX, MIN_SCALE
+
 # Elements a program normalises at once when rows are short.
 _TILE = 2048
 
@@ -53,6 +56,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,
     num_rows,
     heads,
     n,
@@ -61,9 +65,13 @@ def _rms_norm_kernel(
     stride_rt,
     stride_rh,
     eps,
+    fp8_max,
+    inv_max,
+    min_scale,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -80,6 +88,13 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + dense, x, mask=mask)
     w = tl.load(w_ptr + cols, mask=col_ok).to(tl.float32)
     y = _normalize_rows(x, w, n, eps)
+    if QUANT:
+        # The output rounded to the dtype it would be stored in, then quantized a row at a
+        # time exactly as pagoda.ops.triton_fp8's kernel quantizes a stored row.
+        y = tl.where(mask, y.to(x.dtype).to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(y), 1) * inv_max, min_scale)
+        y = tl.clamp(y / scale[:, None], -fp8_max, fp8_max)
+        tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
     tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -106,35 +121,72 @@ def rms_norm_triton(
     number of rows, so a row is reduced the same way in any batch (batch-invariant mode)."""
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    x, sxt, sxh = _rows(x)
-    n = x.shape[-1]
-    heads = x.shape[1] if x.dim() == 3 else 1
-    num_rows = x.shape[0] * heads
+    if x.dim() not in (2, 3):
+        raise ValueError(f"rms_norm takes a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
     res_out = None
     if residual is not None:
-        residual, srt, srh = _rows(residual)
         res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
-    if num_rows > 0:
-        block_m, block_n, warps = launch_shape(n, num_rows, fixed_tiling)
-        _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
-            x,
-            residual if residual is not None else x,
-            weight,
-            out,
-            res_out if res_out is not None else out,
-            num_rows,
-            heads,
-            n,
-            sxt,
-            sxh,
-            srt if residual is not None else 0,
-            srh if residual is not None else 0,
-            eps,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-        )
+    _launch(x, weight, eps, residual, out, res_out, None, fixed_tiling)
     return out if res_out is None else (out, res_out)
+
+
+def _launch(x, weight, eps, residual, out, res_out, scale, fixed_tiling=False) -> None:
+    x, sxt, sxh = _rows(x)
+    n = x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    num_rows = x.shape[0] * heads
+    srt = srh = 0
+    if residual is not None:
+        residual, srt, srh = _rows(residual)
+    if num_rows == 0:
+        return
+    block_m, block_n, warps = launch_shape(n, num_rows, fixed_tiling)
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        res_out if res_out is not None else out,
+        scale if scale is not None else out,
+        num_rows,
+        heads,
+        n,
+        sxt,
+        sxh,
+        srt,
+        srh,
+        eps,
+        FP8_MAX,
+        FP8_INV_MAX,
+        MIN_SCALE,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        QUANT=scale is not None,
+        num_warps=warps,
+    )
+
+
+def rms_norm_fp8_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
+    """:func:`rms_norm_triton` of a [tokens, hidden] ``x`` with its output quantized a row at a
+    time for an FP8 linear (:class:`~pagoda.ops.fp8.QuantizedRows`): the same FP8 values and
+    scales as ``quantize_tokens(rms_norm_triton(...))``, without storing the output and reading
+    it again."""
+    if x.dim() != 2:
+        raise ValueError(f"rms_norm_fp8 takes a 2-D tensor, got shape {tuple(x.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    dtype = torch.promote_types(weight.dtype, sum_dtype)
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    res_out = None
+    if residual is not None:
+        res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    _launch(x, weight, eps, residual, out, res_out, scale)
+    rows = QuantizedRows(out, scale, dtype)
+    return rows if res_out is None else (rows, res_out)

@@ -139,6 +139,8 @@ class Fp8LinearMethod(LinearMethod):
     """A layer's ``weight`` [out, in] FP8 and ``weight_scale`` [out] float32 (a buffer: a
     full-precision checkpoint has none to load)."""
 
+    takes_quantized_rows = True
+
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
     ) -> None:
@@ -216,4 +218,5 @@ class Fp8LinearMethod(LinearMethod):
             )
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # (``x`` may come quantized: ``takes_quantized_rows``)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, layer.fp8_dequantized)

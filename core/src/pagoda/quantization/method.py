@@ -51,6 +51,11 @@ class LinearMethod(ABC):
     them. One instance may serve every layer of a model: it keeps nothing per layer itself.
     """
 
+    #: Whether :meth:`apply` also takes its input already quantized a row at a time
+    #: (:class:`pagoda.ops.fp8.QuantizedRows`, FP8): a model then lets the norm before such a
+    #: layer quantize its output in its own kernel (:func:`pagoda.ops.rms_norm_fp8`).
+    takes_quantized_rows: ClassVar[bool] = False
+
     @abstractmethod
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype
