@@ -208,12 +208,13 @@ def test_norms_before_fp8_projections_quantize_as_the_projections_would(
     monkeypatch.setattr(triton_norm, "rms_norm_fp8_triton", counted)
     enabled = ops._enabled
     try:
-        fused_tokens, fused, llm = _run(fp8_folders["full"], quantization="fp8")
+        # (bfloat16: the norms quantize for 16-bit models)
+        fused_tokens, fused, llm = _run(fp8_folders["full"], quantization="fp8", dtype="bfloat16")
         # Both norms of every layer, at every forward (a prefill and seven decode steps at least).
         assert len(calls) >= 2 * len(_model(llm).model.layers) * 8
         calls.clear()
         monkeypatch.setattr(ops, "FUSED_NORM_FP8", False)
-        tokens, unfused, _ = _run(fp8_folders["full"], quantization="fp8")
+        tokens, unfused, _ = _run(fp8_folders["full"], quantization="fp8", dtype="bfloat16")
         assert not calls
     finally:
         ops.set_fused_ops(enabled)

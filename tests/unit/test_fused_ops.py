@@ -86,7 +86,7 @@ def test_rms_norm_without_residual_matches_torch(dtype: torch.dtype) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # (ops.rms_norm_fp8's)
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_quantized_for_fp8_is_the_stored_norm_quantized(
     dtype: torch.dtype, with_residual: bool

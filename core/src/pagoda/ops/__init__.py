@@ -108,7 +108,10 @@ def rms_norm_fp8(
     if batch_invariant._enabled or not FUSED_NORM_FP8 or not _use_triton(x) or x.dim() != 2:
         return None
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    if torch.promote_types(weight.dtype, sum_dtype) != sum_dtype:
+    if (
+        sum_dtype not in _NORM_FP8_DTYPES
+        or torch.promote_types(weight.dtype, sum_dtype) != sum_dtype
+    ):
         return None
     # NOTE: Triton compiles on import: only where the kernel path runs.
     from pagoda.ops.triton_norm import rms_norm_fp8_triton
@@ -119,6 +122,9 @@ def rms_norm_fp8(
 # Whether a norm whose output an FP8 linear reads quantizes it in its own kernel
 # (:func:`rms_norm_fp8`); off, the linear quantizes the stored output (an A/B switch).
 FUSED_NORM_FP8 = True
+# NOTE: 16-bit models only: in float32 the kernel's FP8 values parted from the stored norm's on
+# an H200 (bfloat16 and float16 are the same bit for bit there).
+_NORM_FP8_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
