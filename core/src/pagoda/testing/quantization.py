@@ -24,7 +24,7 @@ import torch
 
 from pagoda.loader.construct import build_model
 from pagoda.models.parallel_layers import ColumnParallelLinear, Part, RowParallelLinear
-from pagoda.ops.fp8 import from_fp8, quantize_rows, quantize_tensor
+from pagoda.ops.fp8 import QuantizedRows, from_fp8, quantize_rows, quantize_tensor, quantize_tokens
 from pagoda.quantization import QuantizationMethod, method_class
 
 #: ``||y - ref|| / ||ref||`` of a W8A8 FP8 linear (e4m3 keeps 3 mantissa bits: each product's
@@ -173,6 +173,17 @@ def check_linear_method(
                     f"{cls.__name__}: the {what} linear gave {tuple(y.shape)} {y.dtype}, not "
                     f"{(inp.shape[0], w.shape[0])} {dtype}"
                 )
+            if getattr(layer.quant_method, "takes_quantized_rows", False):
+                # The activations as a norm's kernel hands them over, quantized already: the
+                # same product as quantizing them in apply.
+                q, scale = quantize_tokens(inp.to(dtype).to(device))
+                given = layer(QuantizedRows(q, scale, dtype))
+                if not torch.equal(given, y):
+                    raise AssertionError(
+                        f"{cls.__name__}: the {what} linear given its input as QuantizedRows "
+                        "(takes_quantized_rows) does not give the product of the same input "
+                        f"unquantized: {(given.float() - y.float()).abs().max().item():.3g} apart"
+                    )
             ref = inp.to(dtype).double() @ w.to(dtype).double().T + b.to(dtype).double()
             err = ((y.double().cpu() - ref).norm() / ref.norm()).item()
             worst = max(worst, err)
