@@ -31,6 +31,7 @@ __all__ = [
     "qk_norm_rotary",
     "qkv_norm_rotary",
     "rms_norm",
+    "rms_norm_fp8",
     "rotary_embedding",
     "sample_from_logits",
     "set_fused_ops",

@@ -5,6 +5,10 @@ Rows are normalised whole: a program holds ``BLOCK_M`` rows of ``BLOCK_N`` (the 
 up to a power of two) columns, several rows at once when rows are short (Qwen3's per-head q/k
 norm). Rounding follows :func:`pagoda.ops.reference.rms_norm`: the sum is rounded to the input
 dtype, the normalised value is rounded to it before the weight multiplies it.
+
+For an FP8 linear that reads the output (:func:`rms_norm_fp8_triton`), the kernel stores it
+quantized a row at a time instead: the rounded output's FP8 values and per-row scales, as
+:mod:`pagoda.ops.triton_fp8` would compute them from the stored output.
 """
 
 from __future__ import annotations
