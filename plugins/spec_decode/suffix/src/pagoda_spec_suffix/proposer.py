@@ -16,7 +16,9 @@ no draft pauses between probes (``pagoda.spec_decode.pause``: its steps then lau
 waiting for the step in flight); its tokens are caught up on at the next call.
 
 The work per call is a few dictionary steps per new token and per tree level (``max_tree_depth``)
-in Python, for each request of the batch.
+in Python, for each request of the batch. Adding a request's new tokens to its tree is left to
+``settle`` (after the step these drafts are for is launched); a call only follows them through
+the tree as it stands, a lookup a level (``benchmarks/suffix_proposer.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class _Request:
     tokens: list[int] = field(default_factory=list)  # known so far, a copy
     cursor: list[int] = field(default_factory=list)  # its suffixes' nodes in its own tree
     global_cursor: list[int] = field(default_factory=list)  # and in the global tree
+    # The last tokens of ``tokens``, not yet in its tree (``settle`` adds them), and the nodes
+    # of the context's suffixes that the tree holds without them (``cursor`` followed by them).
+    pending: list[int] = field(default_factory=list)
+    draft_cursor: list[int] = field(default_factory=list)
 
 
 class SuffixProposer(SpeculativeProposer):
@@ -69,6 +75,7 @@ class SuffixProposer(SpeculativeProposer):
         self.cost = DraftCost()
         self.pause = DraftPause(self.resume_at)
         self._given: tuple | None = None  # the last call's, until ``settle`` records it
+        self._pending: list[_Request] = []  # requests whose new tokens ``settle`` adds
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         self.settle()  # (the last call's bookkeeping, where the runner did not ask for it)
@@ -86,7 +93,7 @@ class SuffixProposer(SpeculativeProposer):
             if new is not None:
                 gained, known = gained + new, known + 1
             cap = int(min(k, batch.max_num_drafts[i]))
-            best, score, _ = req.tree.draft(req.cursor[:longest], cap, floor, s.max_spec_factor)
+            best, score, _ = req.tree.draft(req.draft_cursor, cap, floor, s.max_spec_factor)
             if use_global:
                 got, g_score, _ = self.global_tree.draft(
                     req.global_cursor, cap, floor, s.max_spec_factor
@@ -107,7 +114,14 @@ class SuffixProposer(SpeculativeProposer):
         return Drafts(out)
 
     def settle(self) -> None:
-        """Record the last call's step time and its requests' pauses."""
+        """Add the last call's new tokens to their requests' trees; record its step time and
+        its requests' pauses."""
+        for req in self._pending:
+            if req.pending:
+                req.cursor = req.tree.add(req.pending, req.cursor)
+                req.pending = []
+                req.draft_cursor = req.cursor[: max(1, self.depth - self.k)]
+        self._pending.clear()
         if self._given is None:
             return
         n, given, gained, contiguous, req_ids, num_tokens, found, slot_cost = self._given
@@ -130,7 +144,24 @@ class SuffixProposer(SpeculativeProposer):
         if now > have:
             new = batch.token_ids[batch.rows[i], have:now].tolist()
             req.tokens += new
-            req.cursor = req.tree.add(new, req.cursor)
+            if seen:
+                # NOTE: adding a token to the tree takes ``max_tree_depth`` dictionary steps
+                # with their counts; following one, a lookup a level. The draft needs only the
+                # nodes of the context's suffixes the tree holds: the tokens are added in
+                # ``settle``, which the runner calls once the step these drafts are for is
+                # launched (at batch 1 on a GPU, while the device computes it). (Matches
+                # within the new tokens themselves wait for that: a repeat that starts and
+                # ends among them drafts from the next call on.)
+                cur = req.draft_cursor
+                for t in new:
+                    cur = req.tree.follow(cur, t, longest)
+                req.draft_cursor = cur
+                if not req.pending:
+                    self._pending.append(req)
+                req.pending += new
+            else:  # (a prompt: drafted from at once)
+                req.cursor = req.tree.add(new, req.cursor)
+                req.draft_cursor = req.cursor[:longest]
             if not self.global_tree.empty:
                 g = req.global_cursor
                 for t in new:
