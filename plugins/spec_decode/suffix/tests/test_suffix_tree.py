@@ -29,3 +29,37 @@ def test_add_matches_extend_token_by_token() -> None:
             slow.remove(tokens[: i // 2])
     assert _state(fast) == _state(slow)
     assert fast.draft(cf, 5, 0.0, 2.0) == slow.draft(cs, 5, 0.0, 2.0)
+
+
+def test_the_longest_node_and_its_links_stand_for_the_whole_cursor() -> None:
+    """``follow_longest`` keeps the last node of ``follow``'s cursor, the cursor is that node's
+    chain of links, and ``draft_from`` drafts what ``draft`` does: over a tree whose removals
+    freed nodes that later additions reuse, for a context the tree holds in parts."""
+    from pagoda_spec_suffix.tree import NONE
+
+    rng = random.Random(1)
+    seqs = [[rng.randrange(30) for _ in range(300)] for _ in range(6)]
+    tree = SuffixTree(12)
+    for seq in seqs[:4]:
+        tree.add(seq)
+    tree.remove(seqs[0])
+    tree.remove(seqs[2])
+    tree.add(seqs[4])
+    context = seqs[1][:50] + seqs[5] + seqs[3][100:160] + seqs[0][:40]
+    longest, drafted = 8, 0
+    cursor: list[int] = []
+    node = 0
+    for t in context:
+        cursor = tree.follow(cursor, t, longest)
+        node = tree.follow_longest(node, t, longest)
+        assert node == (cursor[-1] if cursor else 0)
+        chain, n = [], node
+        while n:
+            chain.append(n)
+            n = tree.link[n]
+        assert chain[::-1] == cursor and NONE not in cursor
+        got = tree.draft_from(node, 6, 0.0, 2.0)
+        assert got == tree.draft(cursor, 6, 0.0, 2.0)
+        drafted += bool(got[0])
+    assert drafted > 50  # (the held parts draft)
+    assert node == tree.longest_suffix(context[-longest:], longest)

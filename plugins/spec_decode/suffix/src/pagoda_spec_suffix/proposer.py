@@ -18,7 +18,8 @@ waiting for the step in flight); its tokens are caught up on at the next call.
 The work per call is a few dictionary steps per new token and per tree level (``max_tree_depth``)
 in Python, for each request of the batch. Adding a request's new tokens to its tree is left to
 ``settle`` (after the step these drafts are for is launched); a call only follows them through
-the tree as it stands, a lookup a level (``benchmarks/suffix_proposer.py``).
+the tree as it stands, from the context's longest suffix the tree holds down its suffix links,
+a lookup or two a token (``benchmarks/suffix_proposer.py``).
 """
 
 from __future__ import annotations
@@ -48,11 +49,19 @@ class _Request:
     num_prompt: int
     tokens: list[int] = field(default_factory=list)  # known so far, a copy
     cursor: list[int] = field(default_factory=list)  # its suffixes' nodes in its own tree
-    global_cursor: list[int] = field(default_factory=list)  # and in the global tree
-    # The last tokens of ``tokens``, not yet in its tree (``settle`` adds them), and the nodes
-    # of the context's suffixes that the tree holds without them (``cursor`` followed by them).
+    # The last tokens of ``tokens``, not yet in its tree (``settle`` adds them), and the node of
+    # the longest suffix (of at most ``max_tree_depth - k`` tokens: room for a draft) of the
+    # context that the tree holds without them; the shorter ones are its links.
     pending: list[int] = field(default_factory=list)
-    draft_cursor: list[int] = field(default_factory=list)
+    draft_node: int = 0
+    global_node: int = 0  # the same in the global tree
+    global_version: int = -1  # the global tree's version that ``global_node`` is of
+
+
+def _longest_node(cursor: list[int], longest: int) -> int:
+    """The node of the longest suffix of at most ``longest`` tokens in a cursor of
+    :meth:`SuffixTree.add` (the nodes of lengths 1, 2, ...; 0 where it is empty)."""
+    return cursor[min(len(cursor), longest) - 1] if cursor else 0
 
 
 class SuffixProposer(SpeculativeProposer):
@@ -72,6 +81,7 @@ class SuffixProposer(SpeculativeProposer):
         # req_id -> output tokens in the global tree, oldest first; and their total.
         self.cached: OrderedDict[str, list[int]] = OrderedDict()
         self.cached_tokens = 0
+        self.global_version = 0  # counts the global tree's changes
         self.cost = DraftCost()
         self.pause = DraftPause(self.resume_at)
         self._given: tuple | None = None  # the last call's, until ``settle`` records it
@@ -93,10 +103,10 @@ class SuffixProposer(SpeculativeProposer):
             if new is not None:
                 gained, known = gained + new, known + 1
             cap = int(min(k, batch.max_num_drafts[i]))
-            best, score, _ = req.tree.draft(req.draft_cursor, cap, floor, s.max_spec_factor)
+            best, score, _ = req.tree.draft_from(req.draft_node, cap, floor, s.max_spec_factor)
             if use_global:
-                got, g_score, _ = self.global_tree.draft(
-                    req.global_cursor, cap, floor, s.max_spec_factor
+                got, g_score, _ = self.global_tree.draft_from(
+                    req.global_node, cap, floor, s.max_spec_factor
                 )
                 if g_score > score:
                     best = got
@@ -120,7 +130,7 @@ class SuffixProposer(SpeculativeProposer):
             if req.pending:
                 req.cursor = req.tree.add(req.pending, req.cursor)
                 req.pending = []
-                req.draft_cursor = req.cursor[: max(1, self.depth - self.k)]
+                req.draft_node = _longest_node(req.cursor, max(1, self.depth - self.k))
         self._pending.clear()
         if self._given is None:
             return
@@ -146,27 +156,36 @@ class SuffixProposer(SpeculativeProposer):
             req.tokens += new
             if seen:
                 # NOTE: adding a token to the tree takes ``max_tree_depth`` dictionary steps
-                # with their counts; following one, a lookup a level. The draft needs only the
-                # nodes of the context's suffixes the tree holds: the tokens are added in
+                # with their counts; following one, a lookup or two (``follow_longest``). The
+                # draft needs only the node of the context's longest suffix that the tree holds
+                # (and its links): the tokens are added in
                 # ``settle``, which the runner calls once the step these drafts are for is
                 # launched (at batch 1 on a GPU, while the device computes it). (Matches
                 # within the new tokens themselves wait for that: a repeat that starts and
                 # ends among them drafts from the next call on.)
-                cur = req.draft_cursor
+                node, follow = req.draft_node, req.tree.follow_longest
                 for t in new:
-                    cur = req.tree.follow(cur, t, longest)
-                req.draft_cursor = cur
+                    node = follow(node, t, longest)
+                req.draft_node = node
                 if not req.pending:
                     self._pending.append(req)
                 req.pending += new
             else:  # (a prompt: drafted from at once)
                 req.cursor = req.tree.add(new, req.cursor)
-                req.draft_cursor = req.cursor[:longest]
-            if not self.global_tree.empty:
-                g = req.global_cursor
+                req.draft_node = _longest_node(req.cursor, longest)
+            g = self.global_tree
+            if not g.empty:
+                node = req.global_node
+                if req.global_version != self.global_version:
+                    # The tree changed since (an output joined it, another left: its nodes
+                    # freed, perhaps reused): the node found again from the context before
+                    # these tokens.
+                    before = len(req.tokens) - len(new)
+                    node = g.longest_suffix(req.tokens[max(0, before - longest) : before], longest)
+                    req.global_version = self.global_version
                 for t in new:
-                    g = self.global_tree.follow(g, t, longest)
-                req.global_cursor = g
+                    node = g.follow_longest(node, t, longest)
+                req.global_node = node
         return req, (now - have if seen else None)
 
     def remove(self, req_ids: Iterable[str]) -> None:
@@ -183,6 +202,7 @@ class SuffixProposer(SpeculativeProposer):
 
     def _cache(self, req_id: str, output: list[int]) -> None:
         bound = self.settings.global_max_tokens
+        self.global_version += 1
         old = self.cached.pop(req_id, None)
         if old is not None:
             self.global_tree.remove(old)

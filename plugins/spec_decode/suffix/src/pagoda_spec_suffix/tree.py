@@ -12,6 +12,14 @@ has a continuation, and follows the most frequent child while the product of the
 frequencies (each child's count over its siblings' total) stays above a floor: a substring
 always followed by the same tokens drafts long, one with many continuations short or not at all.
 
+Each node also keeps its length and its *suffix link* (the node of its substring without the
+first token), so that a context's suffixes the tree holds are one node, the longest, and its
+chain of links: :meth:`SuffixTree.follow_longest` moves that node past a token in a lookup or
+two (amortised) where :meth:`SuffixTree.follow` looks up every level, and
+:meth:`SuffixTree.draft_from` drafts from it as :meth:`SuffixTree.draft` from the whole cursor.
+A node's link outlives it: every occurrence of a substring is one of its suffix, so the suffix's
+count is never the lower and a removal frees it no sooner.
+
 NOTE: nodes are integers and edges one dictionary of integer keys (``node * 2**24 + token``),
 so that a tree of hundreds of thousands of nodes holds no Python object the garbage collector
 tracks (a tree of node objects spent most of its time in collections). Each node keeps its most
@@ -38,13 +46,15 @@ class SuffixTree:
         self.total: list[int] = [0]  # per node: its children's counts summed
         self.best: list[int] = [NONE]  # per node: its most frequent child
         self.best_tok: list[int] = [NONE]
+        self.length: list[int] = [0]  # per node: its substring's length
+        self.link: list[int] = [0]  # per node: its substring's without the first token
         self.free: list[int] = []
 
     @property
     def empty(self) -> bool:
         return self.total[0] == 0
 
-    def _child(self, node: int, token: int) -> int:
+    def _child(self, node: int, token: int, link: int) -> int:
         key = node * _KEY + token
         child = self.edges.get(key)
         if child is None:
@@ -52,12 +62,15 @@ class SuffixTree:
                 child = self.free.pop()
                 self.count[child] = self.total[child] = 0
                 self.best[child] = self.best_tok[child] = NONE
+                self.length[child], self.link[child] = self.length[node] + 1, link
             else:
                 child = len(self.count)
                 self.count.append(0)
                 self.total.append(0)
                 self.best.append(NONE)
                 self.best_tok.append(NONE)
+                self.length.append(self.length[node] + 1)
+                self.link.append(link)
             self.edges[key] = child
         c = self.count[child] = self.count[child] + 1
         self.total[node] += 1
@@ -69,8 +82,10 @@ class SuffixTree:
     def extend(self, cursor: list[int], token: int) -> list[int]:
         """Add ``token`` after the suffixes ``cursor`` (shortest first, as this returns):
         each of them, and the empty one, gains it. Returns the new cursor."""
-        child = self._child
-        return [child(0, token), *(child(node, token) for node in cursor[: self.depth - 1])]
+        new: list[int] = []
+        for node in (0, *cursor[: self.depth - 1]):
+            new.append(self._child(node, token, new[-1] if new else 0))
+        return new
 
     def add(self, tokens: Iterable[int], cursor: list[int] | None = None) -> list[int]:
         """:meth:`extend` by each of ``tokens`` in turn (from ``cursor``, default the empty
@@ -78,8 +93,8 @@ class SuffixTree:
         runs for every token a request gains, ``depth`` steps each, on the host's critical path
         at batch 1 (a verification that accepts 8 drafts adds 9 tokens: some 290 steps)."""
         cursor = [] if cursor is None else cursor
-        edges, count, total, best, best_tok = (
-            self.edges, self.count, self.total, self.best, self.best_tok
+        edges, count, total, best, best_tok, length, link = (
+            self.edges, self.count, self.total, self.best, self.best_tok, self.length, self.link
         )  # fmt: skip
         free, keep = self.free, self.depth - 1
         for t in tokens:
@@ -92,12 +107,15 @@ class SuffixTree:
                         child = free.pop()
                         count[child] = total[child] = 0
                         best[child] = best_tok[child] = NONE
+                        length[child], link[child] = length[node] + 1, new[-1] if new else 0
                     else:
                         child = len(count)
                         count.append(0)
                         total.append(0)
                         best.append(NONE)
                         best_tok.append(NONE)
+                        length.append(length[node] + 1)
+                        link.append(new[-1] if new else 0)
                     edges[key] = child
                 c = count[child] = count[child] + 1
                 total[node] += 1
@@ -142,28 +160,70 @@ class SuffixTree:
             out.pop()
         return out
 
+    def follow_longest(self, node: int, token: int, longest: int) -> int:
+        """:meth:`follow` by its longest node: ``node`` is that of the longest suffix (at most
+        ``longest`` tokens) of a context that the tree holds (0: none); returns the same after
+        ``token``. A suffix's extension is looked up from the longest suffix down its links,
+        the first held wins: a lookup or two a token, amortised, where :meth:`follow` takes
+        one a level. ``node`` must be live (not freed since: :meth:`longest_suffix` again)."""
+        edges, count, length, link = self.edges, self.count, self.length, self.link
+        while True:
+            if length[node] < longest:
+                child = edges.get(node * _KEY + token)
+                if child is not None and count[child]:
+                    return child
+            if node == 0:
+                return 0
+            node = link[node]
+
+    def longest_suffix(self, tokens: Iterable[int], longest: int) -> int:
+        """The node of the longest suffix (at most ``longest`` tokens) of ``tokens`` that the
+        tree holds (0: none); only the last ``longest`` tokens matter."""
+        node = 0
+        for t in tokens:
+            node = self.follow_longest(node, t, longest)
+        return node
+
+    def draft_from(
+        self, node: int, max_len: int, min_prob: float, factor: float
+    ) -> tuple[list[int], float, int]:
+        """:meth:`draft` from the cursor whose longest node is ``node`` (the rest being its
+        chain of links)."""
+        count, total, best, link = self.count, self.total, self.best, self.link
+        while node:
+            if count[node] and total[node] and best[node] != NONE:
+                return self._draft(node, self.length[node], max_len, min_prob, factor)
+            node = link[node]
+        return [], 0.0, 0
+
+    def _draft(
+        self, node: int, m: int, max_len: int, min_prob: float, factor: float
+    ) -> tuple[list[int], float, int]:
+        count, total, best, best_tok = self.count, self.total, self.best, self.best_tok
+        limit = min(max_len, max(1, int(factor * m)))
+        out: list[int] = []
+        prob = 1.0
+        score = 0.0
+        while len(out) < limit and total[node] and best[node] != NONE:
+            child = best[node]
+            prob *= count[child] / total[node]
+            if prob < min_prob:
+                break
+            out.append(best_tok[node])
+            score += prob
+            node = child
+        return out, score, m
+
     def draft(
         self, cursor: Sequence[int], max_len: int, min_prob: float, factor: float
     ) -> tuple[list[int], float, int]:
         """The draft from the longest suffix in ``cursor`` with a continuation: (tokens, their
         expected accepted count (the sum of each prefix's probability), the suffix's length).
         At most ``max_len`` tokens and ``factor`` times the suffix's length."""
-        count, total, best, best_tok = self.count, self.total, self.best, self.best_tok
+        count, total, best = self.count, self.total, self.best
         for m in range(len(cursor), 0, -1):
             node = cursor[m - 1]
             if node == NONE or not count[node] or not total[node] or best[node] == NONE:
                 continue
-            limit = min(max_len, max(1, int(factor * m)))
-            out: list[int] = []
-            prob = 1.0
-            score = 0.0
-            while len(out) < limit and total[node] and best[node] != NONE:
-                child = best[node]
-                prob *= count[child] / total[node]
-                if prob < min_prob:
-                    break
-                out.append(best_tok[node])
-                score += prob
-                node = child
-            return out, score, m
+            return self._draft(node, m, max_len, min_prob, factor)
         return [], 0.0, 0
