@@ -31,6 +31,13 @@ still written where later steps read these prompts from it (a step whose keys an
 reads skips the write: ``attends_from_inputs``). A ragged wrapper is planned again only when a
 step's layout of queries (or the group) differs from its last plan's.
 
+An FP8 KV cache (``cache.kv_cache_dtype: fp8``) is not read here (``supports_kv_cache_dtype``
+stays false, so ``auto`` takes Triton for one): FlashInfer 0.6's FP8 decode kernels, with a
+bfloat16 query, read such a cache more slowly than its bfloat16 kernels read theirs and than the
+Triton kernel reads it (220 us against 168 and 107 on an H200, Llama-3.1-8B's heads, batch 256:
+``benchmarks/decode_attention_fp8.py``), and its ``run`` takes ``k_scale`` as a host float, which
+a captured graph would freeze before the first prompt calibrates it.
+
 Decode CUDA graphs: each captured batch size gets fixed page-table buffers, and each group its own
 wrapper made with ``use_cuda_graph`` over them (the groups' plans write the same page table). The
 runner's warm-up pass before capture makes and plans them (so nothing is planned inside the
