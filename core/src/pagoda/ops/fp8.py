@@ -101,56 +101,50 @@ def fp8_linear(
     caller) saves dequantizing the weight again each call."""
     shape = x.shape
     if isinstance(x, QuantizedRows):
-        rows = (x.data, x.scale)
-        x2, on_cuda = x.data, x.data.is_cuda
+        q, scale = x.data, x.scale
     else:
-        rows = None
-        x2, on_cuda = x.reshape(-1, shape[-1]), x.is_cuda
-    if on_cuda:
-        out = _scaled_mm(x2, weight, weight_scale, x.dtype, rows)
+        # NOTE: one Triton kernel where Triton runs (interpreted on a CPU for tests), else the
+        # torch code: the emulation quantizes as the GPU path does.
+        q, scale = quantize_tokens(x.reshape(-1, shape[-1]))
+    if q.is_cuda:
+        out = _scaled_mm(q, scale, weight, weight_scale, x.dtype)
     else:
-        out = _emulated(x2, weight, weight_scale, dequantized, rows, x.dtype)
+        out = _emulated(q, scale, weight, weight_scale, dequantized, x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
 def _emulated(
-    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     dequantized: torch.Tensor | None,
-    rows: tuple[torch.Tensor, torch.Tensor] | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    # (quantized as the GPU path quantizes: the Triton kernel where it runs, interpreted on a
-    # CPU for tests, else the torch code)
-    q, scale = quantize_tokens(x) if rows is None else rows
     w = dequantized if dequantized is not None else weight.float() * weight_scale[:, None]
     return ((q.float() * scale) @ w.T).to(dtype)
 
 
 def _scaled_mm(
-    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     dtype: torch.dtype,
-    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    # NOTE: the per-token quantization is a few elementwise kernels here; the Triton kernel in
-    # pagoda.ops.triton_fp8 does it in one where Triton runs.
-    q, scale = quantize_tokens(x) if rows is None else rows
     # NOTE: cuBLASLt wants the second operand column-major: the [N, K] row-major weight's
     # transpose is exactly that, with no copy.
     wt = weight.t()
     # NOTE: cuBLASLt's per-row and per-column scales give bf16 results only.
-    if dtype == torch.bfloat16 and _rowwise(x.device):
+    if dtype == torch.bfloat16 and _rowwise(q.device):
         return torch._scaled_mm(
             q, wt, scale_a=scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype
         )
     # Ada (or a float16 or float32 model): tensor-wise scales only; the per-token and
     # per-channel scales are applied to the float32 product.
-    one = _unit_scale(x.device)
+    one = _unit_scale(q.device)
     out = torch._scaled_mm(q, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
     return (out * scale * weight_scale.view(1, -1)).to(dtype)
 

@@ -123,20 +123,26 @@ def rms_norm_triton(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``fixed_tiling``: rows per program and warps from the row length alone, never from the
     number of rows, so a row is reduced the same way in any batch (batch-invariant mode)."""
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"rms_norm takes a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, sum_dtype), device=x.device)
-    res_out = None
-    if residual is not None:
-        res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
-    _launch(x, weight, eps, residual, out, res_out, None, fixed_tiling)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, residual), device=x.device)
+    res_out = _launch(x, weight, eps, residual, out, None, fixed_tiling)
     return out if res_out is None else (out, res_out)
 
 
-def _launch(x, weight, eps, residual, out, res_out, scale, fixed_tiling=False) -> None:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None):
+    """The norm's output dtype: the weight's and the (summed) input's, promoted."""
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    return torch.promote_types(weight.dtype, sum_dtype)
+
+
+def _launch(x, weight, eps, residual, out, scale, fixed_tiling=False) -> torch.Tensor | None:
+    """Normalise ``x`` (plus ``residual``) into ``out`` (quantized, with ``scale``); returns
+    the sum with the residual, where there is one."""
+    res_out = None
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+        sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+        res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     x, sxt, sxh = _rows(x)
     n = x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
@@ -145,7 +151,7 @@ def _launch(x, weight, eps, residual, out, res_out, scale, fixed_tiling=False) -
     if residual is not None:
         residual, srt, srh = _rows(residual)
     if num_rows == 0:
-        return
+        return res_out
     block_m, block_n, warps = launch_shape(n, num_rows, fixed_tiling)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
         x,
@@ -171,6 +177,7 @@ def _launch(x, weight, eps, residual, out, res_out, scale, fixed_tiling=False) -
         QUANT=scale is not None,
         num_warps=warps,
     )
+    return res_out
 
 
 def rms_norm_fp8_triton(
@@ -182,15 +189,8 @@ def rms_norm_fp8_triton(
     it again."""
     if x.dim() != 2:
         raise ValueError(f"rms_norm_fp8 takes a 2-D tensor, got shape {tuple(x.shape)}")
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    dtype = torch.promote_types(weight.dtype, sum_dtype)
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
-    res_out = None
-    if residual is not None:
-        res_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
-    _launch(x, weight, eps, residual, out, res_out, scale)
-    rows = QuantizedRows(out, scale, dtype)
+    res_out = _launch(x, weight, eps, residual, out, scale)
+    rows = QuantizedRows(out, scale, _out_dtype(x, weight, residual))
     return rows if res_out is None else (rows, res_out)

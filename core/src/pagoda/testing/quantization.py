@@ -173,7 +173,7 @@ def check_linear_method(
                     f"{cls.__name__}: the {what} linear gave {tuple(y.shape)} {y.dtype}, not "
                     f"{(inp.shape[0], w.shape[0])} {dtype}"
                 )
-            if getattr(layer.quant_method, "takes_quantized_rows", False):
+            if layer.quant_method.takes_quantized_rows:
                 # The activations as a norm's kernel hands them over, quantized already: the
                 # same product as quantizing them in apply.
                 q, scale = quantize_tokens(inp.to(dtype).to(device))

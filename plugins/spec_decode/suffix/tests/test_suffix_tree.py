@@ -31,9 +31,24 @@ def test_add_matches_extend_token_by_token() -> None:
     assert fast.draft(cf, 5, 0.0, 2.0) == slow.draft(cs, 5, 0.0, 2.0)
 
 
+def _follow(tree: SuffixTree, cursor: list[int], token: int, longest: int) -> list[int]:
+    """The reference: every suffix of the context (length 1, 2, ..., at most ``longest``)
+    that the tree holds, after ``token``, looked up level by level (``NONE`` where it holds no
+    such substring; a node freed since counts as absent)."""
+    from pagoda_spec_suffix.tree import _KEY, NONE
+
+    out = [tree.edges.get(token, NONE)]
+    for node in cursor[: longest - 1]:
+        held = node != NONE and tree.count[node]
+        out.append(tree.edges.get(node * _KEY + token, NONE) if held else NONE)
+    while out and out[-1] == NONE:
+        out.pop()
+    return out
+
+
 def test_the_longest_node_and_its_links_stand_for_the_whole_cursor() -> None:
-    """``follow_longest`` keeps the last node of ``follow``'s cursor, the cursor is that node's
-    chain of links, and ``draft_from`` drafts what ``draft`` does: over a tree whose removals
+    """``follow_longest`` keeps the last node of the level-by-level cursor, the cursor is that
+    node's chain of links, and ``draft_from`` drafts what ``draft`` does: over a tree whose removals
     freed nodes that later additions reuse, for a context the tree holds in parts."""
     from pagoda_spec_suffix.tree import NONE
 
@@ -50,7 +65,7 @@ def test_the_longest_node_and_its_links_stand_for_the_whole_cursor() -> None:
     cursor: list[int] = []
     node = 0
     for t in context:
-        cursor = tree.follow(cursor, t, longest)
+        cursor = _follow(tree, cursor, t, longest)
         node = tree.follow_longest(node, t, longest)
         assert node == (cursor[-1] if cursor else 0)
         chain, n = [], node

@@ -76,6 +76,8 @@ class SuffixProposer(SpeculativeProposer):
         self.settings: SuffixSettings = s  # type: ignore[assignment]
         self.k = ctx.num_speculative_tokens
         self.depth = s.max_tree_depth
+        # The longest match drafted from: it must leave room in the tree's depth for the draft.
+        self.longest = max(1, self.depth - self.k)
         self.requests: dict[str, _Request] = {}
         self.global_tree = SuffixTree(self.depth)
         # req_id -> output tokens in the global tree, oldest first; and their total.
@@ -92,8 +94,7 @@ class SuffixProposer(SpeculativeProposer):
         n, k = len(batch), self.k
         out = np.full((n, k), -1, dtype=np.int64)
         s = self.settings
-        # NOTE: a match must leave room in the tree's depth for the draft after it.
-        longest = max(1, self.depth - k)
+        longest = self.longest
         use_global = bool(self.cached)
         # A draft token must be likelier to be accepted than what it costs (measured).
         floor = max(s.min_token_prob, self.cost.threshold(n))
@@ -130,7 +131,7 @@ class SuffixProposer(SpeculativeProposer):
             if req.pending:
                 req.cursor = req.tree.add(req.pending, req.cursor)
                 req.pending = []
-                req.draft_node = _longest_node(req.cursor, max(1, self.depth - self.k))
+                req.draft_node = _longest_node(req.cursor, self.longest)
         self._pending.clear()
         if self._given is None:
             return

@@ -15,7 +15,7 @@ always followed by the same tokens drafts long, one with many continuations shor
 Each node also keeps its length and its *suffix link* (the node of its substring without the
 first token), so that a context's suffixes the tree holds are one node, the longest, and its
 chain of links: :meth:`SuffixTree.follow_longest` moves that node past a token in a lookup or
-two (amortised) where :meth:`SuffixTree.follow` looks up every level, and
+two (amortised) where following the whole cursor looks up every level, and
 :meth:`SuffixTree.draft_from` drafts from it as :meth:`SuffixTree.draft` from the whole cursor.
 A node's link outlives it: every occurrence of a substring is one of its suffix, so the suffix's
 count is never the lower and a removal frees it no sooner.
@@ -146,26 +146,12 @@ class SuffixTree:
                         self.best[node] = self.best_tok[node] = NONE
                 node = child
 
-    def follow(self, cursor: list[int], token: int, longest: int) -> list[int]:
-        """Like :meth:`extend` without adding: the nodes of the suffixes (length 1, 2, ..., at
-        most ``longest``) of a context that the tree holds, after ``token`` (``NONE`` where it
-        holds no such substring). For a context kept apart from the tree (another request's).
-        A node freed since (its count 0) counts as absent."""
-        edges, count = self.edges, self.count
-        out = [edges.get(token, NONE)]
-        for node in cursor[: longest - 1]:
-            child = edges.get(node * _KEY + token, NONE) if node != NONE and count[node] else NONE
-            out.append(child)
-        while out and out[-1] == NONE:
-            out.pop()
-        return out
-
     def follow_longest(self, node: int, token: int, longest: int) -> int:
-        """:meth:`follow` by its longest node: ``node`` is that of the longest suffix (at most
-        ``longest`` tokens) of a context that the tree holds (0: none); returns the same after
-        ``token``. A suffix's extension is looked up from the longest suffix down its links,
-        the first held wins: a lookup or two a token, amortised, where :meth:`follow` takes
-        one a level. ``node`` must be live (not freed since: :meth:`longest_suffix` again)."""
+        """The node of the longest suffix (at most ``longest`` tokens) of a context that the
+        tree holds, after ``token``, from that node before it (0: none held). A suffix's
+        extension is looked up from the longest suffix down its links, the first held wins: a
+        lookup or two a token, amortised, where following every suffix takes one a level.
+        ``node`` must be live (not freed since: :meth:`longest_suffix` again)."""
         edges, count, length, link = self.edges, self.count, self.length, self.link
         while True:
             if length[node] < longest:
