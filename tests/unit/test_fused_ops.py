@@ -220,17 +220,15 @@ QK_VARIANTS = [
 
 
 class _LaunchSpy:
-    """Stands in for a Triton kernel: launches it and keeps each launch's keywords."""
+    """Stands in for a kernel's launch (a ``JitLaunch``): launches and keeps each launch's
+    keywords."""
 
-    def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, []
+    def __init__(self, launch) -> None:
+        self.launch, self.launches = launch, []
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launches.append(kwargs)
-            return self.kernel[grid](*args, **kwargs)
-
-        return launch
+    def __call__(self, grid, *args, **kwargs):
+        self.launches.append(kwargs)
+        return self.launch(grid, *args, **kwargs)
 
 
 @needs_triton
@@ -259,8 +257,8 @@ def test_qk_norm_rotary_variants_give_the_bits_of_the_separate_kernels(
         pos, rms_norm_triton(q, wq, 1e-6), rms_norm_triton(k, wk, 1e-6), rot.cos, rot.sin
     )
     before = qkv.clone()
-    spy = _LaunchSpy(qk._qk_norm_rotary_kernel)
-    monkeypatch.setattr(qk, "_qk_norm_rotary_kernel", spy)
+    spy = _LaunchSpy(qk._qk_norm_rotary_kernel_launch)
+    monkeypatch.setattr(qk, "_qk_norm_rotary_kernel_launch", spy)
     for variant in QK_VARIANTS:
         got_q, got_k = qk.qk_norm_rotary_triton(
             pos, q, k, wq, wk, 1e-6, rot.cos, rot.sin, **variant

@@ -16,9 +16,18 @@ falls back to the JIT for good and says so once at debug level.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Hashable
 from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    from triton.language import dtype as _triton_dtype
+except ImportError:  # (no Triton: no kernel to launch, only the names)
+    _triton_dtype = torch.dtype
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +67,96 @@ class CachedLaunch:
     @property
     def num_cached(self) -> int:
         return len(self._runners)
+
+
+def _arg_key(arg: Any, constexpr: bool) -> Hashable:
+    """What the JIT could specialise ``arg`` on, or more: a constexpr's value; a tensor's dtype
+    and whether its address is 16-byte aligned; an integer's range (32 or 64 bits), whether it
+    is 1 and whether it is divisible by 16; a float's type; a string's or a dtype's value."""
+    if constexpr:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or arg is None:
+        return (bool, arg)
+    if isinstance(arg, (int, np.integer)):
+        arg = int(arg)
+        return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63)
+    if isinstance(arg, (float, np.floating)):
+        return float
+    if isinstance(arg, (str, torch.dtype, _triton_dtype)):
+        return (type(arg), arg)
+    # Anything else (a TMA descriptor, specialised on its block shape) goes through the JIT: a
+    # key by identity would grow the cache by one entry a launch.
+    raise TypeError(f"no launch key for a {type(arg).__name__}")
+
+
+class JitLaunch:
+    """``JitLaunch(kernel)(grid, *args, **kwargs)`` launches like ``kernel[grid](*args,
+    **kwargs)``: the first launch of a key through the JIT, the next ones through the compiled
+    kernel it returned, at their own grid. The key is worked out here: the device, the launch
+    options (``num_warps`` and the like) and :func:`_arg_key` of every argument, which holds at
+    least what the JIT specialises that argument on, so two launches of one key run the same
+    compiled kernel. That costs a few microseconds of Python a launch where the JIT's own
+    binding and lookup cost tens: an eager forward (a prefill's) launches some six kernels a
+    layer. The grid is not in the key (a prefill's grid follows its prompt's length). A kernel
+    that does not describe its parameters (the interpreter's), a grid that is a function, or an
+    argument that cannot be a key goes through the JIT; so does every launch once a compiled
+    kernel's launcher has failed (another Triton version's internals), which is said once at
+    debug level."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.fast = True
+        params = getattr(fn, "params", None)
+        self.names: tuple[str, ...] | None = None
+        if params is not None:
+            self.names = tuple(p.name for p in params)
+            self.constexpr = tuple(bool(p.is_constexpr) for p in params)
+            empty = inspect.Parameter.empty
+            self.defaults = {p.name: p.default for p in params if p.default is not empty}
+        self._compiled: dict[Hashable, Any] = {}
+        self._tried: set[Hashable] = set()  # keys whose compiled kernel has launched once
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        names = self.names
+        if names is None or not self.fast or type(grid) is not tuple:
+            self.fn[grid](*args, **kwargs)
+            return
+        options = dict(kwargs)
+        try:
+            full = args + tuple(
+                options.pop(n) if n in options else self.defaults[n] for n in names[len(args) :]
+            )
+            device = next((a.device for a in full if isinstance(a, torch.Tensor)), None)
+            key = (
+                device,
+                tuple(sorted(options.items())),
+                tuple(map(_arg_key, full, self.constexpr)),
+            )
+            compiled = self._compiled.get(key)
+        except (KeyError, TypeError):  # (a parameter not given, or one that cannot be a key)
+            self.fn[grid](*args, **kwargs)
+            return
+        if compiled is not None:
+            grid3 = grid + (1,) * (3 - len(grid))
+            if key in self._tried:
+                compiled[grid3](*full)
+                return
+            try:  # the first launch through it: a launcher that does not fit fails here
+                compiled[grid3](*full)
+                self._tried.add(key)
+                return
+            except Exception as e:  # noqa: BLE001 - the JIT launch works, only slower
+                logger.debug(
+                    "%s: launching through the JIT (%s)", getattr(self.fn, "__name__", ""), e
+                )
+                self.fast = False
+                self._compiled.clear()
+        compiled = self.fn[grid](*full, **options)
+        if self.fast and compiled is not None:
+            self._compiled[key] = compiled
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._compiled)

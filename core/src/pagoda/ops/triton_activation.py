@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.launch import JitLaunch
+
 _BLOCK = 1024
 
 
@@ -26,6 +28,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.
     tl.store(out_ptr + t * stride_out + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_silu_and_mul_kernel_launch = JitLaunch(_silu_and_mul_kernel)
+
+
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
@@ -36,7 +41,14 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
     if rows.shape[0] > 0 and inter > 0:
         block = min(_BLOCK, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, out, inter, rows.stride(0), inter, BLOCK=block, num_warps=4
+        _silu_and_mul_kernel_launch(
+            (rows.shape[0], triton.cdiv(inter, block)),
+            rows,
+            out,
+            inter,
+            rows.stride(0),
+            inter,
+            BLOCK=block,
+            num_warps=4,
         )
     return out

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from pagoda.ops.fp8_format import FP8_DTYPE, FP8_INV_MAX, FP8_MAX, MIN_SCALE, quantize_rows
+from pagoda.ops.launch import JitLaunch
 
 _MAX_ROW = 16384
 
@@ -40,6 +41,9 @@ def _quantize_rows(
     tl.store(scale_ptr + row, scale)
 
 
+_quantize_rows_launch = JitLaunch(_quantize_rows)
+
+
 def quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [M, K] (unit stride in K) -> (FP8 [M, K] contiguous, float32 scales [M, 1])."""
     m, k = x.shape
@@ -49,7 +53,7 @@ def quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
-        _quantize_rows[(m,)](
+        _quantize_rows_launch((m,), 
             x, q, scale, k, x.stride(0), FP8_MAX, FP8_INV_MAX, MIN_SCALE,
             BLOCK=block, num_warps=4 if block <= 4096 else 8,
         )  # fmt: skip

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.launch import JitLaunch
+
 
 @triton.jit
 def _write_kv(
@@ -66,6 +68,9 @@ def _write_kv(
     tl.store(dst + value_offset, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+_write_kv_launch = JitLaunch(_write_kv)
+
+
 def write_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -85,7 +90,8 @@ def write_kv_triton(
         raise ValueError("an FP8 KV cache is written with its k_scale and v_scale")
     if not num_tokens:
         return
-    _write_kv[(num_tokens,)](
+    _write_kv_launch(
+        (num_tokens,),
         key,
         value,
         kv_cache,

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from pagoda.ops.fp8 import QuantizedRows
 from pagoda.ops.fp8_format import FP8_DTYPE, FP8_INV_MAX, FP8_MAX, MIN_SCALE
+from pagoda.ops.launch import JitLaunch
 
 # Elements a program normalises at once when rows are short.
 _TILE = 2048
@@ -102,6 +103,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + dense, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_rms_norm_kernel_launch = JitLaunch(_rms_norm_kernel)
+
+
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """A [tokens, hidden] or [tokens, heads, dim] tensor with unit stride in its last dimension,
     and its token and head strides."""
@@ -153,7 +157,8 @@ def _launch(x, weight, eps, residual, out, scale, fixed_tiling=False) -> torch.T
     if num_rows == 0:
         return res_out
     block_m, block_n, warps = launch_shape(n, num_rows, fixed_tiling)
-    _rms_norm_kernel[(triton.cdiv(num_rows, block_m),)](
+    _rms_norm_kernel_launch(
+        (triton.cdiv(num_rows, block_m),),
         x,
         residual if residual is not None else x,
         weight,

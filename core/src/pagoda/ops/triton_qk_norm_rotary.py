@@ -40,6 +40,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from pagoda.ops import triton_norm, triton_rotary
+from pagoda.ops.launch import JitLaunch
 from pagoda.ops.triton_norm import _inv_rms, launch_shape
 
 
@@ -187,6 +188,8 @@ def _qk_norm_rotary_kernel(
                        BLOCK_N, BLOCK_D, K_PAD, TOKENS, HALVES, EXACT)  # fmt: skip
 
 
+_qk_norm_rotary_kernel_launch = JitLaunch(_qk_norm_rotary_kernel)
+
 # Where the rotation's halves come from (``_norm_rotate_heads``'s ``HALVES``).
 HALVES = {"reload": 0, "swap": 1, "split": 2}
 
@@ -267,7 +270,8 @@ def qk_norm_rotary_triton(
         k.shape, dtype=torch.promote_types(k_weight.dtype, k.dtype), device=k.device
     )
     per = tokens_per_program
-    _qk_norm_rotary_kernel[(triton.cdiv(tokens, per),)](
+    _qk_norm_rotary_kernel_launch(
+        (triton.cdiv(tokens, per),),
         positions,
         q,
         k,

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.launch import JitLaunch
 from pagoda.ops.triton_gemm_common import (
     column_halves,
     grouped_tile,
@@ -182,6 +183,9 @@ def _qkv_norm_rotary_kernel(
                           BLOCK_M, HEADS * 2 * HALF, 2 * HALF, WIDE, ALIGNED)  # fmt: skip
 
 
+_qkv_norm_rotary_kernel_launch = JitLaunch(_qkv_norm_rotary_kernel)
+
+
 def heads_per_tile(q_heads: int, kv_heads: int, head_dim: int, preferred: int | None = None) -> int:
     """Heads a tile holds: ``preferred`` (1 or 2; None: :data:`HEADS_PER_PROGRAM` as it is at
     the call); two only where pairs never straddle q's, k's and v's heads and two heads fit a
@@ -259,7 +263,8 @@ def qkv_norm_rotary_triton(
     out = torch.empty(m, heads * head_dim, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(m, block_m) * (heads // per_tile)
     programs = min(num_sms(x.device), tiles) if PERSISTENT else tiles
-    _qkv_norm_rotary_kernel[(programs,)](
+    _qkv_norm_rotary_kernel_launch(
+        (programs,),
         TensorDescriptor.from_tensor(x, [block_m, block_k]),
         TensorDescriptor.from_tensor(weight, [per_tile * head_dim, block_k]),
         TensorDescriptor.from_tensor(out, [block_m, per_tile * head_dim]),

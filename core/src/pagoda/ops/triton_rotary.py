@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.launch import JitLaunch
+
 
 @triton.jit
 def _rotate_heads(base, stride_h, heads, cos, sin, d, d_ok, half, BLOCK_H: tl.constexpr):
@@ -54,6 +56,9 @@ def _rotary_kernel(
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_heads, cos, sin, d, d_ok, half, BLOCK_HK)
 
 
+_rotary_kernel_launch = JitLaunch(_rotary_kernel)
+
+
 def rotary_embedding_triton(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -73,7 +78,8 @@ def rotary_embedding_triton(
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rotary_embedding needs q and k with unit stride in the last dimension")
     if q.shape[0] > 0:
-        _rotary_kernel[(q.shape[0],)](
+        _rotary_kernel_launch(
+            (q.shape[0],),
             positions,
             q,
             k,

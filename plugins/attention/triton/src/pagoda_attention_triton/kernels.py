@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.launch import JitLaunch
+
 # NOTE: the split count is a runtime value (a constexpr would compile the kernels again for each
 # count a step meets; at batch 1 a growing context meets each in turn): the merge reads the
 # backend's most, masked.
@@ -437,6 +439,9 @@ def _paged_attention(
         tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
 
+_paged_attention_launch = JitLaunch(_paged_attention)
+
+
 @triton.jit(do_not_specialize=["window", "chunk"])
 def _paged_decode(
     q_ptr,
@@ -638,6 +643,9 @@ def _paged_decode(
         )
 
 
+_paged_decode_launch = JitLaunch(_paged_decode)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits(
     part_out_ptr,
@@ -683,6 +691,9 @@ def _merge_splits(
         out.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+
+
+_merge_splits_launch = JitLaunch(_merge_splits)
 
 
 def transposed_values(kv_cache: torch.Tensor) -> torch.Tensor:
@@ -853,7 +864,8 @@ def paged_attention(
         hpp = heads_per_program or 1
         if num_kv_heads % hpp:
             raise ValueError(f"heads_per_program {hpp} does not divide {num_kv_heads} KV heads")
-        _paged_decode[(num_seqs * num_kv_heads // hpp,)](
+        _paged_decode_launch(
+            (num_seqs * num_kv_heads // hpp,),
             query,
             key_cache,
             value_cache,
@@ -906,7 +918,8 @@ def paged_attention(
         )
     else:
         part_out = part_lse = out  # unused
-    _paged_attention[grid](
+    _paged_attention_launch(
+        grid,
         query,
         key_cache,
         value_cache,
@@ -939,7 +952,8 @@ def paged_attention(
         **launch,
     )
     if num_splits > 1:
-        _merge_splits[(num_tokens, num_heads)](
+        _merge_splits_launch(
+            (num_tokens, num_heads),
             part_out,
             part_lse,
             out,

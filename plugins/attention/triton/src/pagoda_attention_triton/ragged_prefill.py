@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.ops.launch import JitLaunch
 from pagoda_attention_triton.kernels import _find_seq
 
 
@@ -310,6 +311,9 @@ def _ragged_prefill(
     )
 
 
+_ragged_prefill_launch = JitLaunch(_ragged_prefill)
+
+
 def ragged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -348,7 +352,8 @@ def ragged_prefill_attention(
         return out
     block_q = launch.block_m // hpp
     num_q_blocks = num_tokens // block_q + num_seqs
-    _ragged_prefill[(num_q_blocks, num_heads // hpp)](
+    _ragged_prefill_launch(
+        (num_q_blocks, num_heads // hpp),
         query,
         key,
         value,
