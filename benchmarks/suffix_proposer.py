@@ -35,7 +35,7 @@ def run(requests: int, seed: int = 0) -> dict:
     ctx = dataclasses.replace(ctx, vocab_size=VOCAB, max_model_len=WIDTH - 1)
     proposer = SuffixProposer(ctx)
     token_ids = np.full((1, WIDTH), -1, dtype=np.int64)
-    propose_s, settle_s, gained, first_s = [], [], [], []
+    propose_s, settle_s, gained, first_s, remove_s = [], [], [], [], []
     for r in range(requests):
         prompt = rng.integers(0, VOCAB, 600).tolist()
         out = prompt[100:500]
@@ -73,7 +73,9 @@ def run(requests: int, seed: int = 0) -> dict:
             history += new
             done += len(new)
             gained.append(len(new))
+        t0 = time.perf_counter()
         proposer.remove([f"r{r}"])
+        remove_s.append(time.perf_counter() - t0)
     us = lambda xs, f: round(f(xs) * 1e6, 1)  # noqa: E731
     return {
         "calls": len(propose_s),
@@ -83,6 +85,8 @@ def run(requests: int, seed: int = 0) -> dict:
         "settle_us_median": us(settle_s, statistics.median),
         "settle_us_mean": us(settle_s, statistics.fmean),
         "first_call_ms_median": round(statistics.median(first_s) * 1e3, 2),
+        # (a request leaving: its output joins the global tree, at once or in later settles)
+        "remove_ms_median": round(statistics.median(remove_s) * 1e3, 2),
     }
 
 

@@ -48,15 +48,64 @@ def test_draft_follows_the_most_frequent_continuation_and_stops_when_unsure() ->
 
 def test_second_request_repeating_an_earlier_answer_drafts_it_from_the_global_tree() -> None:
     answer = list(range(100, 140))
+
+    def second(p: SuffixProposer) -> list[int]:
+        p.propose(_batch(["a"], [[1, 2, 3, *answer]], [3]))
+        p.remove(["a"])  # its output joins the global tree, from the settle after a call on
+        p.propose(_batch(["b"], [[7, 8, *answer[:4]]], [2]))
+        p.settle()  # (the runner's, after the launch)
+        return p.propose(_batch(["b"], [[7, 8, *answer[:5]]], [2])).token_ids[0].tolist()
+
+    assert second(_proposer()) == answer[5:11]
+    assert second(_proposer(global_max_tokens=0)) == [-1] * 6
+
+
+def test_an_output_joins_the_global_tree_a_slice_at_each_settle() -> None:
+    """Added at once when its request leaves, an output would hold up the next launch; the
+    first ``settle`` after each call (the runner's, after the launch) adds a slice. Drafts from
+    the output's later part wait for their slice; the tree's version moves once the output is
+    in (and when one is dropped), not at each slice."""
+    from pagoda_spec_suffix.proposer import CACHE_SLICE
+
+    answer = list(range(100, 100 + 3 * CACHE_SLICE + 10))
+    other = list(range(5000, 5020))
     p = _proposer()
     p.propose(_batch(["a"], [[1, 2, 3, *answer]], [3]))
-    p.remove(["a"])  # its output joins the global tree
-    got = p.propose(_batch(["b"], [[7, 8, *answer[:5]]], [2])).token_ids[0]
-    assert got.tolist() == answer[5:11]
-    off = _proposer(global_max_tokens=0)
-    off.propose(_batch(["a"], [[1, 2, 3, *answer]], [3]))
-    off.remove(["a"])
-    assert (off.propose(_batch(["b"], [[7, 8, *answer[:5]]], [2])).token_ids[0] == -1).all()
+    p.remove(["a"])
+    assert p.global_tree.empty and not p.cached
+
+    def step() -> None:  # (another request's call, and the runner's settle after its launch)
+        p.propose(_batch(["c"], [[9, *other]], [1]))
+        p.settle()
+        p.settle()  # (the next launch's: no slice)
+
+    step()
+    assert p.cached_tokens == len(answer) and len(p.cached["a"]) == CACHE_SLICE  # (room kept)
+    version = p.global_version
+    step()  # two slices in: not yet the late part
+    late = answer[2 * CACHE_SLICE : 2 * CACHE_SLICE + 5]
+    assert p.global_version == version and len(p.cached["a"]) == 2 * CACHE_SLICE
+    assert not p.global_tree.edges.get(late[0])  # (0 is the root: the key of the root's edge)
+    step()
+    got = p.propose(_batch(["b"], [[7, 8, *late]], [2])).token_ids[0]
+    assert got.tolist() == answer[2 * CACHE_SLICE + 5 : 2 * CACHE_SLICE + 11]
+    p.settle()
+    assert p.global_version == version + 1 and p.cached["a"] == answer and p._caching is None
+    # The same tree as the output's add at once.
+    whole = SuffixTree(p.depth)
+    whole.add(answer)
+    assert sorted(p.global_tree.edges) == sorted(whole.edges)
+    assert sorted(p.global_tree.count) == sorted(whole.count)
+
+
+def test_outputs_waiting_to_join_the_global_tree_stay_within_its_bound() -> None:
+    """Six requests leave at once: the four oldest outputs would be pushed out of the tree by
+    the two newest before they are in, so they do not wait."""
+    p = _proposer(global_max_tokens=50)
+    ids = [f"r{j}" for j in range(6)]
+    p.propose(_batch(ids, [[1, *range(1000 + 20 * j, 1020 + 20 * j)] for j in range(6)], [1] * 6))
+    p.remove(ids)
+    assert [r for r, _ in p._to_cache] == ["r4", "r5"] and p._queued_tokens == 40
 
 
 def test_global_tree_drops_the_oldest_outputs_beyond_its_bound() -> None:
@@ -65,6 +114,8 @@ def test_global_tree_drops_the_oldest_outputs_beyond_its_bound() -> None:
         out = list(range(1000 + 20 * j, 1020 + 20 * j))
         p.propose(_batch([f"r{j}"], [[1, *out]], [1]))
         p.remove([f"r{j}"])
+    p.propose(_batch(["x"], [[1, 2]], [1]))
+    p.settle()  # (the last output joins at the next call's settle, as each did)
     assert p.cached_tokens <= 50 and list(p.cached) == ["r3", "r4"]
     # The oldest output's substrings are gone from the tree; the newest are there.
     tree = p.global_tree

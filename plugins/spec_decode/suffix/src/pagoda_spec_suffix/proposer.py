@@ -3,8 +3,9 @@ tree over the recent outputs of other requests (after SuffixDecoding, Oliaro et 
 
 Each request keeps a tree of its prompt and output (:class:`~pagoda_spec_suffix.tree.SuffixTree`,
 grown by the tokens each call brings) and its cursors in both trees: the nodes of its context's
-suffixes. A request's output goes into the global tree when the request leaves (``remove``);
-the global tree holds at most ``global_max_tokens`` output tokens, the oldest request's dropped
+suffixes. A request's output goes into the global tree once the request leaves (``remove``),
+a slice at each ``settle`` after a call (:meth:`SuffixProposer._cache_slice`); the global tree
+holds at most ``global_max_tokens`` output tokens, the oldest request's dropped
 first. Each call drafts from whichever tree expects more accepted tokens, following the most
 frequent continuation of the longest suffix matched while its estimated probability holds
 (at least ``min_token_prob``, and at least what a draft token costs at this batch size, measured:
@@ -24,7 +25,7 @@ a lookup or two a token (``benchmarks/suffix_proposer.py``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,12 @@ from pagoda.spec_decode import (
 )
 from pagoda_spec_suffix.settings import SuffixSettings
 from pagoda_spec_suffix.tree import SuffixTree
+
+# Output tokens of requests that left that a ``settle`` adds to the global tree. On an H200's
+# host an output's 128 tokens took 3.6 ms at once (a prompt's 600, about 7): 24 take at most
+# about the 0.65 ms that a batch-1 verifying step of SmolLM2-135M waits for the device
+# (``benchmarks/README.md``).
+CACHE_SLICE = 24
 
 
 @dataclass
@@ -88,9 +95,16 @@ class SuffixProposer(SpeculativeProposer):
         self.pause = DraftPause(self.resume_at)
         self._given: tuple | None = None  # the last call's, until ``settle`` records it
         self._pending: list[_Request] = []  # requests whose new tokens ``settle`` adds
+        # Outputs of requests that left, waiting to join the global tree (``_cache_slice``), and
+        # the one joining it: (req_id, output, tokens added, the tree's cursor after them).
+        self._to_cache: deque[tuple[str, list[int]]] = deque()
+        self._caching: tuple[str, list[int], int, list[int] | None] | None = None
+        self._queued_tokens = 0  # of those outputs, not yet in the tree
+        self._slice_due = False  # a call since the last ``settle``
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         self.settle()  # (the last call's bookkeeping, where the runner did not ask for it)
+        self._slice_due = True
         n, k = len(batch), self.k
         out = np.full((n, k), -1, dtype=np.int64)
         s = self.settings
@@ -125,8 +139,17 @@ class SuffixProposer(SpeculativeProposer):
         return Drafts(out)
 
     def settle(self) -> None:
-        """Add the last call's new tokens to their requests' trees; record its step time and
-        its requests' pauses."""
+        """Add the last call's new tokens to their requests' trees, and a slice of the outputs
+        waiting to join the global tree (at the first ``settle`` after a call, at least
+        ``CACHE_SLICE`` tokens and a quarter of those waiting, so that the wait stays bounded
+        when outputs come faster); record the last call's step time and its requests'
+        pauses."""
+        if self._slice_due:
+            # (the first settle since a call: the runner's, after the launch of that call's
+            # drafts; later ones, at the next launch's start, are on the host's critical path)
+            self._slice_due = False
+            if self._to_cache or self._caching is not None:
+                self._cache_slice(max(CACHE_SLICE, self._queued_tokens // 4))
         for req in self._pending:
             if req.pending:
                 req.cursor = req.tree.add(req.pending, req.cursor)
@@ -190,30 +213,75 @@ class SuffixProposer(SpeculativeProposer):
         return req, (now - have if seen else None)
 
     def remove(self, req_ids: Iterable[str]) -> None:
-        """Forget the requests; their outputs join the global tree (a request that comes back
-        after preemption replaces its earlier entry when it leaves again)."""
+        """Forget the requests; their outputs join the global tree, a slice at each ``settle``
+        (a request that comes back after preemption replaces its earlier entry when it leaves
+        again)."""
         self.settle()
         req_ids = list(req_ids)
         self.pause.forget(req_ids)
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
-            if req is None:
-                continue
-            self._cache(req_id, req.tokens[req.num_prompt :])
-
-    def _cache(self, req_id: str, output: list[int]) -> None:
+            if req is not None:
+                output = req.tokens[req.num_prompt :]
+                self._to_cache.append((req_id, output))
+                self._queued_tokens += len(output)
+        # Waiting outputs beyond what the tree holds would push each other out: the oldest go.
         bound = self.settings.global_max_tokens
-        self.global_version += 1
+        while self._to_cache and self._queued_tokens - self._caching_left() > bound:
+            self._queued_tokens -= len(self._to_cache.popleft()[1])
+
+    def _caching_left(self) -> int:
+        """Tokens of the output joining the global tree that are not in it yet."""
+        return 0 if self._caching is None else len(self._caching[1]) - self._caching[2]
+
+    def _cache_slice(self, budget: int) -> None:
+        """Add at most ``budget`` tokens of the outputs waiting to join the global tree.
+
+        NOTE: adding an output takes ``max_tree_depth`` dictionary steps a token (128 tokens:
+        3.6 ms of an H200 host's time, measured). Done at once when a request left, that
+        lands in the next step's launch, which at batch 1 is the next request's prefill, with
+        the device idle; a slice at each ``settle`` runs while the device computes the step
+        just launched. A request's node in the global tree stays a node of its context while
+        an output is added (adding frees nothing), so the tree's version moves when an output
+        is complete or one is dropped: requests then find their node again."""
+        while budget > 0:
+            if self._caching is None:
+                if not self._to_cache:
+                    return
+                req_id, output = self._to_cache.popleft()
+                if not self._start_caching(req_id, output):
+                    self._queued_tokens -= len(output)
+                    continue
+            req_id, output, done, cursor = self._caching  # type: ignore[misc]
+            part = output[done : done + budget]
+            cursor = self.global_tree.add(part, cursor)
+            self.cached[req_id] += part
+            done += len(part)
+            budget -= len(part)
+            self._queued_tokens -= len(part)
+            if done < len(output):
+                self._caching = (req_id, output, done, cursor)
+            else:
+                self._caching = None
+                self.global_version += 1
+
+    def _start_caching(self, req_id: str, output: list[int]) -> bool:
+        """Make room for ``output`` in the global tree (its earlier entry and the oldest ones
+        out); False where it does not go in."""
+        bound = self.settings.global_max_tokens
         old = self.cached.pop(req_id, None)
         if old is not None:
-            self.global_tree.remove(old)
-            self.cached_tokens -= len(old)
+            self._drop(old)
         if not output or len(output) > bound:
-            return
+            return False
         while self.cached and self.cached_tokens + len(output) > bound:
-            _, evicted = self.cached.popitem(last=False)
-            self.global_tree.remove(evicted)
-            self.cached_tokens -= len(evicted)
-        self.global_tree.add(output)
-        self.cached[req_id] = output
+            self._drop(self.cached.popitem(last=False)[1])
+        self.cached[req_id] = []  # (the tokens added so far)
         self.cached_tokens += len(output)
+        self._caching = (req_id, output, 0, None)
+        return True
+
+    def _drop(self, tokens: list[int]) -> None:
+        self.global_tree.remove(tokens)
+        self.cached_tokens -= len(tokens)
+        self.global_version += 1
