@@ -64,29 +64,20 @@ def _targets(llm: Any) -> list[tuple[Any, str, str]]:
 
 def measure(llm: Any, prompts: list[dict]) -> dict[str, Any]:
     """Host microseconds per prefill of each part, and its calls per prefill."""
+    from pagoda.bench.timeline import timed
+
     spent: dict[str, int] = collections.defaultdict(int)
     calls: collections.Counter = collections.Counter()
-    saved = []
-    for owner, attr, label in _targets(llm):
-        fn = getattr(owner, attr)
-        saved.append((owner, attr, fn))
 
-        def timed(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
-            t = time.perf_counter_ns()
-            out = _fn(*a, **k)
-            spent[_label] += time.perf_counter_ns() - t
-            calls[_label] += 1
-            return out
+    def record(label: str, start: int, end: int) -> None:
+        spent[label] += end - start
+        calls[label] += 1
 
-        setattr(owner, attr, timed)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    try:
+    with timed(_targets(llm), record):
         for p in prompts:
             torch.cuda.synchronize()
             llm.generate([p], params, use_tqdm=False)
-    finally:
-        for owner, attr, fn in reversed(saved):
-            setattr(owner, attr, fn)
     n = len(prompts)
     order = sorted(spent, key=lambda label: -spent[label])
     return {

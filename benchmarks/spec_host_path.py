@@ -26,7 +26,6 @@ import argparse
 import collections
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -68,24 +67,11 @@ def _targets(llm: Any) -> list[tuple[Any, str, str]]:
 
 
 def measure(llm: Any, prompts: list[dict], params: SamplingParams) -> dict[str, Any]:
+    from pagoda.bench.timeline import timed
+
     log: list[tuple[str, int, int]] = []
-    saved = []
-    for owner, attr, label in _targets(llm):
-        fn = getattr(owner, attr)
-        saved.append((owner, attr, fn))
-
-        def timed(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
-            t = time.perf_counter_ns()
-            out = _fn(*a, **k)
-            log.append((_label, t, time.perf_counter_ns()))
-            return out
-
-        setattr(owner, attr, timed)
-    try:
+    with timed(_targets(llm), lambda label, a, b: log.append((label, a, b))):
         llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        for owner, attr, fn in reversed(saved):
-            setattr(owner, attr, fn)
     parts: dict[str, list[float]] = collections.defaultdict(list)
     launches = [(a, b) for label, a, b in log if label == "launch"]
     for s, e in launches:

@@ -9,7 +9,7 @@ import torch
 from torch.profiler import profile
 
 from pagoda.bench import timeline
-from pagoda.bench.timeline import PREFIX, _split, annotated
+from pagoda.bench.timeline import PREFIX, _split, annotated, timed
 
 
 class Worker:
@@ -32,6 +32,25 @@ def test_annotated_ranges_calls_and_restores_what_it_wrapped() -> None:
     assert "run" not in w.__dict__  # the class's method again
     assert own.run(3) == 30 and mod.step() == 7  # their own callables again
     assert not any(n.startswith(PREFIX + "missing") for n in names)
+
+
+def test_timed_records_each_call_even_one_that_raises_and_restores() -> None:
+    w = Worker()
+    calls: list[tuple[str, int, int]] = []
+
+    def fail() -> None:
+        raise ValueError("no")
+
+    mod = types.SimpleNamespace(fail=fail)
+    with timed([(w, "run", "run"), (mod, "fail", "fail")], lambda *c: calls.append(c)):
+        assert w.run(1) == 2 and w.run(2) == 3
+        try:
+            mod.fail()
+        except ValueError:
+            pass
+    assert [c[0] for c in calls] == ["run", "run", "fail"]
+    assert all(end >= start for _, start, end in calls)
+    assert "run" not in w.__dict__ and mod.fail is fail
 
 
 def test_idle_time_goes_to_the_innermost_range_under_way() -> None:

@@ -7,23 +7,45 @@ profiler's events of one call: the device's busy time (the union of its kernels 
 idle time between its first kernel and its last, and that idle time split by the innermost
 annotated range the host was in (``idle_by_host``): the host work that the device waited for,
 which is the host's share of the call's critical path. Idle time outside every range is
-``(unannotated)``.
+``(unannotated)``. :func:`timed` wraps the same way with a clock instead of ranges.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PREFIX = "pagoda.timeline."
 
 
 @contextlib.contextmanager
-def annotated(targets: list[tuple[Any, str, str]], prefix: str = PREFIX) -> Iterator[None]:
+def wrapped(targets: list[tuple[Any, str, str]], wrap: Callable[[str, Any], Any]) -> Iterator[None]:
     """Each ``(owner, attribute, label)``'s callable (a method of an object or a class, or a
-    module's function) runs inside a profiler range ``prefix + label`` while the block runs;
-    owners that are None or lack the attribute are left out."""
+    module's function) is ``wrap(label, callable)`` while the block runs; owners that are None
+    or lack the attribute are left out."""
+    saved = []
+    for owner, attr, label in targets:
+        if owner is None or not hasattr(owner, attr):
+            continue
+        own = attr in getattr(owner, "__dict__", {})
+        saved.append((owner, attr, own, owner.__dict__.get(attr) if own else None))
+        setattr(owner, attr, wrap(label, getattr(owner, attr)))
+    try:
+        yield
+    finally:
+        for owner, attr, own, old in reversed(saved):
+            if own:
+                setattr(owner, attr, old)
+            else:
+                delattr(owner, attr)  # (the class's attribute again)
+
+
+def annotated(
+    targets: list[tuple[Any, str, str]], prefix: str = PREFIX
+) -> contextlib.AbstractContextManager[None]:
+    """Each target (:func:`wrapped`) runs inside a profiler range ``prefix + label``."""
     from torch.profiler import record_function
 
     def ranged(label: str, fn: Any) -> Any:
@@ -33,21 +55,26 @@ def annotated(targets: list[tuple[Any, str, str]], prefix: str = PREFIX) -> Iter
 
         return call
 
-    saved = []
-    for owner, attr, label in targets:
-        if owner is None or not hasattr(owner, attr):
-            continue
-        own = attr in getattr(owner, "__dict__", {})
-        saved.append((owner, attr, own, owner.__dict__.get(attr) if own else None))
-        setattr(owner, attr, ranged(label, getattr(owner, attr)))
-    try:
-        yield
-    finally:
-        for owner, attr, own, old in reversed(saved):
-            if own:
-                setattr(owner, attr, old)
-            else:
-                delattr(owner, attr)  # (the class's attribute again)
+    return wrapped(targets, ranged)
+
+
+def timed(
+    targets: list[tuple[Any, str, str]], record: Callable[[str, int, int], None]
+) -> contextlib.AbstractContextManager[None]:
+    """Each target (:func:`wrapped`) calls ``record(label, start_ns, end_ns)`` when it returns
+    (``time.perf_counter_ns``; no profiler, whose own cost would swamp calls of microseconds)."""
+
+    def timing(label: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                record(label, t, time.perf_counter_ns())
+
+        return call
+
+    return wrapped(targets, timing)
 
 
 def device_timeline(events: Any, call: str, top: int = 12) -> dict[str, Any]:

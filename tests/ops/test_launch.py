@@ -1,6 +1,12 @@
-"""``JitLaunch``: the first launch of a key goes through the JIT, later ones through the
-compiled kernel at their own grid; the key separates every argument the JIT specialises on, so a
-launch never runs a kernel compiled for another alignment, integer class, dtype or option."""
+"""Launching a Triton kernel through its compiled kernel.
+
+``CachedLaunch``: the first launch of a key goes through the JIT, the next ones through the
+compiled kernel it returned; a compiled kernel whose launcher fails sends every launch back to
+the JIT, without losing the launch that failed.
+
+``JitLaunch``: the same, with a key it works out itself and the grid of each call; the key
+separates every argument the JIT specialises on, so a launch never runs a kernel compiled for
+another alignment, integer class, dtype or option."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.ops.launch import JitLaunch, _arg_key
+from pagoda.ops.launch import CachedLaunch, JitLaunch, _arg_key
 
 
 class _Param:
@@ -20,9 +26,11 @@ class _Param:
 
 class _Compiled:
     def __init__(self, log: list, fail: bool) -> None:
-        self.log, self.fail = log, fail
+        self.log, self.fail, self.grids = log, fail, []
 
     def __getitem__(self, grid):
+        self.grids.append(grid)
+
         def runner(*args):
             if self.fail:
                 raise TypeError("launcher does not fit")
@@ -32,10 +40,13 @@ class _Compiled:
 
 
 class _Jit:
-    def __init__(self, params, fail: bool = False) -> None:
-        self.params = params
+    """A JIT kernel's stand-in; with ``params``, one that describes its parameters."""
+
+    def __init__(self, fail: bool = False, params: list | None = None) -> None:
         self.log: list = []
         self.compiled = _Compiled(self.log, fail)
+        if params is not None:
+            self.params = params
 
     def __getitem__(self, grid):
         def launch(*args, **options):
@@ -45,8 +56,30 @@ class _Jit:
         return launch
 
 
+def test_later_launches_of_a_key_go_through_the_compiled_kernel() -> None:
+    fn = _Jit()
+    launch = CachedLaunch(fn)
+    launch("a", (4,), (1, 2), num_warps=1)
+    launch("a", (4,), (3, 4), num_warps=1)
+    launch("b", (2, 3), (5,), num_warps=1)
+    launch("b", (2, 3), (6,), num_warps=1)
+    assert [e[0] for e in fn.log] == ["jit", "fast", "jit", "fast"]
+    assert fn.log[1] == ("fast", (4, 1, 1), (3, 4))  # the grid padded to three dimensions
+    assert fn.log[3][2] == (6,)
+    assert launch.fast and launch.num_cached == 2
+
+
+def test_a_launcher_that_fails_sends_every_launch_back_to_the_jit() -> None:
+    fn = _Jit(fail=True)
+    launch = CachedLaunch(fn)
+    for i in range(3):
+        launch("a", (1,), (i,))
+    assert [(e[0], e[2]) for e in fn.log] == [("jit", (0,)), ("jit", (1,)), ("jit", (2,))]
+    assert not launch.fast and launch.num_cached == 0
+
+
 def _kernel(fail: bool = False) -> _Jit:
-    return _Jit([_Param("x"), _Param("n"), _Param("BLOCK", constexpr=True, default=16)], fail)
+    return _Jit(fail, [_Param("x"), _Param("n"), _Param("BLOCK", constexpr=True, default=16)])
 
 
 def test_later_launches_of_a_key_go_through_the_compiled_kernel_at_their_own_grid() -> None:
@@ -93,14 +126,14 @@ def test_keys_of_arguments() -> None:
     assert _arg_key(None, False) != _arg_key(0, False)
 
 
-def test_a_parameter_by_name_and_an_unhashable_argument() -> None:
+def test_a_parameter_by_name_and_an_argument_of_no_key() -> None:
     fn = _kernel()
     launch = JitLaunch(fn)
     x = torch.zeros(4)
     launch((1,), x, n=3)
     launch((1,), x, n=4)
     assert [e[0] for e in fn.log] == ["jit", "fast"] and fn.log[1][2] == (x, 4, 16)
-    launch((1,), x, [1, 2])  # (a list cannot be a key: the JIT's launch, as given)
+    launch((1,), x, [1, 2])  # (a list has no key: the JIT's launch, as given)
     assert fn.log[-1] == ("jit", (1,), (x, [1, 2]), {})
 
 
@@ -123,7 +156,7 @@ def test_a_grid_function_and_a_kernel_without_parameters_go_through_the_jit() ->
     assert [e[0] for e in bare.log] == ["jit", "jit"]
 
 
-def test_a_launcher_that_fails_sends_every_launch_back_to_the_jit() -> None:
+def test_a_jit_launch_whose_launcher_fails_sends_every_launch_back_to_the_jit() -> None:
     fn = _kernel(fail=True)
     launch = JitLaunch(fn)
     x = torch.zeros(4)
