@@ -121,6 +121,7 @@ def test_keys_of_arguments() -> None:
     assert _arg_key(np.int64(48), False) != _arg_key(47, False)
     assert _arg_key(0.5, False) == _arg_key(2.0, False)  # (a float's value is not specialised)
     assert _arg_key(0.5, True) != _arg_key(2.0, True)  # (a constexpr's is)
+    assert _arg_key(True, True) != _arg_key(1, True) != _arg_key(1.0, True)
     assert _arg_key(True, False) != _arg_key(False, False)
     assert _arg_key(t, False) != _arg_key(t[1:], False)
     assert _arg_key(None, False) != _arg_key(0, False)

@@ -74,7 +74,7 @@ def _arg_key(arg: Any, constexpr: bool) -> Hashable:
     and whether its address is 16-byte aligned; an integer's range (32 or 64 bits), whether it
     is 1 and whether it is divisible by 16; a float's type; a string's or a dtype's value."""
     if constexpr:
-        return arg
+        return (type(arg), arg)  # (True and 1 hash alike; the JIT tells them apart)
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
     if isinstance(arg, bool) or arg is None:
