@@ -1,14 +1,17 @@
-"""Launching a small Triton kernel every step for a few microseconds of host time.
+"""Launching a Triton kernel for a few microseconds of host time.
 
 ``kernel[grid](*args)`` binds and specialises its arguments and looks the compiled kernel up on
 every call: tens of microseconds of Python, as much as some kernels run. A kernel launched once
-or more a step on a host-bound engine (a grammar's bitmask, the wait for a matcher process) pays
-that every step. ``CachedLaunch`` launches through the compiled kernel of the first JIT launch
-made with the same ``key``, and with that launch's grid; the caller's key must hold the grid
-and everything the JIT specialises on for
-those arguments (dtypes, the 16-byte alignment of pointers, the value of integer arguments
-unless the kernel is declared with ``do_not_specialize`` for them), and ``args`` must give every
-parameter of the kernel, constexprs included, in order.
+or more a step on a host-bound engine (a grammar's bitmask, the wait for a matcher process), or
+a few times a layer in an eager forward (a prefill's), pays that every time.
+
+``CachedLaunch`` launches through the compiled kernel of the first JIT launch made with the
+same ``key``, and with that launch's grid; the caller's key must hold the grid and everything
+the JIT specialises on for those arguments (dtypes, the 16-byte alignment of pointers, the
+value of integer arguments unless the kernel is declared with ``do_not_specialize`` for them),
+and ``args`` must give every parameter of the kernel, constexprs included, in order.
+``JitLaunch`` works the key out itself from the kernel's parameters and the call's arguments,
+and launches at each call's grid: a drop-in for ``kernel[grid](...)``.
 
 If the compiled kernel cannot be launched so (another Triton version's internals), the launch
 falls back to the JIT for good and says so once at debug level.
