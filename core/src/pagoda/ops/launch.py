@@ -35,32 +35,29 @@ except ImportError:  # (no Triton: no kernel to launch, only the names)
 logger = logging.getLogger(__name__)
 
 
-class CachedLaunch:
+class _Launches:
+    """What both launchers keep: a cache by key of what the JIT's launches returned, which keys
+    launched through it once, and whether the compiled kernels' launchers fit at all."""
+
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self.fast = True  # False once the compiled kernel's launcher failed
         self._runners: dict[Hashable, Any] = {}
         self._tried: set[Hashable] = set()  # keys whose runner has launched once
 
-    def __call__(self, key: Hashable, grid: tuple[int, ...], args: tuple, **options: Any) -> None:
-        runner = self._runners.get(key) if self.fast else None
-        if runner is not None:
-            if key in self._tried:
-                runner(*args)
-                return
-            try:  # the first launch through it: a launcher that does not fit fails here
-                runner(*args)
-                self._tried.add(key)
-                return
-            except Exception as e:  # noqa: BLE001 - the JIT launch works, only slower
-                self._give_up(e)
-        compiled = self.fn[grid](*args, **options)
-        if not self.fast or compiled is None:
-            return
+    def _run(self, key: Hashable, runner: Any, args: tuple) -> bool:
+        """Launch through ``runner``; False where its launcher does not fit (its first launch
+        fails), and from then on every launch goes through the JIT."""
+        if key in self._tried:
+            runner(*args)
+            return True
         try:
-            self._runners[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-        except Exception as e:  # noqa: BLE001
+            runner(*args)
+        except Exception as e:  # noqa: BLE001 - the JIT launch works, only slower
             self._give_up(e)
+            return False
+        self._tried.add(key)
+        return True
 
     def _give_up(self, e: Exception) -> None:
         logger.debug("%s: launching through the JIT (%s)", getattr(self.fn, "__name__", ""), e)
@@ -70,6 +67,23 @@ class CachedLaunch:
     @property
     def num_cached(self) -> int:
         return len(self._runners)
+
+
+class CachedLaunch(_Launches):
+    """Launches through a runner of the compiled kernel at the grid of the key's first launch
+    (the module's docstring)."""
+
+    def __call__(self, key: Hashable, grid: tuple[int, ...], args: tuple, **options: Any) -> None:
+        runner = self._runners.get(key) if self.fast else None
+        if runner is not None and self._run(key, runner, args):
+            return
+        compiled = self.fn[grid](*args, **options)
+        if not self.fast or compiled is None:
+            return
+        try:
+            self._runners[key] = compiled[tuple(grid) + (1,) * (3 - len(grid))]
+        except Exception as e:  # noqa: BLE001
+            self._give_up(e)
 
 
 def _arg_key(arg: Any, constexpr: bool) -> Hashable:
@@ -94,7 +108,7 @@ def _arg_key(arg: Any, constexpr: bool) -> Hashable:
     raise TypeError(f"no launch key for a {type(arg).__name__}")
 
 
-class JitLaunch:
+class JitLaunch(_Launches):
     """``JitLaunch(kernel)(grid, *args, **kwargs)`` launches like ``kernel[grid](*args,
     **kwargs)``: the first launch of a key through the JIT, the next ones through the compiled
     kernel it returned, at their own grid. The key is worked out here: the device, the launch
@@ -109,8 +123,7 @@ class JitLaunch:
     debug level."""
 
     def __init__(self, fn: Any) -> None:
-        self.fn = fn
-        self.fast = True
+        super().__init__(fn)  # (its cache: key -> the compiled kernel, launched at any grid)
         params = getattr(fn, "params", None)
         self.names: tuple[str, ...] | None = None
         if params is not None:
@@ -118,8 +131,6 @@ class JitLaunch:
             self.constexpr = tuple(bool(p.is_constexpr) for p in params)
             empty = inspect.Parameter.empty
             self.defaults = {p.name: p.default for p in params if p.default is not empty}
-        self._compiled: dict[Hashable, Any] = {}
-        self._tried: set[Hashable] = set()  # keys whose compiled kernel has launched once
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         names = self.names
@@ -137,29 +148,12 @@ class JitLaunch:
                 tuple(sorted(options.items())),
                 tuple(map(_arg_key, full, self.constexpr)),
             )
-            compiled = self._compiled.get(key)
+            compiled = self._runners.get(key)
         except (KeyError, TypeError):  # (a parameter not given, or one that cannot be a key)
             self.fn[grid](*args, **kwargs)
             return
-        if compiled is not None:
-            grid3 = grid + (1,) * (3 - len(grid))
-            if key in self._tried:
-                compiled[grid3](*full)
-                return
-            try:  # the first launch through it: a launcher that does not fit fails here
-                compiled[grid3](*full)
-                self._tried.add(key)
-                return
-            except Exception as e:  # noqa: BLE001 - the JIT launch works, only slower
-                logger.debug(
-                    "%s: launching through the JIT (%s)", getattr(self.fn, "__name__", ""), e
-                )
-                self.fast = False
-                self._compiled.clear()
+        if compiled is not None and self._run(key, compiled[grid + (1,) * (3 - len(grid))], full):
+            return
         compiled = self.fn[grid](*full, **options)
         if self.fast and compiled is not None:
-            self._compiled[key] = compiled
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._compiled)
+            self._runners[key] = compiled

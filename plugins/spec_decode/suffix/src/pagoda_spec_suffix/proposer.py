@@ -96,9 +96,10 @@ class SuffixProposer(SpeculativeProposer):
         self._given: tuple | None = None  # the last call's, until ``settle`` records it
         self._pending: list[_Request] = []  # requests whose new tokens ``settle`` adds
         # Outputs of requests that left, waiting to join the global tree (``_cache_slice``), and
-        # the one joining it: (req_id, output, tokens added, the tree's cursor after them).
+        # the one joining it: (req_id, output, the tree's cursor after the tokens added, which
+        # are ``cached[req_id]``).
         self._to_cache: deque[tuple[str, list[int]]] = deque()
-        self._caching: tuple[str, list[int], int, list[int] | None] | None = None
+        self._caching: tuple[str, list[int], list[int] | None] | None = None
         self._queued_tokens = 0  # of those outputs, not yet in the tree
         self._slice_due = False  # a call since the last ``settle``
 
@@ -232,7 +233,10 @@ class SuffixProposer(SpeculativeProposer):
 
     def _caching_left(self) -> int:
         """Tokens of the output joining the global tree that are not in it yet."""
-        return 0 if self._caching is None else len(self._caching[1]) - self._caching[2]
+        if self._caching is None:
+            return 0
+        req_id, output, _ = self._caching
+        return len(output) - len(self.cached[req_id])
 
     def _cache_slice(self, budget: int) -> None:
         """Add at most ``budget`` tokens of the outputs waiting to join the global tree.
@@ -252,15 +256,15 @@ class SuffixProposer(SpeculativeProposer):
                 if not self._start_caching(req_id, output):
                     self._queued_tokens -= len(output)
                     continue
-            req_id, output, done, cursor = self._caching  # type: ignore[misc]
-            part = output[done : done + budget]
+            req_id, output, cursor = self._caching  # type: ignore[misc]
+            added = self.cached[req_id]
+            part = output[len(added) : len(added) + budget]
             cursor = self.global_tree.add(part, cursor)
-            self.cached[req_id] += part
-            done += len(part)
+            added += part
             budget -= len(part)
             self._queued_tokens -= len(part)
-            if done < len(output):
-                self._caching = (req_id, output, done, cursor)
+            if len(added) < len(output):
+                self._caching = (req_id, output, cursor)
             else:
                 self._caching = None
                 self.global_version += 1
@@ -278,7 +282,7 @@ class SuffixProposer(SpeculativeProposer):
             self._drop(self.cached.popitem(last=False)[1])
         self.cached[req_id] = []  # (the tokens added so far)
         self.cached_tokens += len(output)
-        self._caching = (req_id, output, 0, None)
+        self._caching = (req_id, output, None)
         return True
 
     def _drop(self, tokens: list[int]) -> None:
