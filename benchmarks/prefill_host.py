@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ def _targets(llm: Any) -> list[tuple[Any, str, str]]:
     import pagoda.models.llama as llama
     import pagoda.models.parallel_layers as parallel
 
-    runner = llm.engine.engine_core.executor.worker.model_runner
+    runner = runner_of(llm)
     targets = [
         (llm.engine, "step", "engine_step"),
         (runner, "launch", "runner.launch"),
@@ -59,7 +60,12 @@ def _targets(llm: Any) -> list[tuple[Any, str, str]]:
             targets.append((getattr(llama, name), "forward", name))
     layer = runner.model.model.layers[0]
     targets.append((type(layer.self_attn.attn.impl), "forward", "attention backend"))
+    targets.append((runner.piecewise, "run", "piecewise graphs"))
     return targets
+
+
+def runner_of(llm: Any) -> Any:
+    return llm.engine.engine_core.executor.worker.model_runner
 
 
 def measure(llm: Any, prompts: list[dict]) -> dict[str, Any]:
@@ -74,13 +80,17 @@ def measure(llm: Any, prompts: list[dict]) -> dict[str, Any]:
         calls[label] += 1
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    wall = []
     with timed(_targets(llm), record):
         for p in prompts:
             torch.cuda.synchronize()
+            start = time.perf_counter()
             llm.generate([p], params, use_tqdm=False)
+            wall.append(time.perf_counter() - start)
     n = len(prompts)
     order = sorted(spent, key=lambda label: -spent[label])
     return {
+        "wall_ms_per_request_median": round(sorted(wall)[n // 2] * 1e3, 2),
         "host_us_per_prefill": {k: round(spent[k] / 1e3 / n, 1) for k in order},
         "calls_per_prefill": {k: calls[k] / n for k in order},
     }
@@ -126,10 +136,20 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=600)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--jit-only", action="store_true", help="every launch through Triton's JIT")
+    p.add_argument(
+        "--piecewise-graph-max-tokens",
+        type=int,
+        default=None,
+        help="model.piecewise_graph_max_tokens (0: prefills run eagerly); default: the engine's",
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("prefill_host.py measures a GPU's host path: it needs CUDA")
+    if args.piecewise_graph_max_tokens is not None:
+        os.environ["PAGODA_MODEL__PIECEWISE_GRAPH_MAX_TOKENS"] = str(
+            args.piecewise_graph_max_tokens
+        )
     if args.jit_only:
         from pagoda.ops import launch
 
@@ -156,13 +176,18 @@ def main() -> None:
         "input_len": args.input_len,
         "num_prompts": args.num_prompts,
         "launches": "jit" if args.jit_only else "JitLaunch",
+        "piecewise_graph_max_tokens": runner_of(llm).config.model.piecewise_graph_max_tokens,
+        "piecewise_graphs_used": runner_of(llm).piecewise is not None,
         "outputs": hashlib.md5(str(tokens).encode()).hexdigest(),
         **measure(llm, prompts[3:]),
         "one_launch_host_us": launch_host_us(args.input_len),
     }
     mode = "jit" if args.jit_only else "jitlaunch"
+    if not report["piecewise_graphs_used"]:
+        mode += "-eager"
     name = f"prefill-host-{Path(args.random_weights).name}-{mode}"
     path = save_report(report, name, args.output_json)
+    print(f"wall ms per request (median): {report['wall_ms_per_request_median']}")
     for k in ("host_us_per_prefill", "one_launch_host_us"):
         print(k)
         for part, us in report[k].items():

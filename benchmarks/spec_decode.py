@@ -400,6 +400,7 @@ def _draft_cost(proposer: Any, batch_size: int) -> dict[str, Any] | None:
 def _graph_replays(llm: LLM) -> dict[str, int]:
     runner = llm.engine.engine_core.executor.worker.model_runner
     graphs = {"decode": getattr(runner, "decode_graphs", None)}
+    graphs["piecewise"] = getattr(runner, "piecewise", None)  # (steps with prompt tokens)
     graphs["verify"] = runner.spec.verify_graphs if runner.spec is not None else None
     got = {k: g.replays for k, g in graphs.items() if g is not None}
     if runner.spec is not None:  # (verifications replayed before the step in flight was read)

@@ -155,3 +155,63 @@ def test_decode_steps_wait_for_the_device_only_for_the_sampled_ids(qwen3_dir: Pa
         torch.cuda.Event.synchronize = original
     assert runner.decode_graphs.replays >= 16
     assert len(waits) <= steps  # one wait per step at most
+
+
+def _piecewise_engine(model_dir: Path, limit: int, **kw) -> LLM:
+    llm = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        dtype="float32",
+        max_model_len=2048,
+        kv_cache_memory_bytes=2 << 30,
+        piecewise_graph_max_tokens=limit,
+        **kw,
+    )
+    model = llm.engine.engine_core.executor.worker.model_runner.model
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():  # realistically scaled, the same in both engines; norms not all 1
+        for name, p in sorted(model.named_parameters()):
+            scale, shift = (0.2, 1.0) if name.endswith("norm.weight") else (0.05, 0.0)
+            r = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)
+            p.copy_((r * scale + shift).to(p.dtype))
+    return llm
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
+def test_piecewise_graphs_give_the_eager_steps_logprobs(name: str, tmp_path: Path) -> None:
+    """Steps with prompt tokens replayed as graphs between eager attention calls give the eager
+    engine's prompt logprobs and greedy tokens (float32). Two requests at a time: a prompt's
+    step mixes with the other's decodes; steps past the graphs' limit (two prompts at once, the
+    long prompt's chunks) run eagerly in the same engine."""
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    cfg["num_hidden_layers"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompts = _prompts(cfg["vocab_size"])[:8]  # 146, 157, 228, 285, 18, 50, 248, 285 tokens
+    prompts.append(np.random.default_rng(2).integers(10, 1000, 1100).tolist())
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    kw = {"max_num_batched_tokens": 512, "max_num_seqs": 2}
+    graphed = _piecewise_engine(tmp_path, 256, **kw)
+    runner = graphed.engine.engine_core.executor.worker.model_runner
+    assert runner.piecewise is not None and runner.piecewise.max_tokens == 256
+    eager_steps, forward = [], runner.model.forward
+
+    def counted(*args, **kwargs):
+        eager_steps.append(args[0].shape[0])
+        return forward(*args, **kwargs)
+
+    runner.model.forward = counted
+    got = graphed.generate(requests, params, use_tqdm=False)
+    replays = runner.piecewise.replays
+    graphed.engine.shutdown()
+    del graphed, runner
+    assert replays >= 4 and eager_steps and min(eager_steps) > 256, (replays, eager_steps)
+    eager = _piecewise_engine(tmp_path, 0, **kw)
+    assert eager.engine.engine_core.executor.worker.model_runner.piecewise is None
+    want = eager.generate(requests, params, use_tqdm=False)
+    for p, g, w in zip(prompts, got, want):
+        gl = [next(iter(d.values())).logprob for d in g.prompt_logprobs[1:]]
+        wl = [next(iter(d.values())).logprob for d in w.prompt_logprobs[1:]]
+        np.testing.assert_allclose(gl, wl, atol=2e-3, rtol=0)
+        check_same_or_near_tie(eager, p, w.outputs[0].token_ids, g.outputs[0].token_ids)
+    eager.engine.shutdown()

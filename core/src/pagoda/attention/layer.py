@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -18,6 +18,7 @@ _attn_metadata: Any = None
 _slot_mapping: torch.Tensor | None = None
 _kept_metadata: Any = None
 _kv_unread = False
+_split: Callable[..., torch.Tensor] | None = None
 
 
 @contextmanager
@@ -45,6 +46,21 @@ def set_forward_context(
         yield
     finally:
         _attn_metadata, _slot_mapping, _kept_metadata, _kv_unread = prev
+
+
+@contextmanager
+def split_at_attention(split: Callable[..., torch.Tensor] | None) -> Iterator[None]:
+    """Inside, every :class:`Attention` layer's ``forward`` attends to nothing: it returns
+    ``split(layer, q, k, v, kv_stored)``, which stands in for its output (``[num_tokens,
+    num_heads * v_head_size]``). The runner's piecewise CUDA graphs end a graph there and run
+    the layer eagerly between two replays (``pagoda.worker.piecewise_graphs``). None: layers
+    attend (inside a split, to run one)."""
+    global _split
+    prev, _split = _split, split
+    try:
+        yield
+    finally:
+        _split = prev
 
 
 class Attention(nn.Module):
@@ -199,6 +215,10 @@ class Attention(nn.Module):
         :meth:`attends_kept_rows` said so). Elsewhere every row attends and the kept rows are
         picked from the output. A bidirectional layer's kept row may be any of its request's
         (its keys are all of them either way)."""
+        if _split is not None:
+            if keep is not None:
+                raise ValueError("a step split at its attention layers keeps every row")
+            return _split(self, q, k, v, kv_stored)
         n = q.shape[0]
         if self.calibrate_kv_scales:
             self._calibrate(k, v)

@@ -70,6 +70,13 @@ class ModelConfig(_Section):
     enforce_eager: bool = Field(
         False, description="never replay CUDA graphs (decode steps run eagerly)"
     )
+    piecewise_graph_max_tokens: int = Field(
+        1024,
+        ge=0,
+        description="on CUDA, steps with prompt tokens of up to this many tokens (prefills, mixed"
+        " steps) replay CUDA graphs of the model between its attention calls, which run eagerly;"
+        " 0: they run eagerly",
+    )
     max_logprobs: int = Field(
         20,
         ge=-1,

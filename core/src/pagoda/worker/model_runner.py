@@ -56,6 +56,7 @@ from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
 from pagoda.worker.lora_inputs import LoRAInputs
+from pagoda.worker.piecewise_graphs import PiecewiseGraphs
 from pagoda.worker.pooling import PoolingRunner
 from pagoda.worker.profile import check_gpu_share, gpu_kv_budget, profile_peak_activations
 from pagoda.worker.spec_propose import propose_after
@@ -314,6 +315,8 @@ class ModelRunner:
         graphs = 0
         if not self.config.model.enforce_eager and self.attn_backend.supports_cuda_graph:
             graphs = activations * min(1.0, self.max_num_reqs / self.max_num_tokens)
+            # Piecewise graphs keep theirs: activations of up to their limit's tokens.
+            graphs += activations * self._piecewise_limit() / self.max_num_tokens
             if self.proposer is not None and self.config.parallel.tensor_parallel_size == 1:
                 graphs += GreedyVerifyGraphs.reserve_bytes(self.shape.vocab_size, self.dtype)
         utilization = self.config.cache.gpu_memory_utilization
@@ -376,6 +379,7 @@ class ModelRunner:
         if spec is not None:  # a draft model loads here, before graphs are captured
             self._bind_proposer(spec, num_blocks)
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self.graph_capture_s = 0.0
         if (
             self.device.type == "cuda"
@@ -402,6 +406,11 @@ class ModelRunner:
                         self.model, self.buffers.input_ids, spec.verify_graphs
                     )
                     self.graph_capture_s += spec.greedy_graphs.capture()
+            self.piecewise = self._piecewise_graphs()
+            if self.piecewise is not None:
+                self.graph_capture_s += self.piecewise.capture()
+                if not self.piecewise.sizes:
+                    self.piecewise = None
             self.startup_times["graph_capture_s"] = self.graph_capture_s
         if (
             self.device.type == "cuda"
@@ -430,6 +439,20 @@ class ModelRunner:
             greedy_verify_kernel.warm(self.device, spec.num_spec_tokens)
             if spec.verify_graphs is not None and spec.drafts_after_verify:
                 warm_verify_inputs_kernel(self.device, spec.num_spec_tokens)
+
+    def _piecewise_limit(self) -> int:
+        """The most tokens of a step that piecewise graphs replay (0: none are captured): not
+        in batch-invariant mode (its own kernels, not captured), nor with LoRA adapters (a
+        step's slots are host data the eager path reads)."""
+        if self.batch_invariant or self.lora is not None:
+            return 0
+        return min(self.config.model.piecewise_graph_max_tokens, self.max_num_tokens)
+
+    def _piecewise_graphs(self) -> PiecewiseGraphs | None:
+        """Steps with prompt tokens as graphs between attention calls
+        (``pagoda.worker.piecewise_graphs``), where the limit allows any."""
+        limit = self._piecewise_limit()
+        return PiecewiseGraphs(self.model, self.buffers, limit) if limit > 0 else None
 
     def _graphs(self, query_len: int = 1) -> DecodeGraphs:
         """CUDA graphs of steps of ``query_len`` tokens a request over the step buffers."""
@@ -675,10 +698,14 @@ class ModelRunner:
                 )
             # (a step whose keys and values no later step reads: layers that attend over the
             # step's own skip storing them; see ``Attention.stores_kv``)
+            pw = self.piecewise
+            size = None if pw is None or eager or keep is not None else pw.size_for(total)
             with set_forward_context(metadata, common.slot_mapping, kept, so.kv_unread):
                 if eager:
                     pos = buffers.positions[:total] if mm.positions_3d is None else mm.positions_3d
                     hidden = self.model(buffers.input_ids[:total], pos, mm_embeds=mm.embeds)
+                elif size is not None:
+                    hidden = pw.run(total, size)
                 else:
                     hidden = self.model(
                         buffers.input_ids[:total], buffers.positions[:total], **rows_read
