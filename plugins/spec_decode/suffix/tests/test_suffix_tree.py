@@ -78,3 +78,67 @@ def test_the_longest_node_and_its_links_stand_for_the_whole_cursor() -> None:
         drafted += bool(got[0])
     assert drafted > 50  # (the held parts draft)
     assert node == tree.longest_suffix(context[-longest:], longest)
+
+
+def _canonical(tree: SuffixTree, cursor: list[int], strict: bool = True) -> tuple:
+    """The tree by substrings (node numbers aside): each substring's count, total, length,
+    link (as a substring) and its most frequent child's count; and the cursor's
+    substrings. ``strict``: each node's most frequent child is one of greatest count (after a
+    removal it may be stale, and a link or a best child may be a freed node: "-")."""
+    from pagoda_spec_suffix.tree import _KEY, NONE
+
+    text = {0: ()}
+    for key, child in sorted(tree.edges.items(), key=lambda kv: tree.length[kv[1]]):
+        text[child] = (*text[key // _KEY], key % _KEY)
+    nodes = {
+        text[v]: (
+            tree.count[v],
+            tree.total[v],
+            tree.length[v],
+            text.get(tree.link[v], "-"),
+            None if tree.best[v] == NONE else text.get(tree.best[v], "-"),
+        )
+        for v in text
+        if v
+    }
+    if strict:
+        most: dict[tuple, int] = {}
+        for key, child in tree.edges.items():
+            parent = text[key // _KEY]
+            most[parent] = max(most.get(parent, 0), tree.count[child])
+        for s, (_, total, _, _, best) in nodes.items():
+            assert (total == 0) == (s not in most)
+            assert best is None if total == 0 else nodes[best][0] == most[s]
+            if best is not None:
+                assert tree.best_tok[_key(tree, s)] == best[-1]
+    # (which of equally frequent children is the most frequent one may differ: its count not)
+    nodes = {s: (*v[:4], v[4] if v[4] in (None, "-") else nodes[v[4]][0]) for s, v in nodes.items()}
+    return nodes, [text[c] for c in cursor]
+
+
+def _key(tree: SuffixTree, s: tuple) -> int:
+    from pagoda_spec_suffix.tree import _KEY
+
+    node = 0
+    for t in s:
+        node = tree.edges[node * _KEY + t]
+    return node
+
+
+def test_build_of_a_prompt_matches_adding_it() -> None:
+    rng = random.Random(1)
+    for n, depth, vocab in ((1, 4, 5), (3, 8, 2), (300, 8, 6), (700, 32, 40), (50, 64, 3)):
+        tokens = [rng.randrange(vocab) for _ in range(n)]
+        tokens += tokens[n // 3 : n // 3 + n // 4]  # (a repeat, as a copy task's prompt has)
+        built, added = SuffixTree(depth), SuffixTree(depth)
+        cb, ca = built.build(tokens), added.add(tokens)
+        assert _canonical(built, cb) == _canonical(added, ca)
+        assert built.draft(cb, 8, 0.0, 2.0) == added.draft(ca, 8, 0.0, 2.0)
+        more = [rng.randrange(vocab) for _ in range(40)]  # and both grow alike after it
+        assert _canonical(built, built.add(more, cb)) == _canonical(added, added.add(more, ca))
+        built, added = SuffixTree(depth), SuffixTree(depth)  # and shrink alike
+        built.build(tokens)
+        added.add(tokens)
+        built.remove(tokens)
+        added.remove(tokens)
+        assert _canonical(built, [], False) == _canonical(added, [], False) == ({}, [])

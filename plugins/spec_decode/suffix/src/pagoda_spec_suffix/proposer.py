@@ -195,8 +195,8 @@ class SuffixProposer(SpeculativeProposer):
                 if not req.pending:
                     self._pending.append(req)
                 req.pending += new
-            else:  # (a prompt: drafted from at once)
-                req.cursor = req.tree.add(new, req.cursor)
+            else:  # (a prompt: drafted from at once; its tree built in array operations)
+                req.cursor = req.tree.build(new)
                 req.draft_node = _longest_node(req.cursor, longest)
             g = self.global_tree
             if not g.empty:
