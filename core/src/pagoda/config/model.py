@@ -68,7 +68,7 @@ class ModelConfig(_Section):
     )
     trust_remote_code: bool = Field(False, description="allow the model's own tokenizer code")
     enforce_eager: bool = Field(
-        False, description="never replay CUDA graphs (decode steps run eagerly)"
+        False, description="never replay CUDA graphs (every step runs eagerly)"
     )
     piecewise_graph_max_tokens: int = Field(
         1024,
