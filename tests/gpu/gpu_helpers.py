@@ -73,3 +73,15 @@ def check_same_or_near_tie(reference: LLM, prompt: list[int], want: list[int], g
     assert near_tie(last_logits(reference, prompt + want[:i])), (
         f"diverges at token {i}, where the reference's top two logits are not a near-tie"
     )
+
+
+def scale_random_weights(llm: LLM, std: float, seed: int = 0) -> None:
+    """Redraw the engine's weights realistically scaled (``std``; norms around 1, not all 1),
+    the same for every engine of one model and seed, whatever the load format drew."""
+    model = llm.engine.engine_core.executor.worker.model_runner.model
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            scale, shift = (0.2, 1.0) if name.endswith("norm.weight") else (std, 0.0)
+            r = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)
+            p.copy_((r * scale + shift).to(p.dtype))

@@ -13,7 +13,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 
-from .gpu_helpers import check_same_or_near_tie, near_tie
+from .gpu_helpers import check_same_or_near_tie, near_tie, scale_random_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -167,13 +167,7 @@ def _piecewise_engine(model_dir: Path, limit: int, **kw) -> LLM:
         piecewise_graph_max_tokens=limit,
         **kw,
     )
-    model = llm.engine.engine_core.executor.worker.model_runner.model
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():  # realistically scaled, the same in both engines; norms not all 1
-        for name, p in sorted(model.named_parameters()):
-            scale, shift = (0.2, 1.0) if name.endswith("norm.weight") else (0.05, 0.0)
-            r = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)
-            p.copy_((r * scale + shift).to(p.dtype))
+    scale_random_weights(llm, 0.05)
     return llm
 
 

@@ -19,7 +19,7 @@ from pagoda.loader import ModelArchConfig
 from pagoda.models.layers import RotaryEmbedding
 from pagoda.ops import reference
 
-from .gpu_helpers import check_same_or_near_tie, last_logits
+from .gpu_helpers import check_same_or_near_tie, last_logits, scale_random_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -335,13 +335,7 @@ def _engine(model_dir: Path, fused: bool) -> LLM:
         kv_cache_memory_bytes=2 << 30,
         **key,
     )
-    model = llm.engine.engine_core.executor.worker.model_runner.model
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():  # realistically scaled, the same in both engines; norms not all 1
-        for name, p in sorted(model.named_parameters()):
-            scale, shift = (0.2, 1.0) if name.endswith("norm.weight") else (0.02, 0.0)
-            r = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)
-            p.copy_((r * scale + shift).to(p.dtype))
+    scale_random_weights(llm, 0.02)
     return llm
 
 
