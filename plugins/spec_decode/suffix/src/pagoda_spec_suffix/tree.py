@@ -172,17 +172,17 @@ class SuffixTree:
         # A node's link: its substring without the first token, the next start's a level up.
         after = rank[np.minimum(order[row] + 1, n - 1)]
         link = np.where(lvl > 0, nodes[after, lvl], 0)
-        base = len(count) + 1
-        total = np.bincount(parent, weights=count, minlength=base).astype(np.int64)
-        node = np.arange(1, base)
+        size = len(count) + 1  # nodes, the root included
+        total = np.bincount(parent, weights=count, minlength=size).astype(np.int64)
+        node = np.arange(1, size)
         # A parent's children are neighbours in node order (their windows share its prefix,
         # and follow each other in the windows' order, by token): its most frequent child is
         # the first of its run of children with the run's greatest count.
         first = np.flatnonzero(np.r_[True, parent[1:] != parent[:-1]])
         most = np.repeat(np.maximum.reduceat(count, first), np.diff(np.r_[first, len(count)]))
-        head = np.minimum.reduceat(np.where(count == most, np.arange(len(count)), base), first)
-        best = np.full(base, NONE, dtype=np.int64)
-        best_tok = np.full(base, NONE, dtype=np.int64)
+        head = np.minimum.reduceat(np.where(count == most, np.arange(len(count)), size), first)
+        best = np.full(size, NONE, dtype=np.int64)
+        best_tok = np.full(size, NONE, dtype=np.int64)
         best[parent[head]], best_tok[parent[head]] = node[head], token[head]
         self.edges = dict(zip((parent * _KEY + token).tolist(), node.tolist()))
         self.count = [0, *count.tolist()]
