@@ -626,6 +626,7 @@ def main() -> None:
     tokens = {"off": 0, "spec": 0}
     same = True
     batch_ratios: list[float] = []  # each batch's speculation ratio, in the order run
+    batch_detail: list[dict[str, list[float]]] = []  # each batch's [tokens, seconds] by engine
     batches = [
         prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)
     ] * args.repeats
@@ -635,6 +636,7 @@ def main() -> None:
             order = ("off", "spec") if b % 2 == 0 else ("spec", "off")
             outs = {}
             rate = {}  # this batch's tokens/s on each engine
+            detail = {}
             for name in order:
                 compiles.where = f"batch {b}, {name}"
                 dt, outs[name] = _timed(engines[name], batch, params)
@@ -642,7 +644,9 @@ def main() -> None:
                 seconds[name] += dt
                 tokens[name] += n
                 rate[name] = n / dt
+                detail[name] = [n, round(dt, 4)]
             batch_ratios.append(round(rate["spec"] / rate["off"], 3))
+            batch_detail.append(detail)
             same &= outs["off"] == outs["spec"]
             if compiles.names:
                 print(f"batch {b}: kernels compiled so far {compiles.names}", file=sys.stderr)
@@ -674,6 +678,9 @@ def main() -> None:
         "speedup_by_batch": batch_ratios,
         # The median pass pair: one pass run slow by the host, on either engine, moves it less.
         "speedup_median_of_batches": round(float(np.median(batch_ratios)), 3),
+        # Each batch's output tokens and seconds by engine: a batch whose outputs differ in
+        # length (bf16 greedy outputs may part ways) pays its fixed costs over fewer tokens.
+        "batches": batch_detail,
         "acceptance_rate": round(accepted / draft_tokens, 4) if draft_tokens else 0.0,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 0.0,
         "drafts": drafts,

@@ -148,3 +148,46 @@ def test_the_time_between_requests_is_not_a_step() -> None:
         return p.cost.threshold(1)
 
     assert threshold(0.15) == pytest.approx(threshold(0.0), rel=1e-9)
+
+
+def test_a_long_prompt_joins_its_tree_a_slice_at_each_settle() -> None:
+    """A request's first call builds the tree of its prompt's first ``PROMPT_FIRST`` tokens
+    only (the whole, at once, held up that step's launch); the rest joins a slice at each
+    ``settle`` after a call (the runner's, after the launch), none at the next launch's. Drafts
+    from the prompt's late part wait for its slice, and the request is not paused for finding
+    none meanwhile; once all is in, the tree is the one the whole history's add gives."""
+    from pagoda_spec_suffix.proposer import PROMPT_FIRST, PROMPT_SLICE
+
+    rng = np.random.default_rng(0)
+    # Distinct tokens: every substring occurs once, so a match drafts its one continuation.
+    prompt = rng.permutation(np.arange(1000, 1000 + PROMPT_FIRST + 3 * PROMPT_SLICE)).tolist()
+    late = PROMPT_FIRST + 2 * PROMPT_SLICE + 4  # a place in the third slice
+    p = _proposer()
+    history = [*prompt, *prompt[late : late + 3]]  # the answer starts to copy the late part
+
+    def call() -> list[int]:
+        batch = _batch(["a"], [history], [len(prompt)])
+        batch.token_ids = np.full((1, 400), -1, dtype=np.int64)
+        batch.token_ids[0, : len(history)] = history
+        return p.propose(batch).token_ids[0].tolist()
+
+    assert call() == [-1] * 6  # (the late part is not in the tree yet)
+    edges = p.requests["a"].tree.edges  # (the root's edges are keyed by their tokens)
+    assert prompt[PROMPT_FIRST - 1] in edges and prompt[PROMPT_FIRST] not in edges
+    for _ in range(2):
+        p.settle()
+        p.settle()  # (the next launch's: no slice)
+        history.append(prompt[late + len(history) - len(prompt)])
+        assert call() == [-1] * 6
+    p.settle()  # the third slice: the late part is in
+    # Three calls in a row found nothing, yet it is not paused: its tree lacks the prompt's end.
+    assert "a" not in p.resume_at
+    history.append(prompt[late + len(history) - len(prompt)])
+    at = late + len(history) - len(prompt)
+    assert call() == prompt[at : at + 6]
+    p.settle()
+    assert not p.requests["a"].pending and not p._pending
+    whole = SuffixTree(p.depth)
+    whole.add(history)
+    tree = p.requests["a"].tree
+    assert sorted(tree.count) == sorted(whole.count) and len(tree.edges) == len(whole.edges)

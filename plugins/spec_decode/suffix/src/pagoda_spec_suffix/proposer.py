@@ -20,7 +20,9 @@ The work per call is a few dictionary steps per new token and per tree level (``
 in Python, for each request of the batch. Adding a request's new tokens to its tree is left to
 ``settle`` (after the step these drafts are for is launched); a call only follows them through
 the tree as it stands, from the context's longest suffix the tree holds down its suffix links,
-a lookup or two a token (``benchmarks/suffix_proposer.py``).
+a lookup or two a token (``benchmarks/suffix_proposer.py``). A prompt is built into its tree at
+the request's first call up to ``PROMPT_FIRST`` tokens; the rest joins a slice at each
+``settle`` after a call, as outputs join the global tree.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ from pagoda_spec_suffix.tree import SuffixTree
 # about the 0.65 ms that a batch-1 verifying step of SmolLM2-135M waits for the device
 # (``benchmarks/README.md``).
 CACHE_SLICE = 24
+# A prompt's first tokens are built into its request's tree at the request's first call (in
+# array operations, ``SuffixTree.build``: 128 tokens about 2 ms of a CPU core's time, 600 about
+# 12); the rest joins it a slice at each ``settle`` after a call, while the device computes the
+# step just launched: ``PROMPT_SLICE`` tokens (about 0.4 ms of an H200 host's time, within the
+# 0.65 ms a batch-1 verifying step of SmolLM2-135M waits for the device), or an eighth of the
+# rest of a longer prompt. A request copying its prompt gains a few tokens a step; its prompt
+# joins the tree 32 a step, ahead of it. Until its prompt is in, a request is not paused for
+# finding no draft (``DraftPause``): it would not be asked, and its settles would add nothing.
+PROMPT_FIRST = 128
+PROMPT_SLICE = 32
+PROMPT_SLICES = 8
 
 
 @dataclass
@@ -61,6 +74,9 @@ class _Request:
     # context that the tree holds without them; the shorter ones are its links.
     pending: list[int] = field(default_factory=list)
     draft_node: int = 0
+    # While ``pending`` holds prompt tokens past ``PROMPT_FIRST``: how many join the tree at
+    # each settle after a call (0: none held back).
+    backlog: int = 0
     global_node: int = 0  # the same in the global tree
     global_version: int = -1  # the global tree's version that ``global_node`` is of
 
@@ -145,24 +161,45 @@ class SuffixProposer(SpeculativeProposer):
         ``CACHE_SLICE`` tokens and a quarter of those waiting, so that the wait stays bounded
         when outputs come faster); record the last call's step time and its requests'
         pauses."""
-        if self._slice_due:
+        due = self._slice_due
+        if due:
             # (the first settle since a call: the runner's, after the launch of that call's
             # drafts; later ones, at the next launch's start, are on the host's critical path)
             self._slice_due = False
             if self._to_cache or self._caching is not None:
                 self._cache_slice(max(CACHE_SLICE, self._queued_tokens // 4))
-        for req in self._pending:
-            if req.pending:
-                req.cursor = req.tree.add(req.pending, req.cursor)
-                req.pending = []
-                req.draft_node = _longest_node(req.cursor, self.longest)
-        self._pending.clear()
+        if self._pending:
+            self._pending = [req for req in self._pending if self._add_pending(req, due)]
         if self._given is None:
             return
         n, given, gained, contiguous, req_ids, num_tokens, found, slot_cost = self._given
         self._given = None
         self.cost.step(n, given, gained, contiguous=contiguous)
         self.pause.update(req_ids, num_tokens, found, slot_cost)
+        for req_id in req_ids:  # (not paused while its prompt joins its tree)
+            req = self.requests.get(req_id)
+            if req is not None and req.backlog:
+                self.resume_at.pop(req_id, None)
+
+    def _add_pending(self, req: _Request, due: bool) -> bool:
+        """Add the request's pending tokens to its tree: all of them, or with a prompt's backlog
+        a slice at a settle that is ``due`` (none at others). Returns whether some are left."""
+        longest = self.longest
+        if req.backlog:
+            if not due:
+                return True
+            cut = req.backlog
+            part, req.pending = req.pending[:cut], req.pending[cut:]
+            req.cursor = req.tree.add(part, req.cursor)
+            if req.pending:  # (the context's longest suffix held, found again in the grown tree)
+                req.draft_node = req.tree.longest_suffix(req.tokens[-longest:], longest)
+                return True
+            req.backlog = 0
+        elif req.pending:
+            req.cursor = req.tree.add(req.pending, req.cursor)
+            req.pending = []
+        req.draft_node = _longest_node(req.cursor, longest)
+        return False
 
     def _catch_up(
         self, req_id: str, batch: ProposalBatch, i: int, longest: int
@@ -195,9 +232,16 @@ class SuffixProposer(SpeculativeProposer):
                 if not req.pending:
                     self._pending.append(req)
                 req.pending += new
-            else:  # (a prompt: drafted from at once; its tree built in array operations)
-                req.cursor = req.tree.build(new)
-                req.draft_node = _longest_node(req.cursor, longest)
+            else:  # (a prompt: its first part's tree built in array operations, drafted from
+                # at once; the rest a slice at each settle, ``PROMPT_SLICE``)
+                req.cursor = req.tree.build(new[:PROMPT_FIRST])
+                if len(new) > PROMPT_FIRST:
+                    req.pending = new[PROMPT_FIRST:]
+                    req.backlog = max(PROMPT_SLICE, -(-len(req.pending) // PROMPT_SLICES))
+                    self._pending.append(req)
+                    req.draft_node = req.tree.longest_suffix(new[-longest:], longest)
+                else:
+                    req.draft_node = _longest_node(req.cursor, longest)
             g = self.global_tree
             if not g.empty:
                 node = req.global_node
