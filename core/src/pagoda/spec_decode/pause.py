@@ -31,7 +31,12 @@ import numpy as np
 
 PATIENCE = 3  # proposals in a row with no draft before a request pauses
 MAX_PAUSE = 8  # steps between probes at most: a copy that starts is found within that many
-COST_MAX_PAUSE = 16  # ... for a request whose slot steps do not pay for themselves
+# ... for a request whose slot steps do not pay for themselves. One H200, SmolLM2 at batch 1,
+# float32, n-gram (benchmarks/README.md, "A prompt's tree in slices"): 16, 32 and 64 gave 0.940,
+# 0.970 and 0.988 times no speculation on the open set (fewer probes that wait and find little),
+# and 1.593, 1.576 and 1.515 on the copy set (745, 768 and 783 steps: a copy that resumes after
+# a stretch of new text is found later).
+COST_MAX_PAUSE = 32
 _YIELD_WEIGHT = 0.5  # of the newest slot step in a request's mean accepted drafts
 
 
