@@ -191,3 +191,17 @@ def test_a_long_prompt_joins_its_tree_a_slice_at_each_settle() -> None:
     whole.add(history)
     tree = p.requests["a"].tree
     assert sorted(tree.count) == sorted(whole.count) and len(tree.edges) == len(whole.edges)
+
+
+def test_a_request_that_leaves_takes_its_prompts_slices_with_it() -> None:
+    from pagoda_spec_suffix.proposer import PROMPT_FIRST
+
+    p = _proposer()
+    prompt = list(range(1000, 1000 + 2 * PROMPT_FIRST))
+    batch = _batch(["a"], [[]], [len(prompt)])
+    batch.token_ids = np.asarray([prompt], dtype=np.int64)
+    batch.num_tokens[:] = len(prompt)
+    p.propose(batch)
+    assert len(p._pending) == 1
+    p.remove(["a"])
+    assert not p._pending and not p.requests

@@ -264,12 +264,16 @@ class SuffixProposer(SpeculativeProposer):
         self.settle()
         req_ids = list(req_ids)
         self.pause.forget(req_ids)
+        gone = []
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is not None:
+                gone.append(req)
                 output = req.tokens[req.num_prompt :]
                 self._to_cache.append((req_id, output))
                 self._queued_tokens += len(output)
+        if gone and self._pending:  # (a prompt's slices left for a request gone: not added)
+            self._pending = [r for r in self._pending if all(r is not g for g in gone)]
         # Waiting outputs beyond what the tree holds would push each other out: the oldest go.
         bound = self.settings.global_max_tokens
         while self._to_cache and self._queued_tokens - self._caching_left() > bound:
