@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 from pagoda_spec_suffix.tree import SuffixTree
 
 
@@ -142,3 +143,19 @@ def test_build_of_a_prompt_matches_adding_it() -> None:
         built.remove(tokens)
         added.remove(tokens)
         assert _canonical(built, [], False) == _canonical(added, [], False) == ({}, [])
+
+
+def test_the_longest_suffix_of_a_context_is_its_last_tokens_alone() -> None:
+    """Followed token by token from the start of a long context or from its last ``longest``
+    tokens only, the walk ends at the same node (the proposer finds a prompt's node in the
+    global tree from the prompt's end)."""
+    rng = np.random.default_rng(3)
+    tree = SuffixTree(12)
+    for _ in range(6):
+        tree.add(rng.integers(0, 6, 80).tolist())
+    for longest in (3, 8):
+        for _ in range(50):
+            context = rng.integers(0, 6, 200).tolist()
+            whole = tree.longest_suffix(context, longest)
+            assert whole == tree.longest_suffix(context[-longest:], longest)
+            assert tree.length[whole] <= longest

@@ -243,7 +243,10 @@ class SuffixProposer(SpeculativeProposer):
                 else:
                     req.draft_node = _longest_node(req.cursor, longest)
             g = self.global_tree
-            if not g.empty:
+            if not g.empty and len(new) >= longest:  # (a prompt: its last tokens decide)
+                req.global_node = g.longest_suffix(new[-longest:], longest)
+                req.global_version = self.global_version
+            elif not g.empty:
                 node = req.global_node
                 if req.global_version != self.global_version:
                     # The tree changed since (an output joined it, another left: its nodes
