@@ -702,6 +702,8 @@ def main() -> None:
                 f"{1 << (b - 1)}-{(1 << b) - 1}": {
                     "drafting_tok_s_per_request": round(st.rate.get(True, 0.0), 1),
                     "plain_tok_s_per_request": round(st.rate.get(False, 0.0), 1),
+                    # drafting's slower requests' rate (the governor's floor), where measured
+                    "drafting_floor_tok_s": None if st.floor is None else round(st.floor, 1),
                     "drafts": st.best,
                 }
                 for b, st in sorted(gov.buckets.items())

@@ -107,6 +107,44 @@ def test_probes_of_a_mode_that_loses_much_are_spaced_by_their_cost() -> None:
     assert any(tie[64:200])
 
 
+def _split_batch(gov: SpeculationGovernor, steps: int, per_request: bool) -> list[bool]:
+    """Batch 64 where drafting speeds half the requests up and slows the others down: in a
+    drafting step (1.5 ms against a plain step's 1 ms) each of 32 requests that copy emits 6
+    tokens, and each of the other 32, whose drafts are rejected, emits one token every other
+    step (it sits the next step out while its verification is in flight). The batch's mean
+    rate is twice plain's; its slower half runs at a third. ``per_request``: the governor is
+    told each request's tokens, as the scheduler tells it."""
+    clock, modes = gov.clock, []
+    ids = [f"r{i}" for i in range(64)]
+    for step in range(steps):
+        on = gov.drafting(64)
+        clock.now += 1.5e-3 if on else 1e-3
+        if on:
+            counts = {r: 6 if i < 32 else (i + step) % 2 for i, r in enumerate(ids)}
+        else:
+            counts = dict.fromkeys(ids, 1)
+        emitted = sum(counts.values())
+        accepted = 5 * 32 if on else 0
+        gov.observe(emitted, 64, accepted=accepted, by_request=counts if per_request else None)
+        modes.append(on)
+    return modes
+
+
+def test_drafting_that_slows_some_requests_down_does_not_win_on_the_mean() -> None:
+    """The governor does not make a request more than ``slowdown`` slower than plain steps
+    would: drafting whose mean rate is twice plain's, but whose slower requests run at a third
+    of it, is turned off and probed ever less; told only the batch's totals it drafts on."""
+    gov = SpeculationGovernor(clock=FakeClock())
+    late = _split_batch(gov, 2000, per_request=True)[500:]
+    assert sum(late) / len(late) < 0.05, sum(late)
+    bucket = gov.buckets[gov.bucket_of(64)]
+    assert bucket.floor == pytest.approx(0.5 / 1.5e-3, rel=0.05)
+    assert bucket.rate[True] > 1.5 * bucket.rate[False]  # the mean alone would choose drafting
+    blind = SpeculationGovernor(clock=FakeClock())
+    late = _split_batch(blind, 2000, per_request=False)[500:]
+    assert sum(late) / len(late) > 0.9
+
+
 def test_one_slow_epoch_does_not_hold_a_wrong_choice() -> None:
     """The first plain probe runs while the host is busy elsewhere (every step three times
     slower): drafting, which loses, is kept, but plain is probed again within a few epochs

@@ -68,6 +68,9 @@ class _Bucket:
     # Drafting's tokens per forward a request ran in (EMA; 1 + accepted drafts per verification,
     # as the epoch measured it): the most drafting could gain on plain steps.
     gain: float | None = None
+    # Drafting's rate of its slower requests (EMA; see ``_Epoch.floor``): a request that sits
+    # out steps or has its drafts rejected is slowed while others speed up.
+    floor: float | None = None
     epochs: dict[bool, int] = field(default_factory=dict)  # mode -> epochs measured
     best: bool = True  # drafting on until measured otherwise: the user asked for it
     explore_every: int = 0  # exploit epochs between probes of the other mode
@@ -88,6 +91,9 @@ class _Epoch:
     measured: int = 0
     # Each measured step: (seconds, tokens emitted, requests running).
     samples: list[tuple[float, int, int]] = field(default_factory=list)
+    # Each measured step's tokens by request (every request running, 0 for one that sat it
+    # out), where the scheduler gave them; None where it did not.
+    by_request: list[dict[str, int] | None] = field(default_factory=list)
     accepted: int = 0  # draft tokens accepted in the measured steps
 
     def gain(self) -> float | None:
@@ -98,6 +104,31 @@ class _Epoch:
 
     def median_step(self) -> float:
         return sorted(dt for dt, _, _ in self.samples)[len(self.samples) // 2]
+
+    def floor(self, stall: float, median: float, quantile: float) -> float | None:
+        """Tokens per second of the epoch's slower requests: the ``quantile`` of the per-request
+        rates of those running through at least half of the kept steps' time (stalls left out
+        as in :meth:`rate`); None without per-request counts or with fewer than two such
+        requests. In plain steps every request emits one token a step and this is the mean; in
+        drafting steps a request whose drafts are rejected emits about one (none in a step it
+        sits out) while the step costs more."""
+        limit = stall * median
+        tokens: dict[str, int] = {}
+        seconds: dict[str, float] = {}
+        total = 0.0
+        for (dt, _, _), counts in zip(self.samples, self.by_request):
+            if dt > limit:
+                continue
+            if counts is None:
+                return None
+            total += dt
+            for req_id, n in counts.items():
+                tokens[req_id] = tokens.get(req_id, 0) + n
+                seconds[req_id] = seconds.get(req_id, 0.0) + dt
+        rates = sorted(tokens[r] / s for r, s in seconds.items() if s > 0 and s >= 0.5 * total)
+        if len(rates) < 2:
+            return None
+        return rates[min(int(quantile * len(rates)), len(rates) - 1)]
 
     def rate(self, stall: float, median: float) -> float:
         """Tokens per second a running request, leaving out stalls: steps slower than ``stall``
@@ -129,6 +160,8 @@ class SpeculationGovernor:
         alpha: float = 0.5,
         stall: float = 3.0,
         disturbance: float = 2.0,
+        slowdown: float = 0.05,
+        floor_quantile: float = 0.1,
         disable_by_batch_size: int | None = None,
         fixed: bool = False,
         self_paced_below: int = 0,
@@ -149,6 +182,10 @@ class SpeculationGovernor:
         self.alpha = alpha
         self.stall = stall
         self.disturbance = disturbance
+        # Drafting is chosen only where its slower requests (the ``floor_quantile`` of the
+        # requests' rates) are at most ``slowdown`` slower than plain steps would run them.
+        self.slowdown = slowdown
+        self.floor_quantile = floor_quantile
         self.disable_by_batch_size = disable_by_batch_size
         # Fixed: only ``disable_by_batch_size`` decides; nothing is measured.
         self.fixed = fixed
@@ -187,12 +224,18 @@ class SpeculationGovernor:
         return self.epoch.on
 
     def observe(
-        self, num_tokens: int, num_running: int, clean: bool = True, accepted: int = 0
+        self,
+        num_tokens: int,
+        num_running: int,
+        clean: bool = True,
+        accepted: int = 0,
+        by_request: dict[str, int] | None = None,
     ) -> None:
         """A step ended, having emitted ``num_tokens`` with ``num_running`` requests running,
         ``accepted`` of them draft tokens the verification accepted (each request that ran in
         the step emitted one token besides those); ``clean``: it was pure decoding (no prompt
-        tokens), so its time is comparable."""
+        tokens), so its time is comparable. ``by_request``: the tokens each request running
+        emitted (0 for one that sat the step out), for drafting's slower requests."""
         now = self.clock()
         last, self._last_end = self._last_end, now
         epoch = self.epoch
@@ -207,6 +250,7 @@ class SpeculationGovernor:
         epoch.measured += 1
         self._running = num_running
         epoch.samples.append((now - last, num_tokens, num_running))
+        epoch.by_request.append(by_request)
         epoch.accepted += accepted
         if epoch.measured >= self.epoch_steps:
             self._end(epoch)
@@ -266,6 +310,10 @@ class SpeculationGovernor:
         if gain is not None:
             old = bucket.gain
             bucket.gain = gain if old is None else old + self.alpha * (gain - old)
+        floor = epoch.floor(self.stall, median, self.floor_quantile) if epoch.on else None
+        if floor is not None:
+            old = bucket.floor
+            bucket.floor = floor if old is None else old + self.alpha * (floor - old)
         bucket.epochs[epoch.on] = bucket.epochs.get(epoch.on, 0) + 1
         probed = epoch.on != bucket.best
         winner = self._winner(bucket)
@@ -355,13 +403,19 @@ class SpeculationGovernor:
         margin = self.draft_margin if other else self.margin
         return other if rates[other] > rates[best] * (1 + margin) else best
 
-    @staticmethod
-    def _rates(bucket: _Bucket) -> dict[bool, float]:
+    def _rates(self, bucket: _Bucket) -> dict[bool, float]:
         """Each mode's rate, drafting's capped at ``gain`` times plain's (see ``_futile``): a
-        drafting epoch that measured more ran while the host or device sped up."""
+        drafting epoch that measured more ran while the host or device sped up; and at its
+        slower requests' rate over ``1 - slowdown``: drafting that speeds some requests up by
+        slowing others down (those whose drafts are rejected, sitting steps out where steps
+        alternate) does not win, whatever the mean (random prompts at batch 64 on an H200:
+        drafting epochs at 1.6 times plain's mean rate, the batches 0.83 of plain's speed, their
+        end set by the requests it slowed)."""
         rates = dict(bucket.rate)
         if bucket.gain is not None and False in rates and True in rates:
             rates[True] = min(rates[True], rates[False] * bucket.gain)
+        if bucket.floor is not None and True in rates:
+            rates[True] = min(rates[True], bucket.floor / (1 - self.slowdown))
         return rates
 
 
