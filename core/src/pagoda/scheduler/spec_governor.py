@@ -18,6 +18,13 @@ costs less than a plain step, so drafting's rate is capped at plain's times the 
 emits per forward (1 + accepted drafts), and drafting that accepts (almost) nothing loses every
 tie whatever the clock showed. From plain steps, drafting must measure ``draft_margin`` faster to
 be chosen: what a switch to it costs (its settling steps, a batch left uneven) is not measured.
+Nor does drafting win on the mean alone: the scheduler reports each request's tokens, and the
+rate of drafting's slower requests (the ``floor_quantile`` of the per-request rates) must be
+within ``slowdown`` of plain's. Drafting that speeds requests whose drafts are accepted up and
+slows the others down (a verification costs more than a plain step, and where steps alternate
+a request whose drafts are rejected sits every other step out) makes those others slower than
+without speculation, which the governor is there to prevent; in a batch whose requests end
+together the slowest decide when it ends.
 The mode with the higher rate is exploited; the other is probed for one epoch now and then, at
 intervals that double while a probe confirms the choice (up to ``max_explore`` epochs) and shrink
 back when a probe overturns it, so a workload that changes is followed and a settled one pays
