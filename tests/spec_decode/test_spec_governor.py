@@ -145,6 +145,28 @@ def test_drafting_that_slows_some_requests_down_does_not_win_on_the_mean() -> No
     assert sum(late) / len(late) > 0.9
 
 
+def _runs_of_drafting(modes: list[bool]) -> list[int]:
+    runs, n = [], 0
+    for on in modes + [False]:
+        if on:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_a_probe_whose_slower_requests_clearly_lose_ends_at_half_its_steps() -> None:
+    """Once plain steps were measured, a drafting probe whose slower requests run below
+    ``cut_short`` of plain's rate ends after 4 settling and 4 measured steps, not 8; the
+    first epoch (nothing to compare with) runs whole. Without the cut every probe runs 12."""
+    gov = SpeculationGovernor(clock=FakeClock())
+    runs = _runs_of_drafting(_split_batch(gov, 2000, per_request=True))
+    assert runs[0] == 12 and len(runs) > 2 and set(runs[1:]) == {8}, runs
+    whole = SpeculationGovernor(clock=FakeClock(), cut_short=0.0)
+    assert set(_runs_of_drafting(_split_batch(whole, 2000, per_request=True))) == {12}
+
+
 def test_one_slow_epoch_does_not_hold_a_wrong_choice() -> None:
     """The first plain probe runs while the host is busy elsewhere (every step three times
     slower): drafting, which loses, is kept, but plain is probed again within a few epochs
