@@ -612,7 +612,9 @@ def main() -> None:
     gov = core.scheduler.spec_governor
     if gov is not None:
         paced = gov.self_paced_below > 0
-        core.scheduler.spec_governor = build_governor(core.config.speculative, self_paced=paced)
+        core.scheduler.spec_governor = build_governor(
+            core.config.speculative, self_paced=paced, plain_first_from=gov.plain_first_from
+        )
     stats = engines["spec"].engine.engine_core.scheduler.spec_stats_total
     drafts0, draft_tokens0, accepted0 = (
         stats.num_drafts,

@@ -167,6 +167,25 @@ def test_a_probe_whose_slower_requests_clearly_lose_ends_at_half_its_steps() -> 
     assert set(_runs_of_drafting(_split_batch(whole, 2000, per_request=True))) == {12}
 
 
+def test_where_steps_alternate_a_bucket_starts_plain_and_a_clear_loss_holds() -> None:
+    """From ``plain_first_from`` running requests a bucket's first epoch is plain (2 settling
+    steps and 8 measured); drafting is probed right after and, its slower requests clearly
+    losing, cut short (4 + 4 steps). That loss counts as confirmed: no probe for the next 32
+    epochs (the cap of probes spaced by their cost), and a batch that turns over (a new batch
+    of 64 admitted) is not probed at its first turnover. Without the start and the cut, the
+    first 12 steps draft and drafting is probed again within a few epochs."""
+    gov = SpeculationGovernor(clock=FakeClock(), plain_first_from=8)
+    gov.admit(64)
+    modes = _split_batch(gov, 100, per_request=True)
+    gov.admit(64)  # the next batch
+    modes += _split_batch(gov, 230, per_request=True)
+    assert not any(modes[:10]) and all(modes[10:18]) and not any(modes[18:]), modes.index(True, 18)
+    old = SpeculationGovernor(clock=FakeClock(), cut_short=0.0)
+    old.admit(64)
+    before = _split_batch(old, 100, per_request=True)
+    assert all(before[:12]) and any(before[22:100])
+
+
 def test_one_slow_epoch_does_not_hold_a_wrong_choice() -> None:
     """The first plain probe runs while the host is busy elsewhere (every step three times
     slower): drafting, which loses, is kept, but plain is probed again within a few epochs

@@ -64,15 +64,18 @@ class EngineCore:
         # Structured output: grammars compile in its threads; this process's runner finds them.
         self.structured_output = StructuredOutputManager(config, info)
         register_manager(config, self.structured_output)
+        drafts = draft_policy(config)
         self.scheduler = Scheduler(
             sched_config,
             config.cache,
             self.kv_cache_manager,
             info.max_model_len,
             structured_output=self.structured_output,
-            drafts=draft_policy(config),
+            drafts=drafts,
             spec_governor=build_governor(
-                config.speculative, self_paced=proposer_paces_itself(config.speculative)
+                config.speculative,
+                self_paced=proposer_paces_itself(config.speculative),
+                plain_first_from=None if drafts is None else drafts.alternate_from,
             ),
             max_loras=config.lora.max_loras if config.lora.enable_lora else None,
             batch_queue=config.parallel.pipeline_parallel_size > 1,

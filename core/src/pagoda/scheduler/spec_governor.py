@@ -38,7 +38,9 @@ off too: each that finds drafting still losing doubles the turnovers the next on
 every request is a turnover, and a proposer that never pays (a random draft head) would
 otherwise pay a drafting epoch on every request.
 
-A bucket that has measured nothing starts drafting (the user asked for it), unless the nearest
+A bucket that has measured nothing starts drafting (the user asked for it), except from
+``plain_first_from`` running requests on (where steps alternate: a plain epoch first, then a
+drafting probe that can be cut short against it, see ``_clearly_losing``), and unless the nearest
 larger bucket that measured both modes found drafting losing: a batch draining from a size where
 drafting lost runs plain, and probes drafting only as often as after a confirmed choice. (Its
 last requests are the ones that decide when the batch ends; drafting by default there, with
@@ -85,6 +87,9 @@ class _Bucket:
     admitted_at_probe: int = 0  # the governor's ``admitted`` when drafting was last measured
     turnovers: int = 1  # batch turnovers before drafting is probed again (see the module's note)
     inherited: bool = False  # plain from a larger bucket: drafting's first probe waits its turn
+    # Drafting's last probe was cut short, clearly losing (``_clearly_losing``): the choice
+    # counts as confirmed (probes spaced by their cost, the next turnover probe waits longer).
+    clear_loss: bool = False
     step: dict[bool, float] = field(default_factory=dict)  # mode -> median step seconds (EMA)
     disturbed: bool = False  # its last epoch was left out as disturbed (see the module's note)
 
@@ -102,6 +107,7 @@ class _Epoch:
     # out), where the scheduler gave them; None where it did not.
     by_request: list[dict[str, int] | None] = field(default_factory=list)
     accepted: int = 0  # draft tokens accepted in the measured steps
+    cut: bool = False  # ended at half its steps, clearly losing (``_clearly_losing``)
 
     def gain(self) -> float | None:
         """Tokens emitted per forward a request ran in (see ``SpeculationGovernor.observe``);
@@ -170,6 +176,7 @@ class SpeculationGovernor:
         slowdown: float = 0.05,
         floor_quantile: float = 0.1,
         cut_short: float = 0.75,
+        plain_first_from: int | None = None,
         disable_by_batch_size: int | None = None,
         fixed: bool = False,
         self_paced_below: int = 0,
@@ -195,6 +202,9 @@ class SpeculationGovernor:
         self.slowdown = slowdown
         self.floor_quantile = floor_quantile
         self.cut_short = cut_short
+        # From this many running requests a bucket that measured nothing starts with a plain
+        # epoch and probes drafting next (see ``_start``); None: every bucket starts drafting.
+        self.plain_first_from = plain_first_from
         self.disable_by_batch_size = disable_by_batch_size
         # Fixed: only ``disable_by_batch_size`` decides; nothing is measured.
         self.fixed = fixed
@@ -261,7 +271,10 @@ class SpeculationGovernor:
         epoch.samples.append((now - last, num_tokens, num_running))
         epoch.by_request.append(by_request)
         epoch.accepted += accepted
-        if epoch.measured >= self.epoch_steps or self._clearly_losing(epoch):
+        if epoch.measured >= self.epoch_steps:
+            self._end(epoch)
+        elif self._clearly_losing(epoch):
+            epoch.cut = True
             self._end(epoch)
 
     def _clearly_losing(self, epoch: _Epoch) -> bool:
@@ -305,6 +318,11 @@ class SpeculationGovernor:
         if larger and not self.buckets[min(larger)].best:
             bucket.best, bucket.inherited = False, True
             bucket.admitted_at_probe = self.admitted
+        elif self.plain_first_from is not None and b >= self.bucket_of(self.plain_first_from):
+            # NOTE: where steps alternate a first drafting epoch has no plain rate to be cut
+            # short against, and runs whole whatever it measures; plain first, drafting is
+            # probed right after (unmeasured), against it.
+            bucket.best = False
         return bucket.best
 
     def _begin(self, b: int, on: bool, turnover: bool = False) -> None:
@@ -341,10 +359,12 @@ class SpeculationGovernor:
         bucket.epochs[epoch.on] = bucket.epochs.get(epoch.on, 0) + 1
         probed = epoch.on != bucket.best
         winner = self._winner(bucket)
+        if epoch.on:
+            bucket.clear_loss = epoch.cut
         if probed:
             if winner == bucket.best:  # the choice holds: probe less often
                 bucket.explore_every = min(2 * bucket.explore_every, self.max_explore)
-                if epoch.turnover:
+                if epoch.turnover or epoch.cut:
                     bucket.turnovers = min(2 * bucket.turnovers, self.max_turnovers)
             else:
                 bucket.explore_every = self.min_explore
@@ -387,10 +407,13 @@ class SpeculationGovernor:
         """The fewest exploit epochs between probes for which a probe's cost (its epoch, settling
         steps included, at the losing mode's rate) stays within ``probe_budget`` of the time.
         Only once each mode was measured twice: one epoch that ran slow for reasons of its own
-        (the host busy elsewhere) must not hold a wrong choice for dozens of epochs."""
+        (the host busy elsewhere) must not hold a wrong choice for dozens of epochs; except a
+        drafting probe cut short, its slower requests clearly below plain's rate (a busy host
+        slows every request alike; sat-out steps and rejected drafts slow some)."""
         if self._futile(bucket):  # a probe can only find that the workload changed
             return self.max_explore
-        if min(bucket.epochs.get(True, 0), bucket.epochs.get(False, 0)) < 2:
+        measured = min(bucket.epochs.get(True, 0), bucket.epochs.get(False, 0))
+        if measured < 2 and not (measured and bucket.clear_loss):
             return self.min_explore
         rates = self._rates(bucket)
         if not bucket.best:  # drafting is probed: what a switch to it costs counts against it
@@ -452,18 +475,22 @@ def is_decode_step(num_scheduled: dict[str, int], drafts: dict[str, list[int]], 
 
 
 def build_governor(
-    config: SpeculativeConfig, self_paced: bool = False
+    config: SpeculativeConfig, self_paced: bool = False, plain_first_from: int | None = None
 ) -> SpeculationGovernor | None:
     """The governor ``speculative`` asks for: measured (``adaptive``), with vLLM's
     ``disable_by_batch_size`` on top; None when drafting runs every step, or never (no
     ``method``). ``self_paced``: the proposer drafts only what it measured to pay
     (``SpeculativeProposer.paces_itself``), so at batch 1 drafting is left on: there the
     governor's epochs (a request's content changes within them) cost more than they saved (the
-    copy set on a 2-core CPU: 1.39x with them, 1.66x without, benchmarks/README.md)."""
+    copy set on a 2-core CPU: 1.39x with them, 1.66x without, benchmarks/README.md).
+    ``plain_first_from``: the batch size from which steps alternate
+    (``DraftPolicy.alternate_from``), where a bucket starts with a plain epoch."""
     if config.method is None or (not config.adaptive and config.disable_by_batch_size is None):
         return None
     if not config.adaptive:  # the threshold alone: never measured, never probed
         return SpeculationGovernor(disable_by_batch_size=config.disable_by_batch_size, fixed=True)
     return SpeculationGovernor(
-        disable_by_batch_size=config.disable_by_batch_size, self_paced_below=2 if self_paced else 0
+        disable_by_batch_size=config.disable_by_batch_size,
+        self_paced_below=2 if self_paced else 0,
+        plain_first_from=plain_first_from,
     )
