@@ -445,6 +445,50 @@ def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1(monk
     assert all(acc < tokens for tokens, _, acc in drafting), ended
 
 
+def test_the_scheduler_tells_the_governor_each_requests_tokens(monkeypatch) -> None:
+    """Four requests whose steps alternate: each step the governor hears every running request's
+    tokens, 0 for one that sat the step out, summing to what the step emitted; with drafts
+    accepted some request emits several in a step. The engine's governor starts the bucket with
+    a plain epoch (steps alternate from there)."""
+    monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", 2)
+    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
+    llm = LLM(
+        model=str(folder),
+        device="cpu",
+        max_model_len=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=16 << 20,
+        async_scheduling=True,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+        },
+    )
+    gov = llm.engine.engine_core.scheduler.spec_governor
+    assert gov.plain_first_from == 2
+    heard = []
+    observe = gov.observe
+
+    def spy(num_tokens, num_running, clean=True, accepted=0, by_request=None):
+        heard.append((num_tokens, num_running, clean, by_request, gov.epoch and gov.epoch.on))
+        observe(num_tokens, num_running, clean, accepted, by_request)
+
+    gov.observe = spy
+    rng = np.random.default_rng(5)
+    prompts = [(rng.integers(10, 500, 6).tolist() * 5)[: int(n)] for n in (24, 30, 18, 27)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.engine_core.scheduler.spec_stats_total.num_accepted_tokens > 0
+    decoding = [h for h in heard if h[2] and h[1] == 4]
+    assert decoding and all(len(h[3]) == 4 and sum(h[3].values()) == h[0] for h in decoding)
+    assert any(0 in h[3].values() for h in decoding)  # a request sat a step out
+    assert any(max(h[3].values()) > 1 for h in decoding)  # drafts accepted
+    first = [on for *_, on in heard if on is not None]
+    assert first and first[0] is False  # the bucket's first epoch is plain
+
+
 def test_a_stalled_step_does_not_decide() -> None:
     """A step 50 times slower than the others (another process, a collector pause) in an epoch
     of plain steps is left out: drafting, which pays a little, stays on."""
