@@ -406,16 +406,14 @@ def test_drafting_is_measured_again_once_the_batch_has_turned_over() -> None:
     assert not any(_run(quiet, quiet.clock, 22, 1, _host_bound))  # (its own copy of the clock)
 
 
-def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1(monkeypatch) -> None:
-    """Alternating drafts at batch 1: after a step with drafts the schedule is empty (its one
-    request sits out); that is not idleness, so the verification step's tokens are measured."""
-    monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", 1)
+def _ngram_engine(max_num_seqs: int) -> LLM:
+    """The tiny random Llama with async scheduling and short n-gram drafts."""
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
-    llm = LLM(
+    return LLM(
         model=str(folder),
         device="cpu",
         max_model_len=256,
-        max_num_seqs=1,
+        max_num_seqs=max_num_seqs,
         kv_cache_memory_bytes=16 << 20,
         async_scheduling=True,
         speculative_config={
@@ -425,6 +423,13 @@ def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1(monk
             "prompt_lookup_max": 2,
         },
     )
+
+
+def test_steps_that_every_request_sits_out_count_toward_drafting_at_batch_1(monkeypatch) -> None:
+    """Alternating drafts at batch 1: after a step with drafts the schedule is empty (its one
+    request sits out); that is not idleness, so the verification step's tokens are measured."""
+    monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", 1)
+    llm = _ngram_engine(max_num_seqs=1)
     gov = llm.engine.engine_core.scheduler.spec_governor
     ended = []
     end = gov._end
@@ -451,21 +456,7 @@ def test_the_scheduler_tells_the_governor_each_requests_tokens(monkeypatch) -> N
     accepted some request emits several in a step. The engine's governor starts the bucket with
     a plain epoch (steps alternate from there)."""
     monkeypatch.setattr(draft_policy, "ALTERNATE_FROM", 2)
-    folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
-    llm = LLM(
-        model=str(folder),
-        device="cpu",
-        max_model_len=256,
-        max_num_seqs=4,
-        kv_cache_memory_bytes=16 << 20,
-        async_scheduling=True,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 2,
-        },
-    )
+    llm = _ngram_engine(max_num_seqs=4)
     gov = llm.engine.engine_core.scheduler.spec_governor
     assert gov.plain_first_from == 2
     heard = []
