@@ -124,7 +124,9 @@ def test_async_drafts_are_fresh(setup, regime, monkeypatch) -> None:
     out a step and draft from its tokens: either way no draft is stale."""
     engine, prompts, params, want = setup
     _regime(monkeypatch, regime)
-    spec = {"method": "oracle", "num_speculative_tokens": K}
+    # (drafting every step: the governor would start batch 8 with a plain epoch where steps
+    # alternate, and the step count below is of drafting steps)
+    spec = {"method": "oracle", "num_speculative_tokens": K, "adaptive": False}
     llm = LLM(**engine, speculative_config=spec, async_scheduling=True)
     seen = _instrumented(llm)
     assert _generate(llm, prompts, params) == want

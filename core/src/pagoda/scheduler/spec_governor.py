@@ -202,7 +202,7 @@ class SpeculationGovernor:
         self.slowdown = slowdown
         self.floor_quantile = floor_quantile
         self.cut_short = cut_short
-        # From this many running requests a bucket that measured nothing starts with a plain
+        # A bucket whose every size is at least this many running requests starts with a plain
         # epoch and probes drafting next (see ``_start``); None: every bucket starts drafting.
         self.plain_first_from = plain_first_from
         self.disable_by_batch_size = disable_by_batch_size
@@ -318,7 +318,7 @@ class SpeculationGovernor:
         if larger and not self.buckets[min(larger)].best:
             bucket.best, bucket.inherited = False, True
             bucket.admitted_at_probe = self.admitted
-        elif self.plain_first_from is not None and b >= self.bucket_of(self.plain_first_from):
+        elif self.plain_first_from is not None and 1 << (b - 1) >= self.plain_first_from:
             # NOTE: where steps alternate a first drafting epoch has no plain rate to be cut
             # short against, and runs whole whatever it measures; plain first, drafting is
             # probed right after (unmeasured), against it.
