@@ -5,11 +5,12 @@ tokens are on the host. With draft slots (``pagoda.worker.draft_slots``) the run
 read N, proposed, built N + 1's inputs and replayed its graph, the device idle from N's end to
 that replay. Where N verified drafts, N + 1's inputs other than its drafts follow from N's
 outcome on the device (``pagoda.worker.drafts_ahead``). So the runner enqueues, behind N and
-before reading it: a wait for a number the host writes (``pagoda.structured_output.host_flag``),
-a copy of the drafts from page-locked host memory, the inputs' build and the verification
-graph's replay. It then reads N, proposes, writes the drafts and the number
-(:meth:`LateDrafts.release`), and the device, which was waiting, goes on: it waits for the
-proposal only, not for the host's input building and graph launch.
+before reading it: one program that waits for a number the host writes (as
+``pagoda.structured_output.host_flag``'s) and then reads the drafts from page-locked host
+memory, the inputs' build and the verification graph's replay. It then reads N, proposes,
+writes the drafts and the number (:meth:`LateDrafts.release`), and the device, which was
+waiting, goes on: it waits for the proposal only, not for the host's input building and graph
+launch.
 
 Each request gets a row of ``k`` drafts: its own, then filler. The verification scores every
 row the graph holds, but only each request's own drafts are compared (its draft count, as for a
@@ -30,12 +31,46 @@ import logging
 
 import torch
 
-from pagoda.structured_output.host_flag import device_wait_available, wait_for
+from pagoda.ops.launch import CachedLaunch
+from pagoda.structured_output.host_flag import device_wait_available
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
 
 logger = logging.getLogger(__name__)
 
 #: How long the device waits for the host's drafts before it goes on without them.
 _TIMEOUT_S = 30.0
+_POLL_S = 1e-6  # one poll of host memory over the bus (``host_flag``)
+_BLOCK = 64
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["seq", "count"])
+    def _wait_then_copy(
+        flag_ptr, error_ptr, seq, max_polls, src_ptr, dst_ptr, count, BLOCK: tl.constexpr
+    ):
+        # The wait of ``host_flag``, then the rows, read from host memory by this program: a
+        # copy engine's copy of a few bytes is taken from host memory when it is enqueued (the
+        # driver puts small copies in its command stream), before the host has written them.
+        i = 0
+        value = tl.load(flag_ptr, volatile=True)
+        while (value < seq) & (i < max_polls):
+            value = tl.load(flag_ptr, volatile=True)
+            i += 1
+        if value < seq:
+            tl.store(error_ptr, seq)
+        offs = tl.arange(0, BLOCK)
+        for start in range(0, count, BLOCK):
+            mask = start + offs < count
+            rows = tl.load(src_ptr + start + offs, mask=mask, volatile=True)
+            tl.store(dst_ptr + start + offs, rows, mask=mask)
+
+
+_launch = CachedLaunch(_wait_then_copy) if triton is not None else None
 
 
 class LateDrafts:
@@ -66,10 +101,12 @@ class LateDrafts:
         if self._open is not None:
             raise RuntimeError("late drafts: the last enqueue was not released")
         self._seq += 1
-        region = self._host[self._seq % 2]
-        wait_for(self._flag, self._error, self._seq, _TIMEOUT_S)
-        self.device_drafts[:n].copy_(region[:n], non_blocking=True)
-        self._open = (self._seq, n)
+        seq, src, dst = self._seq, self._host[self._seq % 2], self.device_drafts
+        key = (src.data_ptr(), self._flag.data_ptr(), dst.data_ptr(), seq > 0x7FFFFFFF)
+        polls = int(_TIMEOUT_S / _POLL_S)
+        args = (self._flag, self._error, seq, polls, src, dst, n * self.k, _BLOCK)
+        _launch(key, (1,), args, num_warps=1)
+        self._open = (seq, n)
         self.launches += 1
         return self.device_drafts[:n]
 
