@@ -5,10 +5,9 @@ tokens are on the host. With draft slots (``pagoda.worker.draft_slots``) the run
 read N, proposed, built N + 1's inputs and replayed its graph, the device idle from N's end to
 that replay. Where N verified drafts, N + 1's inputs other than its drafts follow from N's
 outcome on the device (``pagoda.worker.drafts_ahead``). So the runner enqueues, behind N and
-before reading it: one program that waits for a number the host writes (as
-``pagoda.structured_output.host_flag``'s) and then reads the drafts from page-locked host
-memory, the inputs' build and the verification graph's replay. It then reads N, proposes,
-writes the drafts and the number (:meth:`LateDrafts.release`), and the device, which was
+before reading it: a wait for a number the host writes (``pagoda.structured_output.host_flag``),
+a program that reads the drafts from page-locked host memory, the inputs' build and the
+verification graph's replay. It then reads N, proposes, writes the drafts and the number (:meth:`LateDrafts.release`), and the device, which was
 waiting, goes on: it waits for the proposal only, not for the host's input building and graph
 launch.
 
@@ -32,7 +31,7 @@ import logging
 import torch
 
 from pagoda.ops.launch import CachedLaunch
-from pagoda.structured_output.host_flag import device_wait_available
+from pagoda.structured_output.host_flag import device_wait_available, wait_for
 
 try:
     import triton
@@ -44,25 +43,15 @@ logger = logging.getLogger(__name__)
 
 #: How long the device waits for the host's drafts before it goes on without them.
 _TIMEOUT_S = 30.0
-_POLL_S = 1e-6  # one poll of host memory over the bus (``host_flag``)
 _BLOCK = 64
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["seq", "count"])
-    def _wait_then_copy(
-        flag_ptr, error_ptr, seq, max_polls, src_ptr, dst_ptr, count, BLOCK: tl.constexpr
-    ):
-        # The wait of ``host_flag``, then the rows, read from host memory by this program: a
-        # copy engine's copy of a few bytes is taken from host memory when it is enqueued (the
-        # driver puts small copies in its command stream), before the host has written them.
-        i = 0
-        value = tl.load(flag_ptr, volatile=True)
-        while (value < seq) & (i < max_polls):
-            value = tl.load(flag_ptr, volatile=True)
-            i += 1
-        if value < seq:
-            tl.store(error_ptr, seq)
+    @triton.jit(do_not_specialize=["count"])
+    def _copy_from_host(src_ptr, dst_ptr, count, BLOCK: tl.constexpr):
+        # Rows read from host memory by this program, when it runs: a copy engine's copy of a
+        # few bytes is taken from host memory when it is enqueued (the driver puts small copies
+        # in its command stream), before the host has written them.
         offs = tl.arange(0, BLOCK)
         for start in range(0, count, BLOCK):
             mask = start + offs < count
@@ -70,7 +59,7 @@ if triton is not None:
             tl.store(dst_ptr + start + offs, rows, mask=mask)
 
 
-_launch = CachedLaunch(_wait_then_copy) if triton is not None else None
+_copy = CachedLaunch(_copy_from_host) if triton is not None else None
 
 
 class LateDrafts:
@@ -102,10 +91,8 @@ class LateDrafts:
             raise RuntimeError("late drafts: the last enqueue was not released")
         self._seq += 1
         seq, src, dst = self._seq, self._host[self._seq % 2], self.device_drafts
-        key = (src.data_ptr(), self._flag.data_ptr(), dst.data_ptr(), seq > 0x7FFFFFFF)
-        polls = int(_TIMEOUT_S / _POLL_S)
-        args = (self._flag, self._error, seq, polls, src, dst, n * self.k, _BLOCK)
-        _launch(key, (1,), args, num_warps=1)
+        wait_for(self._flag, self._error, seq, _TIMEOUT_S)
+        _copy((src.data_ptr(), dst.data_ptr()), (1,), (src, dst, n * self.k, _BLOCK), num_warps=1)
         self._open = (seq, n)
         self.launches += 1
         return self.device_drafts[:n]
