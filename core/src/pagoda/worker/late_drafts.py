@@ -7,9 +7,9 @@ that replay. Where N verified drafts, N + 1's inputs other than its drafts follo
 outcome on the device (``pagoda.worker.drafts_ahead``). So the runner enqueues, behind N and
 before reading it: a wait for a number the host writes (``pagoda.structured_output.host_flag``),
 a program that reads the drafts from page-locked host memory, the inputs' build and the
-verification graph's replay. It then reads N, proposes, writes the drafts and the number (:meth:`LateDrafts.release`), and the device, which was
-waiting, goes on: it waits for the proposal only, not for the host's input building and graph
-launch.
+verification graph's replay. It then reads N, proposes, writes the drafts and the number
+(:meth:`LateDrafts.release`), and the device, which was waiting, goes on: it waits for the
+proposal only, not for the host's input building and graph launch.
 
 Each request gets a row of ``k`` drafts: its own, then filler. The verification scores every
 row the graph holds, but only each request's own drafts are compared (its draft count, as for a
