@@ -155,7 +155,8 @@ def test_history_drafts_written_after_the_read_launch_ahead_and_match_without(
         late.release = counted
         got = [on.generate([i], params, use_tqdm=False)[0].outputs[0].token_ids for i in ids[:4]]
         got += [o.outputs[0].token_ids for o in on.generate(ids[4:], params, use_tqdm=False)]
-        assert late.launches > 0 and len(counts) >= late.launches
+        late.check()
+        assert late.launches > 0 and len(counts) >= late.launches and late.timeouts == 0
         k = runner.spec.num_spec_tokens
         assert any(c < k for c in counts) and any(c > 0 for c in counts), counts
         for p, g, w in zip(prompts, got, want):
