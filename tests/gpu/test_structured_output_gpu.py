@@ -71,6 +71,30 @@ def test_a_flag_that_never_comes_sets_the_error_word() -> None:
     assert int(error.numpy()[0]) == 0
 
 
+def test_the_wait_is_bounded_by_the_device_clock() -> None:
+    """A wait gives up after its ``timeout_s`` of wall time, and holds the stream until then:
+    a bound counted in polls (a microsecond each, nominally) ran out far sooner on an H200."""
+    from pagoda.structured_output.host_flag import wait_for
+
+    flag, error = _pinned(1), _pinned(1)
+    wait_for(flag, error, 1, timeout_s=1.0)
+    done = torch.cuda.Event()
+    done.record()
+    start = time.perf_counter()
+    while not done.query():
+        time.sleep(0.005)
+    assert 0.9 < time.perf_counter() - start < 3.0 and int(error.numpy()[0]) == 1
+    error.numpy()[0] = 0
+    wait_for(flag, error, 2, timeout_s=4.0)
+    done = torch.cuda.Event()
+    done.record()
+    time.sleep(1.5)
+    assert not done.query()  # still waiting, 1.5 s in
+    flag.numpy()[0] = 2
+    done.synchronize()
+    assert int(error.numpy()[0]) == 0
+
+
 def test_the_wait_launches_through_its_compiled_kernel() -> None:
     from pagoda.structured_output import host_flag
 

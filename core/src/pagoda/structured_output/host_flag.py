@@ -12,9 +12,11 @@ host address are served one read at a time (an H200 took 12 ms a step with 2,432
 a program reading a row's words from host memory pays the bus's latency per block.
 
 A flag that never comes (the child died, or hangs) must not hang the device: the spin is
-bounded (about ``timeout_s``), after which the kernel writes a non-zero error word and lets the
-stream go on; the runner checks the word each step and fails with the matcher process's error
-rather than sample with a stale mask.
+bounded by ``timeout_s`` of the device's own clock (``%globaltimer``), after which the kernel
+writes a non-zero error word and lets the stream go on; the runner checks the word each step and
+fails with the matcher process's error rather than sample with a stale mask. (A bound counted in
+polls, at a nominal microsecond a poll, ran out on an H200 within a kernel's first compile: a
+poll of host memory takes far less.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
@@ -33,18 +36,13 @@ from pagoda.ops.launch import CachedLaunch
 if triton is not None:
 
     @triton.jit(do_not_specialize=["seq"])
-    def _spin_until(flag_ptr, error_ptr, seq, max_polls):
-        i = 0
+    def _spin_until(flag_ptr, error_ptr, seq, timeout_ns):
+        start = globaltimer()
         value = tl.load(flag_ptr, volatile=True)
-        while (value < seq) & (i < max_polls):
+        while (value < seq) & (globaltimer() - start < timeout_ns):
             value = tl.load(flag_ptr, volatile=True)
-            i += 1
         if value < seq:
             tl.store(error_ptr, seq)
-
-
-# One poll of a flag in host memory crosses the bus: about a microsecond (measured on PCIe 5).
-_POLL_S = 1e-6
 
 
 def device_wait_available(device: torch.device) -> bool:
@@ -57,7 +55,7 @@ def wait_for(flag: torch.Tensor, error: torch.Tensor, seq: int, timeout_s: float
     ``pin_memory``); on timeout ``error[0]`` becomes ``seq``."""
     # NOTE: a launch every constrained step: through the compiled kernel (see pagoda.ops.launch)
     key = (flag.data_ptr(), error.data_ptr(), seq > 0x7FFFFFFF, timeout_s)  # seq: i32 or i64
-    _launch(key, (1,), (flag, error, seq, int(timeout_s / _POLL_S)), num_warps=1)
+    _launch(key, (1,), (flag, error, seq, int(timeout_s * 1e9)), num_warps=1)
 
 
 _launch = CachedLaunch(_spin_until) if triton is not None else None
