@@ -122,3 +122,46 @@ def test_ngram_drafts_on_the_device_launch_ahead_and_match_without(qwen3_dir: Pa
         off.engine.shutdown()
         if on is not None:
             on.engine.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_history_drafts_written_after_the_read_launch_ahead_and_match_without(
+    qwen3_dir: Path, method: str
+):
+    # A proposer that reads only history, at its defaults (each request's own draft length)
+    # on the Triton backend: the next verification is launched before the step in flight is
+    # read, and waits on the device for the drafts the host writes once it has read that step
+    # (``pagoda.worker.late_drafts``). The runner checks each such step's inputs against those
+    # the host builds (the rows of requests with fewer than k drafts included).
+    common = _engine_args(qwen3_dir, max_num_seqs=4, attention_backend="triton")
+    prompts = _prompts()[:8]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    off = LLM(**common)
+    on = None
+    try:
+        want = [o.outputs[0].token_ids for o in off.generate(ids, params, use_tqdm=False)]
+        on = LLM(**common, speculative_config={"method": method})
+        runner = on.engine.engine_core.executor.worker.model_runner
+        late = runner.spec.late
+        assert late is not None
+        runner.spec.check_ahead = True
+        counts, release = [], late.release
+
+        def counted(req_ids, proposals):
+            counts.extend(len(proposals.get(r, ())) for r in req_ids)
+            release(req_ids, proposals)
+
+        late.release = counted
+        got = [on.generate([i], params, use_tqdm=False)[0].outputs[0].token_ids for i in ids[:4]]
+        got += [o.outputs[0].token_ids for o in on.generate(ids[4:], params, use_tqdm=False)]
+        late.check()
+        assert late.launches > 0 and len(counts) >= late.launches and late.timeouts == 0
+        k = runner.spec.num_spec_tokens
+        assert any(c < k for c in counts) and any(c > 0 for c in counts), counts
+        for p, g, w in zip(prompts, got, want):
+            check_same_or_near_tie(off, p, w, g)
+    finally:
+        off.engine.shutdown()
+        if on is not None:
+            on.engine.shutdown()

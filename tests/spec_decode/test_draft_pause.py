@@ -45,7 +45,7 @@ def test_pauses_double_after_the_patience_and_end_at_a_draft() -> None:
 def test_ngram_at_its_defaults_pauses_and_its_slot_steps_stop_waiting(monkeypatch) -> None:
     # Random weights, greedy, a prompt without repeats: the n-gram proposer seldom finds a
     # draft. At batch 1 every step has draft slots; paused, they no longer wait for the step in
-    # flight (``draft_slots._paused``), and the output is the one without speculation.
+    # flight (``draft_slots.paused``), and the output is the one without speculation.
     from test_verify_graph_layout import TINY
 
     folder, _ = ensure_random_weights(TINY, 0, torch.device("cpu"))
@@ -57,13 +57,13 @@ def test_ngram_at_its_defaults_pauses_and_its_slot_steps_stop_waiting(monkeypatc
     proposer = llm.engine.engine_core.executor.worker.model_runner.spec.proposer
     assert proposer.pause is not None  # the draft length is the proposer's own
     skipped: list[bool] = []
-    paused = draft_slots._paused
+    paused = draft_slots.paused
 
     def spy(*args) -> bool:
         skipped.append(paused(*args))
         return skipped[-1]
 
-    monkeypatch.setattr(draft_slots, "_paused", spy)
+    monkeypatch.setattr(draft_slots, "paused", spy)
     # A launch whose slots are all paused's: whether it read the step in flight anyway.
     waited_for_nothing: list[bool] = []
     propose_for_slots = draft_slots.propose_for_slots

@@ -31,7 +31,7 @@ def must_read_last(spec: Speculation | None, last: StepOutput, so: SchedulerOutp
     their last token from the device instead."""
     scheduled = so.scheduled_spec_decode_tokens
     slots = [r for r, ids in scheduled.items() if is_draft_slots(ids)]
-    if slots and (spec is None or not all(_paused(spec, last, r) for r in slots)):
+    if slots and (spec is None or not all(paused(spec, last, r) for r in slots)):
         return True
     if slots:  # NOTE: paused requests' slots stay empty (none of their proposals is fresh)
         for req_id in slots:
@@ -42,7 +42,7 @@ def must_read_last(spec: Speculation | None, last: StepOutput, so: SchedulerOutp
     return any(r in drafted for r in so.num_scheduled_tokens)
 
 
-def _paused(spec: Speculation, last: StepOutput, req_id: str) -> bool:
+def paused(spec: Speculation, last: StepOutput, req_id: str) -> bool:
     """Whether the proposer will not be asked for ``req_id`` once ``last`` is read: it backs
     off (``SpeculativeProposer.resume_at``) past the most tokens the request can know then."""
     resume = getattr(spec.proposer, "resume_at", None)
@@ -67,7 +67,7 @@ def propose_for_slots(spec: Speculation, scheduled: dict[str, list[int]]) -> Non
     step = spec.in_flight.last
     if not slots or step is None:
         return
-    if not step.done and all(_paused(spec, step, r) for r in slots):
+    if not step.done and all(paused(spec, step, r) for r in slots):
         # Paused requests' slots stay empty (``must_read_last``): reading the step in flight
         # for them alone would make the launch wait, every step at batch 1. (Where it is read
         # for another request, ``propose`` leaves them out itself.)

@@ -22,10 +22,13 @@ the device; everything the host keeps (rows, positions, the hidden-state feed) i
 the read as before, and N + 1 verifies exactly the drafts its inputs hold, so output is what the
 ordinary path gives.
 
-It applies to steps where every request verified drafts in N, keeps its row, has all ``k`` draft
-slots (``q = k + 1`` tokens: a verification graph with no padding), and gets its drafts from
-``SpeculativeProposer.drafts_ahead``; the attention backend must read sequence lengths on the
-device (no re-planning before a replay: Triton, not FlashInfer).
+It applies to steps where every request verified drafts in N, keeps its row and has all ``k``
+draft slots (``q = k + 1`` tokens), and gets its drafts from ``SpeculativeProposer.drafts_ahead``
+(a verification graph with no padding) or, from a proposer that reads only history, from the
+host once N is read, the device waiting for them (``pagoda.worker.late_drafts``: each request's
+own drafts, fewer than ``k`` where it has fewer, then filler that is never compared); the
+attention backend must read sequence lengths on the device (no re-planning before a replay:
+Triton, not FlashInfer).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 from pagoda.step import SchedulerOutput, is_draft_slots
 from pagoda.utils import cdiv
+from pagoda.worker.draft_slots import paused
 from pagoda.worker.speculation import Speculation
 from pagoda.worker.step_output import StepOutput
 from pagoda.worker.verify_inputs_kernel import build_inputs
@@ -50,8 +54,9 @@ class AheadPlan:
     sel: np.ndarray  # [n]: each request's index among ``last``'s sampling rows
     rows: np.ndarray  # [n]: their rows
     reach: np.ndarray  # [n]: the farthest each reaches (``last`` accepts every draft)
-    dev_drafts: torch.Tensor  # [n, k] on the device (``SpeculativeProposer.drafts_ahead``)
-    host_drafts: torch.Tensor  # [n, k] on the host (in flight until ``last`` is read)
+    dev_drafts: torch.Tensor | None  # [n, k] on the device (``SpeculativeProposer.drafts_ahead``)
+    host_drafts: torch.Tensor | None  # [n, k] on the host (in flight until ``last`` is read)
+    late: bool = False  # the drafts come from the host once ``last`` is read (``late_drafts``)
 
 
 @dataclass
@@ -60,7 +65,8 @@ class AheadLaunch:
 
     req_ids: list[str]
     starts: np.ndarray  # the scheduler's starts (``ModelRunner._update_states``)
-    drafts: torch.Tensor  # [n, k] on the host (in flight until the step before is read)
+    drafts: torch.Tensor | None  # [n, k] on the host (in flight until the step before is read);
+    # None: the host writes them once it is read (``late_drafts``)
     hidden: torch.Tensor  # [n * q, hidden]: the graph's output
 
 
@@ -93,6 +99,12 @@ def plan_ahead(spec: Speculation, so: SchedulerOutput) -> AheadPlan | None:
     reach = last.sample_pos[sel] + last.num_drafts[sel] + q
     if int(reach.max()) > spec.max_model_len:
         return None
+    if spec.late is not None:
+        # NOTE: a request that backs off gets no drafts when ``last`` is read: its step is a
+        # plain decode step, which waits for nothing.
+        if any(paused(spec, last, r) for r in req_ids):
+            return None
+        return AheadPlan(last, sel, rows, reach, None, None, late=True)
     got = spec.proposer.drafts_ahead(req_ids, last.sample_pos[sel] + 1)  # (a lower bound)
     if got is None:
         return None
@@ -124,6 +136,7 @@ def launch_ahead(
     table = spec.input_batch.block_table[plan.rows, :max_blocks]
     buffers.to_device(buffers.block_table[:n, :max_blocks], table)
     base = buffers.as_device(last.sample_pos[sel] - 1)  # each one's first position in N
+    drafts = spec.late.enqueue(n) if plan.late else plan.dev_drafts
     out = (
         buffers.input_ids,
         buffers.positions,
@@ -131,7 +144,7 @@ def launch_ahead(
         buffers.seq_lens,
         buffers.query_start_loc,
     )
-    build_inputs(tokens, emitted, base, plan.dev_drafts, buffers.block_table, bs, out)
+    build_inputs(tokens, emitted, base, drafts, buffers.block_table, bs, out)
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
     hidden = graphs.run(buffers.uniform_step(n, q, plan.reach), bucket)
     spec.ahead_launches += 1
@@ -166,7 +179,10 @@ def _fits(spec: Speculation, last: StepOutput, so: SchedulerOutput) -> bool:
 def take_drafts(spec: Speculation, ahead: AheadLaunch) -> None:
     """Once the step before is read: the drafts the replayed graph verifies fill the draft
     slots (``spec.proposals``), whatever the proposer returned when that step was read.
-    (A new dict: the one there is also that step's output.)"""
+    (A new dict: the one there is also that step's output.) Drafts the host wrote after the
+    read (``late_drafts``) are the proposer's own: nothing to take."""
+    if ahead.drafts is None:
+        return
     host = ahead.drafts.numpy().tolist()
     spec.proposals = {**spec.proposals, **dict(zip(ahead.req_ids, host))}
 
@@ -177,17 +193,24 @@ def check_ahead(
     positions: np.ndarray,
     slots: np.ndarray,
     seq_lens: np.ndarray,
+    late_rows: np.ndarray | None = None,
 ) -> None:
     """Compare the inputs built on the device with those the host built once the step before
-    was read (``Speculation.check_ahead``, for tests: it waits for the device)."""
+    was read (``Speculation.check_ahead``, for tests: it waits for the device). ``late_rows``:
+    where each of the host's tokens is among the device's (late drafts, fewer than ``k`` for
+    some request: the device's sequence lengths then count the filler too)."""
     n, total, r = len(seq_lens), len(positions), spec.buffers
+    at = np.arange(total) if late_rows is None else late_rows
     got = {
-        "input ids": (r.input_ids[:total], input_ids),
-        "positions": (r.positions[:total], positions),
-        "slots": (r.slot_mapping[:total], slots),
-        "sequence lengths": (r.seq_lens[:n], seq_lens),
+        "input ids": (r.input_ids, input_ids),
+        "positions": (r.positions, positions),
+        "slots": (r.slot_mapping, slots),
     }
+    if late_rows is None:
+        got["sequence lengths"] = (r.seq_lens[:n], seq_lens)
     for what, (dev, host) in got.items():
         dev = dev.cpu().numpy().astype(np.int64)
+        if what != "sequence lengths":
+            dev = dev[at]
         if not np.array_equal(dev, host):
             raise RuntimeError(f"a verification launched ahead has {what} {dev}, not {host}")

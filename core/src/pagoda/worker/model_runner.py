@@ -55,6 +55,7 @@ from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.host_memory import available_memory_bytes, lazily_zeroed
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.late_drafts import LateDrafts
 from pagoda.worker.lora_inputs import LoRAInputs
 from pagoda.worker.piecewise_graphs import PiecewiseGraphs
 from pagoda.worker.pooling import PoolingRunner
@@ -406,6 +407,15 @@ class ModelRunner:
                         self.model, self.buffers.input_ids, spec.verify_graphs
                     )
                     self.graph_capture_s += spec.greedy_graphs.capture()
+                    if (
+                        spec.propose_in_launch
+                        and not spec.drafts_after_verify
+                        and not spec.verify_graphs.replans
+                        and LateDrafts.available(self.device)
+                    ):
+                        spec.late = LateDrafts(
+                            spec.verify_graphs.max_batch, spec.num_spec_tokens, self.device
+                        )
             self.piecewise = self._piecewise_graphs()
             if self.piecewise is not None:
                 self.graph_capture_s += self.piecewise.capture()
@@ -541,12 +551,15 @@ class ModelRunner:
         if spec is not None:
             spec.verify_rows = None  # (set by this launch's padded verification graph)
             spec.proposer.settle()  # (before anything reads its pauses)
+            if spec.late is not None:
+                spec.late.check()
         if in_flight.unread and in_flight.unread[-1].pending is not None:
             in_flight.unread[-1].finish_launch()  # its sampling waited for its grammar bitmask
         ahead = None
-        if scheduled and spec is not None and spec.drafts_after_verify:
+        if scheduled and spec is not None and (spec.drafts_after_verify or spec.late is not None):
             # The verification graph replays behind the step in flight, which is read next
-            # (``pagoda.worker.drafts_ahead``).
+            # (``pagoda.worker.drafts_ahead``); a history proposer's drafts follow from the host
+            # once it is read (``pagoda.worker.late_drafts``).
             plan = plan_ahead(spec, so)
             if plan is not None:
                 in_flight.settle()  # every step before the one in flight is read (not it)
@@ -557,12 +570,16 @@ class ModelRunner:
         waits = ahead is not None or bool(
             in_flight.unread and must_read_last(spec, in_flight.unread[-1], so)
         )
-        if waits:
-            # NOTE: rows with drafts learn their length only there, and draft slots are filled
-            # with the drafts proposed there.
-            in_flight.read_all()
-        if scheduled and spec is not None and spec.propose_in_launch:
-            propose_for_slots(spec, scheduled)
+        try:
+            if waits:
+                # NOTE: rows with drafts learn their length only there, and draft slots are
+                # filled with the drafts proposed there.
+                in_flight.read_all()
+            if scheduled and spec is not None and spec.propose_in_launch:
+                propose_for_slots(spec, scheduled)
+        finally:
+            if ahead is not None and ahead.drafts is None:  # the device waits for these
+                spec.late.release(ahead.req_ids, spec.proposals)
         in_flight.settle()
         if ahead is not None:  # (its launch took the staging region and the new blocks)
             req_ids, starts = ahead.req_ids, ahead.starts
@@ -602,9 +619,17 @@ class ModelRunner:
 
         verify_graphs = None if spec is None else spec.verify_graphs
         check = spec is not None and spec.check_ahead
-        verified = None
+        verified = late_rows = None
         if ahead is not None and (counts == verify_graphs.query_len).all():
             verified = ahead.hidden  # these inputs, built on the device, replayed already
+        elif ahead is not None and ahead.drafts is None:
+            # Late drafts, fewer than k for some request: its own rows come first in its q
+            # (the rest scored filler, never compared, as in a padded verification).
+            q = verify_graphs.query_len
+            late_rows = np.repeat(buffers.arange[:num_reqs] * q - qsl[:-1], counts)
+            late_rows += buffers.arange[:total]
+            spec.verify_rows = ahead.hidden
+            verified = ahead.hidden[buffers.as_device(late_rows)]
         if verified is None or check:
             token_rows = rows[tok_req]
             # (gathers through flat indices: half the time of two-dimensional fancy indexing,
@@ -624,10 +649,11 @@ class ModelRunner:
             self.encoder.run(so)
             mm = self.encoder.step_inputs(req_ids, starts, counts, qsl, positions)
         eager = mm is not None and mm.eager
-        bucket = graphs.bucket_for(num_reqs) if graphs and total == num_reqs and not eager else None
+        plain = graphs and total == num_reqs and not eager and verified is None
+        bucket = graphs.bucket_for(num_reqs) if plain else None
         if verified is not None:
             if check:
-                check_ahead(spec, input_ids, positions, slots, seq_lens)
+                check_ahead(spec, input_ids, positions, slots, seq_lens, late_rows)
         elif bucket is None and verify_graphs is not None:
             # NOTE: a verification graph copies its own (padded) inputs: none are copied here.
             step = (counts, starts, qsl, input_ids, positions, slots, rows)

@@ -23,6 +23,7 @@ from pagoda.worker.cuda_graph import DecodeGraphs
 from pagoda.worker.greedy_verify_graphs import GreedyVerifyGraphs
 from pagoda.worker.hidden_states import HiddenFeed
 from pagoda.worker.input_batch import InputBatch
+from pagoda.worker.late_drafts import LateDrafts
 from pagoda.worker.slot_cost import SlotCost
 from pagoda.worker.step_buffers import StepBuffers
 from pagoda.worker.steps_in_flight import StepsInFlight
@@ -57,6 +58,9 @@ class Speculation:
     # q rows, real ones first), else None; the greedy graphs verify these.
     verify_rows: torch.Tensor | None = None
     ahead_launches: int = 0  # verifications launched before the step in flight was read
+    # A history proposer's drafts, written by the host once the step in flight is read, into
+    # a verification launched before it (``pagoda.worker.late_drafts``); None: not here.
+    late: LateDrafts | None = None
     # What a step with draft slots costs beyond one without, measured at each launch.
     slot_cost: SlotCost = field(default_factory=SlotCost)
     check_ahead: bool = False  # (tests) compare their inputs with the host's, waiting

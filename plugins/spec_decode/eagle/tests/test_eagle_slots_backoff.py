@@ -32,7 +32,7 @@ def test_paused_requests_slots_do_not_wait_for_the_step_in_flight(
     llm = LLM(model=str(folder), **ENGINE, speculative_config=spec)
     runner = llm.engine.engine_core.executor.worker.model_runner
     skipped, reads = [], []
-    paused = draft_slots._paused
+    paused = draft_slots.paused
 
     def spy_paused(*args) -> bool:
         skipped.append(paused(*args))
@@ -44,7 +44,7 @@ def test_paused_requests_slots_do_not_wait_for_the_step_in_flight(
         reads.append(1)
         read()
 
-    monkeypatch.setattr(draft_slots, "_paused", spy_paused)
+    monkeypatch.setattr(draft_slots, "paused", spy_paused)
     runner.in_flight.read_all = spy_read
     got = llm.generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
