@@ -136,7 +136,10 @@ def launch_ahead(
     table = spec.input_batch.block_table[plan.rows, :max_blocks]
     buffers.to_device(buffers.block_table[:n, :max_blocks], table)
     base = buffers.as_device(last.sample_pos[sel] - 1)  # each one's first position in N
-    drafts = spec.late.enqueue(n) if plan.late else plan.dev_drafts
+    if plan.late:  # (host drafts: None, or those written already, ``late_drafts``)
+        drafts, host_drafts = spec.late.enqueue(n)
+    else:
+        drafts, host_drafts = plan.dev_drafts, plan.host_drafts
     out = (
         buffers.input_ids,
         buffers.positions,
@@ -148,7 +151,7 @@ def launch_ahead(
     # NOTE: the host has only a bound of the lengths (no backend here reads them: none re-plans).
     hidden = graphs.run(buffers.uniform_step(n, q, plan.reach), bucket)
     spec.ahead_launches += 1
-    return AheadLaunch(req_ids, starts, plan.host_drafts, hidden)
+    return AheadLaunch(req_ids, starts, host_drafts, hidden)
 
 
 def _fits(spec: Speculation, last: StepOutput, so: SchedulerOutput) -> bool:

@@ -22,6 +22,14 @@ there, whose event was recorded before the wait, and asks the proposer, which re
 the host. :meth:`release` runs in a ``finally``; a flag that never comes lets the device go on
 after ``timeout_s`` (with the last drafts written: the verification stays lossless, the step
 is slow), and :meth:`check` reports it.
+
+NOTE: a launch this process has not made before (a kernel whose module the driver loads at its
+first launch, a Triton kernel's first compile) waits on the host until the device is idle;
+behind a wait for a number only this host writes, it waits the whole bound out, and the copy
+then reads drafts not yet written. The first verification of ``n`` requests is therefore
+launched with its drafts written before the wait (filler: each request verifies ``k`` drafts
+it will not accept, still lossless), and :meth:`enqueue` returns them so that the host verifies
+what the device does.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ class LateDrafts:
         self._error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._seq = 0
         self._open: tuple[int, int] | None = None  # (seq, requests) enqueued, not released
-        self.launches = 0  # verifications that waited on the device for their drafts
+        self._launched: set[int] = set()  # request counts launched once (the module's note)
+        self.launches = 0  # verifications launched behind a wait (``enqueue``)
         self.timeouts = 0  # waits that gave up (``check``)
         # NOTE: both kernels compiled and bound now: a first launch's compile between the wait
         # and the copy ran the wait past its bound (its polls take less than their nominal
@@ -93,19 +102,28 @@ class LateDrafts:
     def available(device: torch.device) -> bool:
         return device_wait_available(device)
 
-    def enqueue(self, n: int) -> torch.Tensor:
+    def enqueue(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """On the current stream: wait for the host's drafts of ``n`` requests, then copy them
         to the device. Returns their device rows ([n, k]), which hold them once the stream gets
-        past the wait."""
+        past the wait, and None; or, the first time for ``n`` (see the module's note), those
+        rows and the drafts they get, written already (filler, [n, k] on the host): nothing is
+        then left to :meth:`release`."""
         if self._open is not None:
             raise RuntimeError("late drafts: the last enqueue was not released")
         self._seq += 1
         seq, src, dst = self._seq, self._host[self._seq % 2], self.device_drafts
+        written = None
+        if n not in self._launched:
+            self._launched.add(n)
+            src[:n] = 0
+            written = src[:n].clone()
+            self._flag.numpy()[0] = seq
+        else:
+            self._open = (seq, n)
         wait_for(self._flag, self._error, seq, _TIMEOUT_S)
         _copy((src.data_ptr(), dst.data_ptr()), (1,), (src, dst, n * self.k, _BLOCK), num_warps=1)
-        self._open = (seq, n)
         self.launches += 1
-        return self.device_drafts[:n]
+        return self.device_drafts[:n], written
 
     @property
     def open(self) -> bool:
