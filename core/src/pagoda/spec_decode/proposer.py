@@ -235,6 +235,13 @@ class SpeculativeProposer(ABC):
     """
 
     needs_hidden_states: ClassVar[bool] = False
+    # ``propose`` reads only the batch's host arrays (token history) and launches and waits for
+    # nothing on the device (n-gram, suffix). On CUDA the runner may then launch the next
+    # verification before it reads the step in flight and calls ``propose``, the device waiting
+    # for the drafts the host writes (``pagoda.worker.late_drafts``). A proposer that sets it
+    # and then waits on the device anyway holds the host and the device for that wait's bound
+    # (30 s) each step; it must also return no ``probs``. Default False (never late).
+    proposes_on_host: ClassVar[bool] = False
     hidden_state_layers: tuple[int, ...] = ()
     # A proposer that reads only history but drafts on the device behind a verification sets
     # this (on the instance, in its constructor): the runner then calls its

@@ -5,7 +5,8 @@
 - :func:`check_attention_backend`, :func:`attention_cases`: the same without pytest.
 - :class:`SpeculativeProposerConformance`: subclass it in a pytest module to check a
   speculative proposer against the contract of ``pagoda.spec_decode`` (needs pytest).
-- :func:`check_proposer_case`, :func:`proposer_cases`: the same without pytest.
+- :func:`check_proposer_case`, :func:`proposer_cases`, :func:`check_proposes_on_host`: the same
+  without pytest.
 - :class:`GrammarBackendConformance`: subclass it in a pytest module to check a grammar backend
   (structured output) against the contract of ``pagoda.structured_output.backend``.
 - :func:`grammar_cases` and the ``check_*`` functions of ``pagoda.testing.grammar``: the same
@@ -52,7 +53,12 @@ from pagoda.testing.quantization import (
     fp8_checkpoint,
     quantize_dequantize,
 )
-from pagoda.testing.spec_decode import ProposerCase, check_proposer_case, proposer_cases
+from pagoda.testing.spec_decode import (
+    ProposerCase,
+    check_proposer_case,
+    check_proposes_on_host,
+    proposer_cases,
+)
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -71,6 +77,7 @@ __all__ = [
     "ProposerCase",
     "SpeculativeProposerConformance",
     "check_proposer_case",
+    "check_proposes_on_host",
     "proposer_cases",
     "attention_cases",
     "check_attention_backend",

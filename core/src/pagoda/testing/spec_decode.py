@@ -155,6 +155,32 @@ def check_drafts_well_formed(drafts: Any, batch: ProposalBatch, ctx: ProposerCon
                 raise AssertionError(f"request {i}: a draft has zero probability in its q")
 
 
+def check_proposes_on_host(
+    cls: type[SpeculativeProposer],
+    config: SpeculativeConfig,
+    device="cpu",
+    target: Callable[[ProposerContext], TargetModel] | None = None,
+) -> None:
+    """For a proposer with ``proposes_on_host``: it takes no hidden states (they live on the
+    device) and, over every case of :func:`proposer_cases`, returns no ``probs`` (a late
+    verification takes token ids from the host, nothing else)."""
+    if cls.needs_hidden_states:
+        raise AssertionError(
+            "proposes_on_host and needs_hidden_states: hidden states are on the device"
+        )
+    for case in proposer_cases():
+        ctx = make_context(config, device)
+        proposer = _build(cls, ctx)
+        if target is not None:
+            proposer.bind_target(target(ctx))
+        drafts = proposer.propose(make_batch(case, ctx, proposer.hidden_state_layers))
+        if drafts.probs is not None:
+            raise AssertionError(
+                f"{case.name}: a proposer that proposes on the host returned Drafts.probs; a "
+                "verification that takes its drafts late reads token ids only"
+            )
+
+
 def check_proposer_case(
     cls: type[SpeculativeProposer],
     config: SpeculativeConfig,

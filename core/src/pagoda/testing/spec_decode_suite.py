@@ -24,6 +24,7 @@ from pagoda.testing.spec_decode import (
     ProposerCase,
     check_drafts_ahead,
     check_proposer_case,
+    check_proposes_on_host,
     check_settle,
     proposer_cases,
 )
@@ -81,3 +82,9 @@ class SpeculativeProposerConformance:
         if n is None:
             pytest.skip("this proposer does not draft behind a verification in these settings")
         assert n > 0, "drafts_ahead promised nothing for fresh requests whose drafts verified"
+
+    def test_a_proposer_on_the_host_returns_token_ids_only(self) -> None:
+        cls = self.proposer_class()
+        if not getattr(cls, "proposes_on_host", False):
+            pytest.skip("this proposer does not say it proposes on the host alone")
+        check_proposes_on_host(cls, self.config, self.device, self._target())

@@ -35,6 +35,7 @@ what the device does.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -101,6 +102,29 @@ class LateDrafts:
     @staticmethod
     def available(device: torch.device) -> bool:
         return device_wait_available(device)
+
+    @classmethod
+    def fits(
+        cls,
+        proposer: Any,
+        device: torch.device,
+        *,
+        asked_in_launch: bool,
+        drafts_after_verify: bool,
+        replans: bool,
+    ) -> bool:
+        """Whether a speculation's verifications may take their drafts late: its ``proposer``
+        says it proposes on the host alone (``SpeculativeProposer.proposes_on_host``: one that
+        waited on the device would wait for this wait), is asked in the launch, drafts nothing
+        on the device after a verification, its verification graphs need no re-planning
+        (``replans``), and ``device`` can wait."""
+        return (
+            bool(getattr(proposer, "proposes_on_host", False))
+            and asked_in_launch
+            and not drafts_after_verify
+            and not replans
+            and cls.available(device)
+        )
 
     def enqueue(self, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """On the current stream: wait for the host's drafts of ``n`` requests, then copy them

@@ -407,11 +407,12 @@ class ModelRunner:
                         self.model, self.buffers.input_ids, spec.verify_graphs
                     )
                     self.graph_capture_s += spec.greedy_graphs.capture()
-                    if (
-                        spec.propose_in_launch
-                        and not spec.drafts_after_verify
-                        and not spec.verify_graphs.replans
-                        and LateDrafts.available(self.device)
+                    if LateDrafts.fits(
+                        spec.proposer,
+                        self.device,
+                        asked_in_launch=spec.propose_in_launch,
+                        drafts_after_verify=spec.drafts_after_verify,
+                        replans=spec.verify_graphs.replans,
                     ):
                         spec.late = LateDrafts(
                             spec.verify_graphs.max_batch, spec.num_spec_tokens, self.device

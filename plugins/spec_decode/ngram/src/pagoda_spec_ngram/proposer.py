@@ -194,6 +194,8 @@ class NgramProposer(SpeculativeProposer):
     request's draft length and the shortest match it drafts from; each key given fixes its part
     (``prompt_lookup_min``/``max``: the window; ``num_speculative_tokens``: the length)."""
 
+    proposes_on_host = True  # (history on the host only: drafts may come late)
+
     @classmethod
     def paces_itself(cls, config: SpeculativeConfig) -> bool:
         """With the draft length not given, each request's is chosen from what it pays."""

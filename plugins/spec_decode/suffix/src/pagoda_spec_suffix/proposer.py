@@ -88,6 +88,8 @@ def _longest_node(cursor: list[int], longest: int) -> int:
 
 
 class SuffixProposer(SpeculativeProposer):
+    proposes_on_host = True  # (history on the host only: drafts may come late)
+
     @classmethod
     def paces_itself(cls, config: SpeculativeConfig) -> bool:
         """Its drafts stop where their probability falls below what a draft token costs."""
