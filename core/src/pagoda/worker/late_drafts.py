@@ -1,7 +1,8 @@
 """Drafts the host writes after the verification that takes them has been launched.
 
-A proposer that reads only token history (n-gram, suffix) drafts step N + 1 once step N's
-tokens are on the host. With draft slots (``pagoda.worker.draft_slots``) the runner therefore
+A proposer that reads only token history on the host (n-gram, suffix: those that set
+``SpeculativeProposer.proposes_on_host``, :meth:`LateDrafts.fits`) drafts step N + 1 once step
+N's tokens are on the host. With draft slots (``pagoda.worker.draft_slots``) the runner therefore
 read N, proposed, built N + 1's inputs and replayed its graph, the device idle from N's end to
 that replay. Where N verified drafts, N + 1's inputs other than its drafts follow from N's
 outcome on the device (``pagoda.worker.drafts_ahead``). So the runner enqueues, behind N and
