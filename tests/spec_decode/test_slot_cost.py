@@ -56,6 +56,29 @@ def test_gaps_and_steps_with_drafts_or_a_prompt_are_not_timed() -> None:
     assert meter.cost(1) > 0.5  # a slot step of 4.5 ms counted
 
 
+def test_the_proposers_bookkeeping_between_launches_is_not_counted() -> None:
+    # Slot steps of 1.5 ms of which 0.5 is the proposer's settle (it follows the calls, which
+    # come only in slot steps), plain steps of 1.0: the slots cost nothing beyond that.
+    clock = _Clock()
+    meter = SlotCost(clock)
+    for _ in range(10):
+        meter.launched(1, True)
+        clock.t += 0.001
+        meter.exclude(0.0005)
+        clock.t += 0.0005
+        meter.launched(1, False)
+        clock.t += 0.001
+    assert abs(meter.cost(1)) < 1e-9
+    got = meter.summary(1)
+    assert (got["waited_ms"], got["plain_ms"]) == (1.0, 1.0)
+    meter.exclude(0.0002)  # (left out of the step it was spent in, and of that one only)
+    clock.t += 0.0002
+    meter.launched(1, True)
+    clock.t += 0.002
+    meter.launched(1, True)
+    assert meter.summary(1)["waited_ms"] > 1.0
+
+
 def test_a_request_whose_slot_steps_do_not_pay_pauses_and_an_accepted_probe_ends_it() -> None:
     resume: dict[str, int] = {}
     pause = DraftPause(resume)

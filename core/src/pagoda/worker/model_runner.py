@@ -778,8 +778,11 @@ class ModelRunner:
         in_flight.launched(out)
         if spec is not None:
             # The proposer's bookkeeping of drafts proposed in this launch, now that the device
-            # runs the step they are for (``SpeculativeProposer.settle``).
+            # runs the step they are for (``SpeculativeProposer.settle``); not part of what
+            # this step's slots cost (``SlotCost.exclude``).
+            began = time.perf_counter()
             spec.proposer.settle()
+            spec.slot_cost.exclude(time.perf_counter() - began)
         return out
 
     def _stage_forward(self, total: int) -> torch.Tensor:
