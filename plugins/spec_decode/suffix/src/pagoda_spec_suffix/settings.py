@@ -9,7 +9,7 @@ class SuffixSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_tree_depth: int = Field(
-        32, ge=2, le=256, description="longest substring a tree holds (match plus draft)"
+        32, ge=2, le=256, description="longest substring counted (match plus draft)"
     )
     global_max_tokens: int = Field(
         200_000,
