@@ -56,6 +56,19 @@ def test_gaps_and_steps_with_drafts_or_a_prompt_are_not_timed() -> None:
     assert meter.cost(1) > 0.5  # a slot step of 4.5 ms counted
 
 
+def test_a_first_time_cost_among_the_first_steps_does_not_set_the_mean() -> None:
+    # The first slot step met a kernel's compile (40 ms); the others took 1.5 ms, as plain
+    # steps do: the slots cost nothing, from the first measure on.
+    clock = _Clock()
+    meter = SlotCost(clock)
+    _launches(meter, clock, [(True, 0.040), (False, 0.0015)])
+    _launches(meter, clock, [(True, 0.0015), (False, 0.0015)] * 8)
+    assert meter.cost(1) is not None and abs(meter.cost(1)) < 1e-9
+    # (later steps move the mean as before: slot steps of 3 ms raise the cost)
+    _launches(meter, clock, [(True, 0.003), (False, 0.0015)] * 20)
+    assert meter.cost(1) > 0.5
+
+
 def test_the_proposers_bookkeeping_between_launches_is_not_counted() -> None:
     # Slot steps of 1.5 ms of which 0.5 is the proposer's settle (it follows the calls, which
     # come only in slot steps), plain steps of 1.0: the slots cost nothing beyond that.

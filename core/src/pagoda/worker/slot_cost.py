@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -35,6 +36,7 @@ class SlotCost:
         self._last: tuple[float, int, bool] | None = None  # (time, bucket, waited)
         self._means: dict[tuple[int, bool], tuple[float, int]] = {}  # -> (seconds, steps)
         self._excluded = 0.0  # seconds since the last launch not to count (``exclude``)
+        self._first: dict[tuple[int, bool], list[float]] = {}  # the first steps' seconds
 
     def launched(self, num_reqs: int, waited: bool | None, at: float | None = None) -> None:
         """A launch of ``num_reqs`` requests at ``at`` (the clock's now by default): a decode
@@ -55,11 +57,26 @@ class SlotCost:
         self._excluded += seconds
 
     def _add(self, bucket: int, waited: bool, seconds: float) -> None:
-        mean, n = self._means.get((bucket, waited), (0.0, 0))
-        if seconds > (_SLOT_OUTLIER * mean if n >= _SLOT_SAMPLES else _SLOT_GAP_S):
+        key = (bucket, waited)
+        mean, n = self._means.get(key, (0.0, 0))
+        if n < _SLOT_SAMPLES:
+            # NOTE: the mean starts from the median of the first steps: a first-time cost
+            # among them (a kernel compiled, a module loaded at its first launch: tens of ms)
+            # set it several times too high, the later steps' 5% each brought it down over
+            # some forty slot steps, and requests paused (up to 32 steps) for a cost that
+            # was not there.
+            if seconds > _SLOT_GAP_S:
+                return
+            first = self._first.setdefault(key, [])
+            first.append(seconds)
+            self._means[key] = (statistics.median(first), n + 1)
+            if n + 1 == _SLOT_SAMPLES:
+                del self._first[key]
             return
-        mean = seconds if n == 0 else mean + max(_SLOT_WEIGHT, 1 / (n + 1)) * (seconds - mean)
-        self._means[(bucket, waited)] = (mean, n + 1)
+        if seconds > _SLOT_OUTLIER * mean:
+            return
+        mean += max(_SLOT_WEIGHT, 1 / (n + 1)) * (seconds - mean)
+        self._means[key] = (mean, n + 1)
 
     def cost(self, num_reqs: int) -> float | None:
         bucket = num_reqs.bit_length()
