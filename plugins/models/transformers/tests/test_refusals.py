@@ -44,7 +44,7 @@ REFUSED = {
         "dynamic RoPE",
     ),
     "bidirectional": (_config("bert"), "attends bidirectionally"),
-    "own attention table": (_config("falcon"), "picks its attention from a table of its own"),
+    "own attention table": (_config("gpt_neo"), "picks its attention from a table of its own"),
 }
 
 

@@ -153,6 +153,8 @@ _INTERMEDIATE_KEYS = {
     "feed_forward_size",
     "intermediate_size_mlp",
     "dense_intermediate_size",
+    "first_dense_intermediate_size",
+    "mlp_only_intermediate_size",
     "mlp_hidden_size",
     "d_inner",
     "mlp_dim",
@@ -235,7 +237,7 @@ _LINEAR_SIZES = {
     "linear_head_dim": 16,
 }
 # Sparse-attention indexers (DeepSeek V3.2's DSA and the like).
-_INDEXER_SIZES = {"index_n_heads": 2, "index_head_dim": 16, "index_topk": 8}
+_INDEXER_SIZES = {"index_n_heads": 2, "index_num_heads": 2, "index_head_dim": 16, "index_topk": 8}
 _ROLE_SETS = (
     _HIDDEN_KEYS,
     _LAYER_KEYS,

@@ -118,6 +118,30 @@ def _style(name: str, plan: dict[str, str], is_param: bool) -> str | None:
     return plan.get(owner) if is_param and owner else None
 
 
+#: Expert parameters that transformers' expert-parallel plan (``ep_plan``: ``grouped_gemm``
+#: parameters of an ``ep_dispatch_experts`` module) names, and the tensor-parallel style each
+#: takes when every rank holds a slice of every expert instead.
+EP_AS_TP = {"gate_up_proj": "packed_colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+
+
+def _experts_from_ep_plan(model: Any, plan: dict[str, str]) -> dict[str, str]:
+    """Tensor-parallel entries for the experts that only ``model.ep_plan`` names (transformers
+    5.25 moved them there from the tensor-parallel plan): the experts module sums its ranks'
+    outputs (``moe_tp_experts``) and each expert's features are split as the old plans split
+    them. An experts module with any other planned parameter (a bias, a norm) is left out, and so
+    refused as before."""
+    ep = dict(getattr(model, "ep_plan", None) or {})
+    out: dict[str, str] = {}
+    for key, style in ep.items():
+        if style != "ep_dispatch_experts" or any(k == key or k.startswith(key + ".") for k in plan):
+            continue
+        params = {k[len(key) + 1 :]: s for k, s in ep.items() if k.startswith(key + ".")}
+        if params and all(s == "grouped_gemm" and p in EP_AS_TP for p, s in params.items()):
+            out[key] = "moe_tp_experts"
+            out.update({f"{key}.{p}": EP_AS_TP[p] for p in params})
+    return out
+
+
 @dataclass(frozen=True)
 class Planned:
     """The plan resolved on one model: each parameter's style (own or its module's) and each
@@ -131,6 +155,7 @@ def resolve(model: Any) -> Planned:
     """The model's plan, each pattern resolved to the parameters and modules it names; raises
     :class:`Refusal` for a model without a plan or with a style this impl does not implement."""
     plan = dict(getattr(model, "tp_plan", None) or {})
+    plan.update(_experts_from_ep_plan(model, plan))
     name = type(model).__name__
     if not plan:
         raise Refusal(
