@@ -17,7 +17,8 @@ costs beyond one without (``ProposalBatch.slot_cost``, in plain steps: on an H20
 step with slots took 2.0 - 2.3 ms against 1.46 - 1.73 for a plain one), a request gains from its
 slots only while they bring more accepted tokens than that: a slot step costs ``1 + slot_cost``
 plain steps and gives ``1 + accepted``. Each request's accepted drafts a slot step (misses
-count 0) are kept as a moving mean; below the cost it pauses as after misses (1, 2 ... up to
+count 0) are kept as a moving mean (the newest step weighted ``yield_weight``, a proposer's
+choice); below the cost it pauses as after misses (1, 2 ... up to
 ``cost_max_pause`` steps), and a probe whose drafts are accepted lifts the mean over the cost
 and ends the pause. On the open prompt set (nothing to copy) slot steps brought 0.35 accepted
 tokens each against a cost of about 0.6.
@@ -37,7 +38,7 @@ MAX_PAUSE = 8  # steps between probes at most: a copy that starts is found withi
 # and 1.593, 1.576 and 1.515 on the copy set (745, 768 and 783 steps: a copy that resumes after
 # a stretch of new text is found later).
 COST_MAX_PAUSE = 32
-_YIELD_WEIGHT = 0.5  # of the newest slot step in a request's mean accepted drafts
+YIELD_WEIGHT = 0.5  # of the newest slot step in a request's mean accepted drafts
 
 
 class DraftPause:
@@ -49,8 +50,12 @@ class DraftPause:
         patience: int = PATIENCE,
         max_pause: int = MAX_PAUSE,
         cost_max_pause: int = COST_MAX_PAUSE,
+        yield_weight: float = YIELD_WEIGHT,
     ) -> None:
         self.resume_at = resume_at
+        # The newest slot step's weight in a request's mean accepted drafts: the lower, the
+        # longer a record of accepted drafts carries a request through steps that accept none.
+        self.yield_weight = yield_weight
         self.patience = patience
         self.max_pause = max_pause
         self.cost_max_pause = cost_max_pause
@@ -107,7 +112,7 @@ class DraftPause:
                 continue  # (a first call; or steps ran without it since, while it paused)
             got = float(n - before[0] - 1)
             old = mean.get(req_id)
-            mean[req_id] = got if old is None else old + _YIELD_WEIGHT * (got - old)
+            mean[req_id] = got if old is None else old + self.yield_weight * (got - old)
             if slot_cost is None:
                 continue
             if mean[req_id] >= slot_cost:

@@ -11,6 +11,7 @@ from pagoda_spec_suffix.tree import SuffixTree
 
 from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode import ProposalBatch
+from pagoda.spec_decode.pause import YIELD_WEIGHT as SHARED_WEIGHT
 from pagoda.testing.spec_decode import make_context
 
 
@@ -148,3 +149,25 @@ def test_the_time_between_requests_is_not_a_step() -> None:
         return p.cost.threshold(1)
 
     assert threshold(0.15) == pytest.approx(threshold(0.0), rel=1e-9)
+
+
+def test_a_record_of_accepted_drafts_carries_a_request_through_an_edit() -> None:
+    # A request copies its prompt: 3 drafts accepted a step, then an edit, where 4 slot steps
+    # accept none. At a slot cost of 0.3 the request keeps drafting through the edit (its mean
+    # accepted drafts stays over the cost), where the shared default weight paused it.
+    prompt = list(range(100, 160))
+
+    def paused_after_the_edit(p: SuffixProposer) -> bool:
+        n = 70
+        for step in range(8):
+            n += 4 if step < 4 else 1
+            batch = _batch(["a"], [prompt + prompt[: n - 60]], [60])
+            batch.slot_cost = 0.3
+            assert p.propose(batch).token_ids[0, 0] >= 0  # a draft each step: no miss
+            p.settle()
+        return "a" in p.resume_at
+
+    assert not paused_after_the_edit(_proposer())
+    shared = _proposer()
+    shared.pause.yield_weight = SHARED_WEIGHT
+    assert paused_after_the_edit(shared)

@@ -54,6 +54,14 @@ from pagoda_spec_suffix.tree import SuffixTree
 # about the 0.65 ms that a batch-1 verifying step of SmolLM2-135M waits for the device
 # (``benchmarks/README.md``).
 CACHE_SLICE = 24
+# The newest slot step's weight in a request's mean accepted drafts (the shared default: 0.5),
+# whose fall below the slot cost pauses the request (``pagoda.spec_decode.pause``).
+# NOTE: a copy's rejected drafts come in runs, at each edit, and the copy resumes after it; at
+# 0.5 four such steps paused a request that had been accepting three drafts a step, and the
+# pauses grew while its probes landed in the edit. On a CPU, at the slot costs measured on an
+# H200 (0.21 suffix, 0.3 on the open set), 0.2 took fewer steps with slots' cost counted
+# (benchmarks/README.md, "A slower mean for suffix's pauses").
+YIELD_WEIGHT = 0.2
 
 
 @dataclass
@@ -87,7 +95,7 @@ class SuffixProposer(SpeculativeProposer):
         self.cached_tokens = 0
         self.global_version = 0  # counts the global tree's changes
         self.cost = DraftCost()
-        self.pause = DraftPause(self.resume_at)
+        self.pause = DraftPause(self.resume_at, yield_weight=YIELD_WEIGHT)
         self._given: tuple | None = None  # the last call's, until ``settle`` records it
         # Outputs of requests that left, waiting to join the global tree (``_cache_slice``), and
         # the one joining it: (req_id, output, the tree's cursor after the tokens added, which
