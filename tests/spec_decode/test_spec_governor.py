@@ -107,20 +107,25 @@ def test_probes_of_a_mode_that_loses_much_are_spaced_by_their_cost() -> None:
     assert any(tie[64:200])
 
 
-def _split_batch(gov: SpeculationGovernor, steps: int, per_request: bool) -> list[bool]:
+def _split_batch(
+    gov: SpeculationGovernor, steps: int, per_request: bool, sit_out: bool = True
+) -> list[bool]:
     """Batch 64 where drafting speeds half the requests up and slows the others down: in a
     drafting step (1.5 ms against a plain step's 1 ms) each of 32 requests that copy emits 6
     tokens, and each of the other 32, whose drafts are rejected, emits one token every other
     step (it sits the next step out while its verification is in flight). The batch's mean
-    rate is twice plain's; its slower half runs at a third. ``per_request``: the governor is
-    told each request's tokens, as the scheduler tells it."""
+    rate is twice plain's; its slower half runs at a third (``sit_out`` False: one token every
+    step, two thirds). ``per_request``: the governor is told each request's tokens, as the
+    scheduler tells it."""
     clock, modes = gov.clock, []
     ids = [f"r{i}" for i in range(64)]
     for step in range(steps):
         on = gov.drafting(64)
         clock.now += 1.5e-3 if on else 1e-3
         if on:
-            counts = {r: 6 if i < 32 else (i + step) % 2 for i, r in enumerate(ids)}
+            counts = {
+                r: 6 if i < 32 else (i + step) % 2 if sit_out else 1 for i, r in enumerate(ids)
+            }
         else:
             counts = dict.fromkeys(ids, 1)
         emitted = sum(counts.values())
@@ -156,21 +161,27 @@ def _runs_of_drafting(modes: list[bool]) -> list[int]:
     return runs
 
 
-def test_a_probe_whose_slower_requests_clearly_lose_ends_at_half_its_steps() -> None:
+def test_a_probe_whose_slower_requests_clearly_lose_ends_early() -> None:
     """Once plain steps were measured, a drafting probe whose slower requests run below
-    ``cut_short`` of plain's rate ends after 4 settling and 4 measured steps, not 8; the
-    first epoch (nothing to compare with) runs whole. Without the cut every probe runs 12."""
+    ``cut_early`` (half) of plain's rate ends after 4 settling and 2 measured steps; one whose
+    slower requests run below ``cut_short`` (three quarters) after 4 and 4, not 8; the first
+    epoch (nothing to compare with) runs whole. Without the cuts every probe runs 12."""
     gov = SpeculationGovernor(clock=FakeClock())
-    runs = _runs_of_drafting(_split_batch(gov, 2000, per_request=True))
+    runs = _runs_of_drafting(_split_batch(gov, 2000, per_request=True))  # a third of plain's
+    assert runs[0] == 12 and len(runs) > 2 and set(runs[1:]) == {6}, runs
+    near = SpeculationGovernor(clock=FakeClock())  # two thirds: judged at half
+    runs = _runs_of_drafting(_split_batch(near, 2000, per_request=True, sit_out=False))
     assert runs[0] == 12 and len(runs) > 2 and set(runs[1:]) == {8}, runs
-    whole = SpeculationGovernor(clock=FakeClock(), cut_short=0.0)
+    late = SpeculationGovernor(clock=FakeClock(), cut_early=0.0)
+    assert set(_runs_of_drafting(_split_batch(late, 2000, per_request=True))[1:]) == {8}
+    whole = SpeculationGovernor(clock=FakeClock(), cut_short=0.0, cut_early=0.0)
     assert set(_runs_of_drafting(_split_batch(whole, 2000, per_request=True))) == {12}
 
 
 def test_where_steps_alternate_a_bucket_starts_plain_and_a_clear_loss_holds() -> None:
     """From ``plain_first_from`` running requests a bucket's first epoch is plain (2 settling
     steps and 8 measured); drafting is probed right after and, its slower requests clearly
-    losing, cut short (4 + 4 steps). That loss counts as confirmed: no probe for the next 32
+    losing, cut short (4 + 2 steps). That loss counts as confirmed: no probe for the next 32
     epochs (the cap of probes spaced by their cost), and a batch that turns over (a new batch
     of 64 admitted) is not probed at its first turnover. Without the start and the cut, the
     first 12 steps draft and drafting is probed again within a few epochs."""
@@ -179,8 +190,8 @@ def test_where_steps_alternate_a_bucket_starts_plain_and_a_clear_loss_holds() ->
     modes = _split_batch(gov, 100, per_request=True)
     gov.admit(64)  # the next batch
     modes += _split_batch(gov, 230, per_request=True)
-    assert not any(modes[:10]) and all(modes[10:18]) and not any(modes[18:]), modes.index(True, 18)
-    old = SpeculationGovernor(clock=FakeClock(), cut_short=0.0)
+    assert not any(modes[:10]) and all(modes[10:16]) and not any(modes[16:]), modes.index(True, 16)
+    old = SpeculationGovernor(clock=FakeClock(), cut_short=0.0, cut_early=0.0)
     old.admit(64)
     before = _split_batch(old, 100, per_request=True)
     assert all(before[:12]) and any(before[22:100])

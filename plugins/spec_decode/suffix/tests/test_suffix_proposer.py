@@ -36,6 +36,16 @@ def _batch(req_ids: list[str], histories: list[list[int]], num_prompt: list[int]
     )
 
 
+def _join_waiting(p: SuffixProposer, req_id: str, history: list[int], num_prompt: int) -> None:
+    """Calls for one request, each followed by the runner's ``settle``, until the outputs
+    waiting to join the global tree are in (a slice a call)."""
+    while True:
+        p.propose(_batch([req_id], [history], [num_prompt]))
+        p.settle()  # (the runner's, after the launch)
+        if not p._to_cache and p._caching is None:
+            return
+
+
 def test_draft_follows_the_most_frequent_continuation_and_stops_when_unsure() -> None:
     tree = SuffixTree(8)
     cursor = tree.add([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 5, 1, 2])
@@ -52,9 +62,8 @@ def test_second_request_repeating_an_earlier_answer_drafts_it_from_the_global_tr
 
     def second(p: SuffixProposer) -> list[int]:
         p.propose(_batch(["a"], [[1, 2, 3, *answer]], [3]))
-        p.remove(["a"])  # its output joins the global tree, from the settle after a call on
-        p.propose(_batch(["b"], [[7, 8, *answer[:4]]], [2]))
-        p.settle()  # (the runner's, after the launch)
+        p.remove(["a"])  # its output joins the global tree, a slice at each settle after a call
+        _join_waiting(p, "b", [7, 8, *answer[:4]], 2)
         return p.propose(_batch(["b"], [[7, 8, *answer[:5]]], [2])).token_ids[0].tolist()
 
     assert second(_proposer()) == answer[5:11]
@@ -68,7 +77,7 @@ def test_an_output_joins_the_global_tree_a_slice_at_each_settle() -> None:
     in (and when one is dropped), not at each slice."""
     from pagoda_spec_suffix.proposer import CACHE_SLICE
 
-    answer = list(range(100, 100 + 3 * CACHE_SLICE + 10))
+    answer = list(range(100, 100 + 3 * CACHE_SLICE + 6))  # (the fourth slice ends it)
     other = list(range(5000, 5020))
     p = _proposer()
     p.propose(_batch(["a"], [[1, 2, 3, *answer]], [3]))
@@ -84,12 +93,13 @@ def test_an_output_joins_the_global_tree_a_slice_at_each_settle() -> None:
     assert p.cached_tokens == len(answer) and len(p.cached["a"]) == CACHE_SLICE  # (room kept)
     version = p.global_version
     step()  # two slices in: not yet the late part
-    late = answer[2 * CACHE_SLICE : 2 * CACHE_SLICE + 5]
+    late = answer[2 * CACHE_SLICE : 2 * CACHE_SLICE + 2]
     assert p.global_version == version and len(p.cached["a"]) == 2 * CACHE_SLICE
     assert not p.global_tree.edges.get(late[0])  # (0 is the root: the key of the root's edge)
-    step()
-    got = p.propose(_batch(["b"], [[7, 8, *late]], [2])).token_ids[0]
-    assert got.tolist() == answer[2 * CACHE_SLICE + 5 : 2 * CACHE_SLICE + 11]
+    step()  # the third slice: drafts from the late part, up to what is in
+    got = p.propose(_batch(["b"], [[7, 8, *late]], [2])).token_ids[0].tolist()
+    want = answer[2 * CACHE_SLICE + 2 : min(2 * CACHE_SLICE + 8, 3 * CACHE_SLICE)]
+    assert got == want + [-1] * (6 - len(want))
     p.settle()
     assert p.global_version == version + 1 and p.cached["a"] == answer and p._caching is None
     # The same tree as the output's add at once.
@@ -97,6 +107,23 @@ def test_an_output_joins_the_global_tree_a_slice_at_each_settle() -> None:
     whole.add(answer)
     assert sorted(p.global_tree.edges) == sorted(whole.edges)
     assert sorted(p.global_tree.count) == sorted(whole.count)
+
+
+def test_a_slice_is_a_share_of_the_outputs_waiting() -> None:
+    """Outputs that come faster than ``CACHE_SLICE`` tokens a step (many requests leaving at
+    once) join in slices of ``1 / CACHE_SHARE`` of what waits, so the wait stays bounded."""
+    from pagoda_spec_suffix.proposer import CACHE_SHARE, CACHE_SLICE
+
+    p = _proposer()
+    ids = [f"r{j}" for j in range(8)]
+    outputs = [list(range(1000 + 250 * j, 1000 + 250 * j + 200)) for j in range(8)]
+    p.propose(_batch(ids, [[1, *out] for out in outputs], [1] * 8))
+    p.remove(ids)
+    waiting = p._queued_tokens
+    assert waiting == 1600 and waiting // CACHE_SHARE > CACHE_SLICE
+    p.propose(_batch(["c"], [[9, 5000, 5001]], [1]))
+    p.settle()
+    assert p._queued_tokens == waiting - waiting // CACHE_SHARE
 
 
 def test_outputs_waiting_to_join_the_global_tree_stay_within_its_bound() -> None:
@@ -115,8 +142,7 @@ def test_global_tree_drops_the_oldest_outputs_beyond_its_bound() -> None:
         out = list(range(1000 + 20 * j, 1020 + 20 * j))
         p.propose(_batch([f"r{j}"], [[1, *out]], [1]))
         p.remove([f"r{j}"])
-    p.propose(_batch(["x"], [[1, 2]], [1]))
-    p.settle()  # (the last output joins at the next call's settle, as each did)
+    _join_waiting(p, "x", [1, 2], 1)  # (the last outputs join at the next calls' settles)
     assert p.cached_tokens <= 50 and list(p.cached) == ["r3", "r4"]
     # The oldest output's substrings are gone from the tree; the newest are there.
     tree = p.global_tree

@@ -49,11 +49,16 @@ from pagoda_spec_suffix.history import history_draft
 from pagoda_spec_suffix.settings import SuffixSettings
 from pagoda_spec_suffix.tree import SuffixTree
 
-# Output tokens of requests that left that a ``settle`` adds to the global tree. On an H200's
-# host an output's 128 tokens took 3.6 ms at once (a prompt's 600, about 7): 24 take at most
-# about the 0.65 ms that a batch-1 verifying step of SmolLM2-135M waits for the device
-# (``benchmarks/README.md``).
-CACHE_SLICE = 24
+# Output tokens of requests that left that a ``settle`` adds to the global tree: at least
+# CACHE_SLICE, and 1 / CACHE_SHARE of those waiting (so that the wait stays bounded when outputs
+# come faster). On an H200's host an output's 128 tokens took 3.6 ms at once (some 28 us a
+# token). NOTE: a slice runs after the launch, while the device computes the step, in the
+# host's slack before it reads that step: with drafts written late (``LateDrafts``) a batch-1
+# copy step waited some 0.4 ms there on the H200, and a slice of 24 - 32 tokens (0.7 - 0.9 ms)
+# overran it into the device's wait; 8 (0.2 ms) fit. The copy set, alternated on one H200: 8
+# tokens 1.973, 1.941, 1.884 against 1.830, 1.834, 1.964 (``benchmarks/README.md``).
+CACHE_SLICE = 8
+CACHE_SHARE = 16
 # The newest slot step's weight in a request's mean accepted drafts (the shared default: 0.5),
 # whose fall below the slot cost pauses the request (``pagoda.spec_decode.pause``).
 # NOTE: a copy's rejected drafts come in runs, at each edit, and the copy resumes after it; at
@@ -148,15 +153,15 @@ class SuffixProposer(SpeculativeProposer):
 
     def settle(self) -> None:
         """Add a slice of the outputs waiting to join the global tree (at the first ``settle``
-        after a call, at least ``CACHE_SLICE`` tokens and a quarter of those waiting, so that
-        the wait stays bounded when outputs come faster); record the last call's step time and
-        its requests' pauses."""
+        after a call, at least ``CACHE_SLICE`` tokens and ``1 / CACHE_SHARE`` of those waiting,
+        so that the wait stays bounded when outputs come faster); record the last call's step
+        time and its requests' pauses."""
         if self._slice_due:
             # (the first settle since a call: the runner's, after the launch of that call's
             # drafts; later ones, at the next launch's start, are on the host's critical path)
             self._slice_due = False
             if self._to_cache or self._caching is not None:
-                self._cache_slice(max(CACHE_SLICE, self._queued_tokens // 4))
+                self._cache_slice(max(CACHE_SLICE, self._queued_tokens // CACHE_SHARE))
         if self._given is None:
             return
         n, given, gained, contiguous, req_ids, num_tokens, found, slot_cost = self._given
