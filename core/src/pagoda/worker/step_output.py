@@ -115,10 +115,12 @@ class StepOutput:
                 for i, t in zip(self.sample_idx.tolist(), tokens.tolist()):
                     out.sampled_token_ids[i] = [t]
             else:
-                self.num_emitted = (tokens >= 0).sum(axis=1)
+                # (each row: its accepted drafts and the target's token, then -1 padding)
+                kept = [[t for t in row if t >= 0] for row in tokens.tolist()]
+                self.num_emitted = np.fromiter(map(len, kept), dtype=np.int64, count=len(kept))
                 self._write_back_verified(tokens)
-                for i, row in zip(self.sample_idx.tolist(), tokens.tolist()):
-                    out.sampled_token_ids[i] = [t for t in row if t >= 0]
+                for i, row in zip(self.sample_idx.tolist(), kept):
+                    out.sampled_token_ids[i] = row
         if self.logprobs is not None:
             arrays = self.logprobs.to_arrays()
             starts = self.logprobs_starts
@@ -141,6 +143,22 @@ class StepOutput:
         with drafts gain their emitted tokens (the engine reads such a step before it schedules
         the request again, so nothing was appended to them since)."""
         ib = self.input_batch
+        if len(tokens) <= 4:
+            # NOTE: a few requests (batch 1, say): Python over each, not a dozen numpy calls
+            # (on the host's path from reading a verification to releasing the next drafts).
+            rows_l, pos_l = self.sample_rows.tolist(), self.sample_pos.tolist()
+            for j, (i, drafted) in enumerate(zip(self.sample_idx.tolist(), self.drafted.tolist())):
+                row, pos = rows_l[j], pos_l[j]
+                if ib.row_of.get(self.req_ids[i]) != row:
+                    continue  # ended or preempted: it gave its row up
+                if not drafted:
+                    if ib.token_ids[row, pos] < 0:
+                        ib.token_ids[row, pos] = tokens[j, 0]
+                    continue
+                n = int(self.num_emitted[j])
+                ib.token_ids[row, pos : pos + n] = tokens[j, :n]
+                ib.num_tokens[row] = pos + n
+            return
         plain = ~self.drafted
         if plain.any():
             sub = StepOutput(ib, self.req_ids, self.sample_idx[plain], self.sample_rows[plain])
@@ -152,13 +170,6 @@ class StepOutput:
             ib.row_of.get(self.req_ids[i]) == r
             for i, r in zip(self.sample_idx[drafted].tolist(), rows.tolist())
         ]
-        if len(drafted) <= 4 and all(owned):
-            # NOTE: a few requests (batch 1, say): a slice each, not a dozen numpy calls.
-            for j, row in zip(drafted.tolist(), rows.tolist()):
-                n, pos = int(self.num_emitted[j]), int(self.sample_pos[j])
-                ib.token_ids[row, pos : pos + n] = tokens[j, :n]
-                ib.num_tokens[row] = pos + n
-            return
         owned = np.asarray(owned, dtype=bool)
         drafted, rows = drafted[owned], rows[owned]
         n = self.num_emitted[drafted]
