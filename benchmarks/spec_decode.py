@@ -480,6 +480,74 @@ def _timeline(engines: dict[str, LLM], batch: list[dict], params: SamplingParams
     return out
 
 
+def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str, Any]:
+    """One more pass of ``batch`` on the spec engine with a clock around the host's parts
+    (:func:`pagoda.bench.timeline.timed`, no profiler): where a late-draft step's cycle goes.
+
+    A verification launched ahead waits on the device for its drafts; the host writes them
+    once it has read the step in flight and proposed. Per such launch: ``read_to_release``
+    (from the read's wait ending to the drafts released: the device waits through all of it),
+    ``release_to_read`` (the host's other work: the rest of the launch, the scheduler's update,
+    the outputs, the next schedule and launch up to its read) and ``read_wait`` (the host
+    waiting for the device). Medians in microseconds, with each wrapped part's median a step."""
+    import pagoda.worker.draft_slots as draft_slots
+    import pagoda.worker.model_runner as model_runner
+    from pagoda.bench.timeline import timed
+    from pagoda.worker.step_output import StepOutput
+
+    core = llm.engine.engine_core
+    runner = core.executor.worker.model_runner
+    spec = runner.spec
+    if spec is None:
+        return {}
+    targets = [
+        (llm.engine, "step", "engine_step"),
+        (llm.engine.output_processor, "process_outputs", "process_outputs"),
+        (core.scheduler, "schedule", "schedule"),
+        (core.scheduler, "update_from_output", "update_from_output"),
+        (runner, "launch", "launch"),
+        (StepOutput, "get", "read_step"),
+        (StepOutput, "_build", "build"),
+        (model_runner, "propose_for_slots", "propose_for_slots"),
+        (draft_slots, "propose", "propose"),
+        (spec.proposer, "propose", "proposer.propose"),
+        (spec.proposer, "settle", "proposer.settle"),
+        (spec.late, "release", "release"),
+        (model_runner, "fill_draft_slots", "fill_draft_slots"),
+        (model_runner, "verify_drafts", "verify_drafts"),
+    ]
+    log: list[tuple[str, int, int]] = []
+    with timed(targets, lambda label, a, b: log.append((label, a, b))):
+        _timed(llm, batch, params)
+    log.sort(key=lambda x: x[2])
+    per: dict[str, list[float]] = {}
+    for label, a, b in log:
+        per.setdefault(label, []).append((b - a) / 1e3)
+    gets = sorted((a, b) for label, a, b in log if label == "read_step")
+    builds = sorted((a, b) for label, a, b in log if label == "build")
+    releases = sorted(b for label, _, b in log if label == "release")
+    cycle: dict[str, list[float]] = {"read_to_release": [], "release_to_read": [], "read_wait": []}
+    for r in releases:
+        before = [a for a, b in builds if a <= r]  # the read this release followed
+        after = [(a, b) for a, b in builds if a > r]  # the next read
+        if not before or not after:
+            continue
+        read_end = before[-1]
+        nxt_build = after[0][0]
+        nxt_get = max((a for a, _ in gets if a <= nxt_build), default=None)
+        cycle["read_to_release"].append((r - read_end) / 1e3)
+        if nxt_get is not None and nxt_get >= r:
+            cycle["release_to_read"].append((nxt_get - r) / 1e3)
+            cycle["read_wait"].append((nxt_build - nxt_get) / 1e3)
+    med = lambda v: round(float(np.median(v)), 1) if v else None  # noqa: E731
+    return {
+        "late_launches": len(cycle["read_to_release"]),
+        "cycle_median_us": {k: med(v) for k, v in cycle.items()},
+        "median_us": {k: med(v) for k, v in sorted(per.items())},
+        "calls": {k: len(v) for k, v in sorted(per.items())},
+    }
+
+
 def run_suite(args: argparse.Namespace) -> None:
     """Each configuration of the suite in a process of its own (this script, with only
     ``--method`` among the speculative options), then one table of the figures."""
@@ -559,6 +627,13 @@ def main() -> None:
         action="store_true",
         help="after timing, one more pass of the first batch per engine under torch's profiler "
         "(a GPU): the device's busy and idle time and the host work it waited for, in the report",
+    )
+    p.add_argument(
+        "--host-path",
+        action="store_true",
+        help="after timing, one more pass of the first batch on the spec engine with a clock "
+        "around the host's parts: the late-draft cycle (read to release, release to the next "
+        "read, the read's wait), in the report",
     )
     p.add_argument(
         "--no-adaptive",
@@ -733,7 +808,10 @@ def main() -> None:
     # measure, which pauses requests whose drafts do not pay for it).
     spec_runner = engines["spec"].engine.engine_core.executor.worker.model_runner
     report["slot_cost"] = spec_runner.spec.slot_cost.summary(args.batch_size)
-    if args.timeline:  # (after every count above: the pass adds to them)
+    if args.host_path:  # (after every count above: the pass adds to them)
+        report["host_path"] = _host_path(engines["spec"], batches[0], params)
+        print(f"--- host path\n{json.dumps(report['host_path'], indent=1)}", file=sys.stderr)
+    if args.timeline:
         report["timeline"] = _timeline(engines, batches[0], params)
     model, where = report_slugs(report, runner)
     which = "random" if random else args.prompts
