@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ pytest.importorskip("triton")
 from pagoda_attention_triton.backend import (  # noqa: E402
     TritonAttentionBackend,
     TritonAttentionImpl,
+    _choose_splits,
     _layer_splits,
 )
 
@@ -30,15 +32,50 @@ PLAIN = AttentionSpec(32, 8, 128, 128**-0.5)
 
 
 def test_a_window_or_chunk_keeps_the_splits_that_leave_each_slice_enough_keys() -> None:
-    """The step's splits were chosen for its longest context (512 keys a slice at least); a
-    layer that sees fewer keys halves them until its slices hold 512 again."""
+    """The step's splits were chosen for its longest context; a layer that sees fewer keys (a
+    window, chunks) halves them until its slices hold 512. Without either they stand, however
+    short the slices (the kernel cuts each program's own keys)."""
     assert _layer_splits(8, 8192, PLAIN) == 8
+    assert _layer_splits(32, 2048, PLAIN) == 32  # 64 a slice at the captured length
     assert _layer_splits(8, 8192, replace(PLAIN, sliding_window=4096)) == 8  # 512 a slice
     assert _layer_splits(8, 8192, replace(PLAIN, sliding_window=1100)) == 2  # 550 a slice
     assert _layer_splits(8, 8192, replace(PLAIN, sliding_window=1000)) == 1  # 2 would hold 500
     assert _layer_splits(8, 8192, replace(PLAIN, sliding_window=4096, chunk_size=2048)) == 4
     assert _layer_splits(4, 2048, replace(PLAIN, sliding_window=100_000)) == 4  # past contexts
     assert _layer_splits(1, 8192, replace(PLAIN, chunk_size=64)) == 1
+
+
+def test_a_small_batch_splits_a_graphs_context_into_slices_of_a_tile(monkeypatch) -> None:
+    """A graph captured at 2,048 keys: at batch 1 and 4 its decode and verification steps take
+    32 slices (64 keys a slice at that length; the kernel cuts shorter contexts evenly), at 16
+    a verification (several queries a program) takes 8 and a decode 16; a step's own short
+    context (no graph) takes fewer."""
+    import pagoda_attention_triton.backend as backend
+
+    monkeypatch.setattr(backend, "_num_sms", lambda index: 132)  # an H200's
+
+    def splits(n: int, q: int, longest: int) -> int:
+        common = CommonAttentionMetadata(
+            num_reqs=n,
+            num_actual_tokens=n * q,
+            max_query_len=q,
+            max_seq_len=longest,
+            query_start_loc=torch.empty(0),
+            seq_lens=torch.empty(0),
+            # (only its device is read: a GPU's, where none is needed to plan)
+            block_table=SimpleNamespace(device=torch.device("cuda", 0)),
+            slot_mapping=torch.empty(0),
+            query_start_loc_cpu=np.arange(n + 1) * q,
+            seq_lens_cpu=np.full(n, longest),
+            block_size=16,
+        )
+        return _choose_splits(common)
+
+    monkeypatch.setattr(backend, "_ordered", lambda common: False)
+    assert [splits(1, 1, 2048), splits(1, 9, 2048), splits(4, 9, 2048)] == [32, 32, 32]
+    assert [splits(16, 9, 2048), splits(16, 1, 2048)] == [8, 16]
+    assert splits(1, 1, 300) == 4  # (no graph: 75 keys a slice in 4, 37 in 8)
+    assert [splits(128, 1, 2048), splits(256, 1, 2048)] == [2, 1]  # (256: programs enough)
 
 
 def test_verification_steps_split_but_not_a_bidirectional_layer_of_several_queries() -> None:

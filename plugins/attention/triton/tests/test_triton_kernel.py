@@ -98,6 +98,44 @@ def test_paged_attention_matches_float64_reference(
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(
+    "q_lens,ctx,splits,tile_n",
+    [
+        # A verification graph of 9 queries a request (GQA 3), captured at 2,048 and replayed
+        # with contexts of 1,000 and 37: 32 slices of each program's own keys, in 16-key tiles
+        # (1,009 keys: 32 slices of 32, the last ones empty), and one request past every slice
+        # but its first.
+        ([9, 9], [1000, 37], 32, 16),
+        # Decode: contexts that are not a multiple of anything, a request with no context, and
+        # slices of one tile where a context is shorter than the splits' tiles.
+        ([1, 1, 1, 1], [700, 5, 0, 129], 32, 64),
+        ([1, 1], [2040, 300], 8, None),
+    ],
+)
+def test_splits_share_each_programs_own_keys_below_a_captured_length(
+    q_lens, ctx, splits, tile_n
+) -> None:
+    """A graph's steps pass the longest context it may replay with (2,048 here), not theirs:
+    the kernel cuts each program's own keys into the slices, and every key is in one slice."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    q, kc, vc, bt, seq_lens, qsl = _paged_layout(
+        q_lens, ctx, heads, kv_heads, head_dim, 16, torch.float32, seed=3
+    )
+    captured = 2048
+    table = torch.zeros(len(q_lens), captured // 16, dtype=torch.int32)
+    table[:, : bt.shape[1]] = bt
+    scale = head_dim**-0.5
+    want = reference_paged_attention(q, kc, vc, bt, seq_lens, q_lens, scale)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    out = torch.full_like(dev(q), float("nan"))
+    paged_attention(
+        dev(q), dev(kc), dev(vc), out, dev(table),
+        dev(torch.tensor(seq_lens, dtype=torch.int32)), dev(qsl), len(q_lens), sum(q_lens),
+        max(q_lens), captured, scale, splits, tile_n=tile_n,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
+
+
 # Every launch of the kernels, for the spec's extras: (q_lens, ctx, splits, ordered, tile_n).
 # Contexts reach several tiles past the window, so whole tiles lie below it.
 SPEC_PATHS = {

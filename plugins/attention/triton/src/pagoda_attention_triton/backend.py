@@ -34,10 +34,14 @@ from pagoda.attention.backend import (
 from pagoda.attention.spec import AttentionSpec
 from pagoda.config import AttentionConfig
 
-# Below this many keys per split, splitting the context costs more than it gains.
+# Below this many keys per split of a window (or chunk), splitting costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
+# A context is split while its slices would hold this many keys (a tile): the kernel sizes each
+# program's slice from the keys it reads, so a graph captured at a long context still splits a
+# short one evenly.
+_MIN_CONTEXT_KEYS_PER_SPLIT = 64
 # The most slices a step splits a context in (the split merge reads this many partials, masked).
-MAX_SPLITS = 16
+MAX_SPLITS = 32
 # Steps of up to this many queries a request (decode, verification of up to 15 drafts) split.
 _SPLIT_MAX_QUERY = 16
 
@@ -213,12 +217,13 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
         # Longest first, an unsplit launch already ends evenly: at batch 128 and 192
         # (contexts 160 - 1440) it took 103 and 155 us a layer against 113 and 162 in 2 splits.
         return 1
-    target = 8 * sms
+    # (a verification's program holds several queries a KV head: fewer of them fill the device)
+    target = (8 if common.max_query_len == 1 else 4) * sms
     splits = 1
     while (
         splits < MAX_SPLITS
         and programs * splits < target
-        and common.max_seq_len // (splits * 2) >= _MIN_KEYS_PER_SPLIT
+        and common.max_seq_len // (splits * 2) >= _MIN_CONTEXT_KEYS_PER_SPLIT
     ):
         splits *= 2
     return splits
@@ -228,8 +233,9 @@ def _layer_splits(
     num_splits: int, max_seq_len: int, spec: AttentionSpec, max_query_len: int = 1
 ) -> int:
     """The step's splits for a layer: a window (or chunk) shorter than the contexts leaves fewer
-    keys to a query, and the kernel splits those, not the context; halve the splits until each
-    slice holds ``_MIN_KEYS_PER_SPLIT`` again (the rule ``_choose_splits`` doubled them by).
+    keys to a query, and the kernel splits those (in slices sized from the step's longest
+    context), not the context; halve the splits until each slice holds ``_MIN_KEYS_PER_SPLIT``.
+    Without one the step's splits stand: the kernel cuts each program's own keys.
     Fixed per layer for a given step (and graph: it reads the captured worst-case length).
     Splits are for decode and verification steps; a bidirectional layer splits decode steps
     only, where its query (its request's last token) sees what a causal one's does: a window's
@@ -240,6 +246,8 @@ def _layer_splits(
     for local in (spec.sliding_window, spec.chunk_size):
         if local is not None:
             keys = min(keys, local)
+    if keys >= max_seq_len:  # (the context's own slices, which the kernel sizes)
+        return num_splits
     while num_splits > 1 and keys // num_splits < _MIN_KEYS_PER_SPLIT:
         num_splits //= 2
     return num_splits
