@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -481,8 +482,9 @@ def _timeline(engines: dict[str, LLM], batch: list[dict], params: SamplingParams
 
 
 def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str, Any]:
-    """One more pass of ``batch`` on the spec engine with a clock around the host's parts
-    (:func:`pagoda.bench.timeline.timed`, no profiler): where a late-draft step's cycle goes.
+    """One more pass of ``batch`` on ``llm`` with a clock around the host's parts
+    (:func:`pagoda.bench.timeline.timed`, no profiler): where a late-draft step's cycle goes,
+    and each part's median a step (on both engines: the parts a plain step shares).
 
     A verification launched ahead waits on the device for its drafts; the host writes them
     once it has read the step in flight and proposed. Per such launch: ``read_to_release``
@@ -499,7 +501,7 @@ def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str,
     runner = core.executor.worker.model_runner
     spec = runner.spec
     if spec is None:
-        return {}
+        spec = SimpleNamespace(proposer=None, late=None)  # (the plain engine: its parts only)
     targets = [
         (llm.engine, "step", "engine_step"),
         (llm.engine.output_processor, "process_outputs", "process_outputs"),
@@ -515,6 +517,8 @@ def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str,
         (spec.late, "release", "release"),
         (model_runner, "fill_draft_slots", "fill_draft_slots"),
         (model_runner, "verify_drafts", "verify_drafts"),
+        (core.scheduler.spec_governor, "observe", "governor.observe"),
+        (runner.decode_graphs, "run", "decode_graph"),
     ]
     log: list[tuple[str, int, int]] = []
     with timed(targets, lambda label, a, b: log.append((label, a, b))):
@@ -631,9 +635,9 @@ def main() -> None:
     p.add_argument(
         "--host-path",
         action="store_true",
-        help="after timing, one more pass of the first batch on the spec engine with a clock "
-        "around the host's parts: the late-draft cycle (read to release, release to the next "
-        "read, the read's wait), in the report",
+        help="after timing, one more pass of the first batch on each engine with a clock "
+        "around the host's parts: each part's median a step, and the late-draft cycle (read to "
+        "release, release to the next read, the read's wait), in the report",
     )
     p.add_argument(
         "--no-adaptive",
@@ -809,7 +813,7 @@ def main() -> None:
     spec_runner = engines["spec"].engine.engine_core.executor.worker.model_runner
     report["slot_cost"] = spec_runner.spec.slot_cost.summary(args.batch_size)
     if args.host_path:  # (after every count above: the pass adds to them)
-        report["host_path"] = _host_path(engines["spec"], batches[0], params)
+        report["host_path"] = {k: _host_path(llm, batches[0], params) for k, llm in engines.items()}
         print(f"--- host path\n{json.dumps(report['host_path'], indent=1)}", file=sys.stderr)
     if args.timeline:
         report["timeline"] = _timeline(engines, batches[0], params)
