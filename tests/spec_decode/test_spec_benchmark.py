@@ -1,7 +1,7 @@
 """benchmarks/spec_decode.py ``--all-accepted`` on a CPU: random weights whose final norm is zero
 repeat one token, so every n-gram draft is accepted, the outputs equal the plain engine's and
 the speculating engine takes a fraction of its steps (what is left is the cost of speculating,
-which the benchmark then measures)."""
+which the benchmark then measures), and ``--host-path``'s report of the host's parts."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
     # proposer's own lengths the draft-cost model times the steps, and on a loaded host one slow
     # step read as a dear draft token once cut the drafts to one or two (58 steps where 30 are
     # usual); the harness is tested here, not that model.
-    cmd += ["--num-speculative-tokens", "4", "--no-adaptive"]
+    cmd += ["--num-speculative-tokens", "4", "--no-adaptive", "--host-path"]
     env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [*cmd, "--output-json", str(out)], capture_output=True, text=True, env=env, timeout=600
@@ -43,4 +43,13 @@ def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
     assert set(report["slot_cost"]) == {
         "waited_ms", "waited_steps", "plain_ms", "plain_steps", "cost"
     }  # fmt: skip
+    # --host-path: each engine's parts timed over one more pass; the proposer's calls on the
+    # spec engine's only; no late drafts on a CPU (no verification graphs), so no cycle.
+    path = report["host_path"]
+    for name in ("off", "spec"):
+        assert path[name]["calls"]["schedule"] == path[name]["calls"]["engine_step"] > 0
+        assert path[name]["median_us"]["launch"] > 0
+    assert path["spec"]["calls"]["proposer.propose"] > 0
+    assert "proposer.propose" not in path["off"]["calls"]
+    assert path["spec"]["late_launches"] == 0
     assert (tmp_path / "cache" / "random-weights" / "tiny-llama-seed0-all-accepted").is_dir()
