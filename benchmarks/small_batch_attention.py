@@ -20,7 +20,7 @@ import itertools
 import json
 
 import torch
-from pagoda_attention_triton.backend import _choose_splits, _layer_splits
+from pagoda_attention_triton.backend import TritonAttentionBackend, _layer_splits
 from pagoda_attention_triton.kernels import paged_attention
 
 from pagoda.attention.spec import AttentionSpec
@@ -50,7 +50,7 @@ def _case(batch: int, ctx: int, q_len: int, args: argparse.Namespace, device: to
 
 
 def _engine_splits(batch: int, q_len: int, max_model_len: int, device: torch.device) -> int:
-    """The splits the backend's heuristic gives the captured step."""
+    """The splits the backend gives a graph of this step captured at ``max_model_len``."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -63,7 +63,8 @@ def _engine_splits(batch: int, q_len: int, max_model_len: int, device: torch.dev
         seq_lens_cpu=np.full(batch, max_model_len),
     )
     spec = AttentionSpec(num_heads=1, num_kv_heads=1, head_size=1, scale=1.0)
-    return _layer_splits(_choose_splits(common), max_model_len, spec, q_len)
+    planned = TritonAttentionBackend.build_graph_metadata(common).num_splits
+    return _layer_splits(planned, max_model_len, spec, q_len)
 
 
 def main() -> None:

@@ -48,13 +48,13 @@ def test_a_window_or_chunk_keeps_the_splits_that_leave_each_slice_enough_keys() 
 def test_a_small_batch_splits_a_graphs_context_into_slices_of_a_tile(monkeypatch) -> None:
     """A graph captured at 2,048 keys: at batch 1 and 4 its decode and verification steps take
     32 slices (64 keys a slice at that length; the kernel cuts shorter contexts evenly), at 16
-    a verification (several queries a program) takes 8 and a decode 16; a step's own short
-    context (no graph) takes fewer."""
+    a verification (several queries a program) takes 8 and a decode 16. An eager step keeps 512
+    keys a slice of its own longest context."""
     import pagoda_attention_triton.backend as backend
 
     monkeypatch.setattr(backend, "_num_sms", lambda index: 132)  # an H200's
 
-    def splits(n: int, q: int, longest: int) -> int:
+    def splits(n: int, q: int, longest: int, graph: bool = True) -> int:
         common = CommonAttentionMetadata(
             num_reqs=n,
             num_actual_tokens=n * q,
@@ -69,12 +69,14 @@ def test_a_small_batch_splits_a_graphs_context_into_slices_of_a_tile(monkeypatch
             seq_lens_cpu=np.full(n, longest),
             block_size=16,
         )
-        return _choose_splits(common)
+        if not graph:
+            return _choose_splits(common)
+        return TritonAttentionBackend.build_graph_metadata(common).num_splits
 
     monkeypatch.setattr(backend, "_ordered", lambda common: False)
     assert [splits(1, 1, 2048), splits(1, 9, 2048), splits(4, 9, 2048)] == [32, 32, 32]
     assert [splits(16, 9, 2048), splits(16, 1, 2048)] == [8, 16]
-    assert splits(1, 1, 300) == 4  # (no graph: 75 keys a slice in 4, 37 in 8)
+    assert [splits(1, 1, 300, graph=False), splits(1, 1, 2048, graph=False)] == [1, 4]
     assert [splits(128, 1, 2048), splits(256, 1, 2048)] == [2, 1]  # (256: programs enough)
 
 

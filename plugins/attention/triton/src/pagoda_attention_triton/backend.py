@@ -34,11 +34,12 @@ from pagoda.attention.backend import (
 from pagoda.attention.spec import AttentionSpec
 from pagoda.config import AttentionConfig
 
-# Below this many keys per split of a window (or chunk), splitting costs more than it gains.
+# Below this many keys per split of an eager step's context, or of a window (or chunk), splitting
+# costs more than it gains.
 _MIN_KEYS_PER_SPLIT = 512
-# A context is split while its slices would hold this many keys (a tile): the kernel sizes each
-# program's slice from the keys it reads, so a graph captured at a long context still splits a
-# short one evenly.
+# A graph's context is split while its slices would hold this many keys (a tile) at the length it
+# was captured at: the kernel sizes each program's slice from the keys it reads, so a graph
+# captured at a long context still splits a short one evenly.
 _MIN_CONTEXT_KEYS_PER_SPLIT = 64
 # The most slices a step splits a context in (the split merge reads this many partials, masked).
 MAX_SPLITS = 32
@@ -128,7 +129,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def build_graph_metadata(cls, common: CommonAttentionMetadata) -> TritonMetadata:
-        md = TritonMetadata(common, _choose_splits(common))
+        # (captured at the longest context: slices down to a tile, which the kernel sizes from
+        # each replay's own contexts)
+        md = TritonMetadata(common, _choose_splits(common, _MIN_CONTEXT_KEYS_PER_SPLIT))
         if _ordered(common):
             # Persistent: the graph's kernels read it; each replay rewrites it.
             md.order = torch.arange(
@@ -198,13 +201,18 @@ def _host_to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return _pinned(a).to(device, non_blocking=True)
 
 
-def _choose_splits(common: CommonAttentionMetadata) -> int:
+def _choose_splits(common: CommonAttentionMetadata, min_keys: int = _MIN_KEYS_PER_SPLIT) -> int:
     """Split long contexts for decode steps of too few (request, KV head) programs to keep every
     multiprocessor busy to the end: a program holds one multiprocessor, and with few programs a
     wave of long contexts finishes alone. Replayed from CUDA graphs on an H200 (Qwen3-0.6B's
     heads, contexts 200 - 1800, benchmarks/triton_decode_tuning.py --graphs), splitting in 4 was
     2.4 times as fast at batch 4 and 1.8 at 16, 1.3 in 2 at 32, 1.1 in 4 at 64, 1.03 in 2 at 128,
-    and 0.99 in 2 at 256."""
+    and 0.99 in 2 at 256.
+
+    Each slice keeps ``min_keys`` of the step's longest context: an eager step's, 512 (below
+    that a slice's partials and their merge, allocated and launched each layer, cost more host
+    time than the split saves); a graph's, a tile (``_MIN_CONTEXT_KEYS_PER_SPLIT``), since it is
+    captured at ``max_model_len`` and the kernel cuts each replay's own contexts."""
     # NOTE: verification steps (a few queries a request, speculative decoding) split too: at
     # batch 1, unsplit, a model of few KV heads ran one program per KV head over the whole
     # context (SmolLM2: 3 programs on 132 multiprocessors), in float32 with IEEE dots, while
@@ -223,7 +231,7 @@ def _choose_splits(common: CommonAttentionMetadata) -> int:
     while (
         splits < MAX_SPLITS
         and programs * splits < target
-        and common.max_seq_len // (splits * 2) >= _MIN_CONTEXT_KEYS_PER_SPLIT
+        and common.max_seq_len // (splits * 2) >= min_keys
     ):
         splits *= 2
     return splits
