@@ -441,35 +441,11 @@ def _timeline(engines: dict[str, LLM], batch: list[dict], params: SamplingParams
     weights)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    import pagoda.worker.model_runner as model_runner
     from pagoda.bench.timeline import annotated, device_timeline
-    from pagoda.worker.step_output import StepOutput
 
     out = {}
     for name, llm in engines.items():
-        core = llm.engine.engine_core
-        runner = core.executor.worker.model_runner
-        spec = runner.spec
-        targets = [
-            (llm.engine, "step", "engine_step"),
-            (core.scheduler, "schedule", "schedule"),
-            (core.scheduler, "after_launch", "after_launch"),
-            (core.scheduler, "update_from_output", "update_from_output"),
-            (core.executor, "launch", "launch"),
-            (core, "_finish", "finish"),
-            (StepOutput, "get", "read_step"),
-            (runner, "_update_states", "update_states"),
-            (runner, "_sample", "sample"),
-            (runner, "_propose", "propose_after"),
-            (runner.in_flight, "read_all", "read_all"),
-            (runner.in_flight, "settle", "settle"),
-            (runner.decode_graphs, "run", "decode_graph"),
-            (model_runner, "propose_for_slots", "propose_for_slots"),
-            (model_runner, "fill_draft_slots", "fill_draft_slots"),
-            (model_runner, "run_verify_graph", "run_verify_graph"),
-            (model_runner, "verify_drafts", "verify_drafts"),
-            (None if spec is None else spec.verify_graphs, "run", "verify_graph"),
-        ]
+        targets = _host_targets(llm)
         activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         with profile(activities=activities) as prof, annotated(targets):
             with record_function("spec_decode.call"):
@@ -479,6 +455,47 @@ def _timeline(engines: dict[str, LLM], batch: list[dict], params: SamplingParams
         out[name] = got
         print(f"--- timeline: {name}\n{json.dumps(got, indent=1)}", file=sys.stderr)
     return out
+
+
+def _host_targets(llm: LLM) -> list[tuple[Any, str, str]]:
+    """The engine's host parts a pass is timed or annotated by (:mod:`pagoda.bench.timeline`):
+    ``(owner, attribute, label)``; those of a plain engine's runner only where it has them."""
+    import pagoda.worker.draft_slots as draft_slots
+    import pagoda.worker.model_runner as model_runner
+    from pagoda.worker.step_output import StepOutput
+
+    core = llm.engine.engine_core
+    runner = core.executor.worker.model_runner
+    spec = runner.spec
+    if spec is None:
+        spec = SimpleNamespace(proposer=None, late=None, verify_graphs=None)  # (owners: none)
+    return [
+        (llm.engine, "step", "engine_step"),
+        (llm.engine.output_processor, "process_outputs", "process_outputs"),
+        (core.scheduler, "schedule", "schedule"),
+        (core.scheduler, "after_launch", "after_launch"),
+        (core.scheduler, "update_from_output", "update_from_output"),
+        (core.scheduler.spec_governor, "observe", "governor.observe"),
+        (core.executor, "launch", "launch"),
+        (core, "_finish", "finish"),
+        (StepOutput, "get", "read_step"),
+        (StepOutput, "_build", "build"),
+        (runner, "_update_states", "update_states"),
+        (runner, "_sample", "sample"),
+        (runner, "_propose", "propose_after"),
+        (runner.in_flight, "read_all", "read_all"),
+        (runner.in_flight, "settle", "settle"),
+        (runner.decode_graphs, "run", "decode_graph"),
+        (model_runner, "propose_for_slots", "propose_for_slots"),
+        (draft_slots, "propose", "propose"),
+        (spec.proposer, "propose", "proposer.propose"),
+        (spec.proposer, "settle", "proposer.settle"),
+        (spec.late, "release", "release"),
+        (model_runner, "fill_draft_slots", "fill_draft_slots"),
+        (model_runner, "run_verify_graph", "run_verify_graph"),
+        (model_runner, "verify_drafts", "verify_drafts"),
+        (spec.verify_graphs, "run", "verify_graph"),
+    ]
 
 
 def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str, Any]:
@@ -492,34 +509,9 @@ def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str,
     ``release_to_read`` (the host's other work: the rest of the launch, the scheduler's update,
     the outputs, the next schedule and launch up to its read) and ``read_wait`` (the host
     waiting for the device). Medians in microseconds, with each wrapped part's median a step."""
-    import pagoda.worker.draft_slots as draft_slots
-    import pagoda.worker.model_runner as model_runner
     from pagoda.bench.timeline import timed
-    from pagoda.worker.step_output import StepOutput
 
-    core = llm.engine.engine_core
-    runner = core.executor.worker.model_runner
-    spec = runner.spec
-    if spec is None:
-        spec = SimpleNamespace(proposer=None, late=None)  # (the plain engine: its parts only)
-    targets = [
-        (llm.engine, "step", "engine_step"),
-        (llm.engine.output_processor, "process_outputs", "process_outputs"),
-        (core.scheduler, "schedule", "schedule"),
-        (core.scheduler, "update_from_output", "update_from_output"),
-        (runner, "launch", "launch"),
-        (StepOutput, "get", "read_step"),
-        (StepOutput, "_build", "build"),
-        (model_runner, "propose_for_slots", "propose_for_slots"),
-        (draft_slots, "propose", "propose"),
-        (spec.proposer, "propose", "proposer.propose"),
-        (spec.proposer, "settle", "proposer.settle"),
-        (spec.late, "release", "release"),
-        (model_runner, "fill_draft_slots", "fill_draft_slots"),
-        (model_runner, "verify_drafts", "verify_drafts"),
-        (core.scheduler.spec_governor, "observe", "governor.observe"),
-        (runner.decode_graphs, "run", "decode_graph"),
-    ]
+    targets = _host_targets(llm)
     log: list[tuple[str, int, int]] = []
     with timed(targets, lambda label, a, b: log.append((label, a, b))):
         _timed(llm, batch, params)
