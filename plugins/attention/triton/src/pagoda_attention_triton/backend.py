@@ -209,10 +209,11 @@ def _choose_splits(common: CommonAttentionMetadata, min_keys: int = _MIN_KEYS_PE
     2.4 times as fast at batch 4 and 1.8 at 16, 1.3 in 2 at 32, 1.1 in 4 at 64, 1.03 in 2 at 128,
     and 0.99 in 2 at 256.
 
-    Each slice keeps ``min_keys`` of the step's longest context: an eager step's, 512 (below
-    that a slice's partials and their merge, allocated and launched each layer, cost more host
-    time than the split saves); a graph's, a tile (``_MIN_CONTEXT_KEYS_PER_SPLIT``), since it is
-    captured at ``max_model_len`` and the kernel cuts each replay's own contexts."""
+    Each slice keeps ``min_keys`` of the step's longest context: an eager step's, 512 (the rule
+    measured above; an eager step also allocates its slices' partials and launches their merge
+    on the host each layer, not timed against more slices); a graph's, a tile
+    (``_MIN_CONTEXT_KEYS_PER_SPLIT``), since it is captured at ``max_model_len`` and the kernel
+    cuts each replay's own contexts (``benchmarks/small_batch_attention.py``)."""
     # NOTE: verification steps (a few queries a request, speculative decoding) split too: at
     # batch 1, unsplit, a model of few KV heads ran one program per KV head over the whole
     # context (SmolLM2: 3 programs on 132 multiprocessors), in float32 with IEEE dots, while
