@@ -24,6 +24,7 @@ request); the report counts the engine steps each took.
 from __future__ import annotations
 
 import argparse
+import bisect
 import inspect
 import json
 import subprocess
@@ -515,26 +516,23 @@ def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str,
     log: list[tuple[str, int, int]] = []
     with timed(targets, lambda label, a, b: log.append((label, a, b))):
         _timed(llm, batch, params)
-    log.sort(key=lambda x: x[2])
     per: dict[str, list[float]] = {}
     for label, a, b in log:
         per.setdefault(label, []).append((b - a) / 1e3)
-    gets = sorted((a, b) for label, a, b in log if label == "read_step")
-    builds = sorted((a, b) for label, a, b in log if label == "build")
+    # (a read's output is built once its wait ended: the build's start marks that end)
+    gets = sorted(a for label, a, _ in log if label == "read_step")
+    builds = sorted(a for label, a, _ in log if label == "build")
     releases = sorted(b for label, _, b in log if label == "release")
     cycle: dict[str, list[float]] = {"read_to_release": [], "release_to_read": [], "read_wait": []}
     for r in releases:
-        before = [a for a, b in builds if a <= r]  # the read this release followed
-        after = [(a, b) for a, b in builds if a > r]  # the next read
-        if not before or not after:
+        i = bisect.bisect_right(builds, r)  # builds[i - 1]: the read it followed; [i]: the next
+        if i == 0 or i == len(builds):
             continue
-        read_end = before[-1]
-        nxt_build = after[0][0]
-        nxt_get = max((a for a, _ in gets if a <= nxt_build), default=None)
-        cycle["read_to_release"].append((r - read_end) / 1e3)
-        if nxt_get is not None and nxt_get >= r:
-            cycle["release_to_read"].append((nxt_get - r) / 1e3)
-            cycle["read_wait"].append((nxt_build - nxt_get) / 1e3)
+        cycle["read_to_release"].append((r - builds[i - 1]) / 1e3)
+        j = bisect.bisect_right(gets, builds[i])  # gets[j - 1]: the next read's start
+        if j and gets[j - 1] >= r:
+            cycle["release_to_read"].append((gets[j - 1] - r) / 1e3)
+            cycle["read_wait"].append((builds[i] - gets[j - 1]) / 1e3)
     med = lambda v: round(float(np.median(v)), 1) if v else None  # noqa: E731
     return {
         "late_launches": len(cycle["read_to_release"]),
