@@ -64,3 +64,16 @@ def test_steps_over_a_cached_context_compile_nothing_after_start_up() -> None:
 
 def test_without_the_start_up_steps_they_compile() -> None:
     assert "_paged_attention" in _compiles("off")
+
+
+def test_the_lm_head_is_warmed_for_every_row_count_a_verification_may_score() -> None:
+    # (SmolLM2's LM head: every count up to 256 requests of k + 1 rows fits the arithmetic cap)
+    from pagoda import LLM
+
+    llm = LLM(model=str(CONFIG), load_format="dummy", dtype="bfloat16", max_model_len=1024,
+              kv_cache_memory_bytes=1 << 30, speculative={"method": "ngram"})  # fmt: skip
+    runner = llm.engine.engine_core.executor.worker.model_runner
+    k = runner.spec.num_spec_tokens
+    assert k >= 1
+    assert runner.logits_rows_warmed == min(runner.max_num_tokens, runner.max_num_reqs * (k + 1))
+    assert runner.startup_times["warm_logits_s"] > 0

@@ -95,3 +95,36 @@ def test_a_cache_of_few_blocks_gets_no_step_past_them() -> None:
     bs = runner.block_size
     assert steps == len(seen) > 0
     assert max(seen) <= 3 * bs
+
+
+def test_the_lm_head_is_warmed_for_each_row_count_in_order_within_its_arithmetic() -> None:
+    import torch
+
+    shapes = []
+
+    def compute_logits(h: torch.Tensor) -> torch.Tensor:
+        shapes.append((tuple(h.shape), h.dtype))
+        return h.new_zeros(h.shape[0], 10)
+
+    # 2 * 4 * 10 = 80 per row: counts 1 to 4 add up to 800, count 5 would pass it
+    warmed, _ = warm_steps.warm_logits_rows(
+        compute_logits, 4, 10, 9, torch.float16, torch.device("cpu"), max_flops=800
+    )
+    assert warmed == 4
+    assert shapes == [((n, 4), torch.float16) for n in (1, 2, 3, 4)]
+    shapes.clear()
+    warmed, _ = warm_steps.warm_logits_rows(
+        compute_logits, 4, 10, 3, torch.float16, torch.device("cpu"), max_flops=1e9
+    )
+    assert warmed == 3 and [s[0][0] for s in shapes] == [1, 2, 3]
+
+
+def test_the_rows_a_step_may_score_count_each_requests_drafts_within_the_budget() -> None:
+    assert warm_steps.logits_rows(256, 8192) == 256
+    assert warm_steps.logits_rows(256, 8192, 8) == 256 * 9
+    assert warm_steps.logits_rows(256, 1024, 8) == 1024
+
+
+def test_a_cpu_engine_warms_no_row_counts() -> None:
+    # (the stall it avoids is a GPU library's; a CPU start-up pays nothing for it)
+    assert _runner(_engine()).logits_rows_warmed == 0

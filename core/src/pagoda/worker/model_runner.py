@@ -68,7 +68,7 @@ from pagoda.worker.step_inputs_kernel import warm as warm_step_inputs_kernel
 from pagoda.worker.step_output import PromptLogprobsPart, StepOutput
 from pagoda.worker.steps_in_flight import StepsInFlight
 from pagoda.worker.verify_inputs_kernel import warm as warm_verify_inputs_kernel
-from pagoda.worker.warm_steps import warm_context_steps
+from pagoda.worker.warm_steps import logits_rows, warm_context_steps, warm_logits_rows
 
 logger = logging.getLogger(__name__)
 
@@ -382,6 +382,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.graph_capture_s = 0.0
+        self.logits_rows_warmed = 0  # (row counts the LM head was warmed for: 1 to this)
         if (
             self.device.type == "cuda"
             and not self.config.model.enforce_eager
@@ -439,6 +440,27 @@ class ModelRunner:
             # sets each layer's scales, which the graphs read from the layer's buffers.
             for layer in layers:
                 layer.calibrate_kv_scales = not layer.kv_scales_loaded
+        if (
+            self.device.type == "cuda"
+            and not self.pipeline
+            and not self.batch_invariant  # (its own GEMM kernels, compiled once a shape class)
+            and not getattr(self.model, "pooling_only", False)
+        ):
+            # Each row count a step may score outside a graph, once (pagoda.worker.warm_steps):
+            # the first product of a count stalls the host for milliseconds.
+            k = 0 if spec is None else spec.num_spec_tokens
+            rows = logits_rows(self.max_num_reqs, self.max_num_tokens, k)
+            self.logits_rows_warmed, self.startup_times["warm_logits_s"] = warm_logits_rows(
+                self.model.compute_logits,
+                self.shape.hidden_size,
+                self.shape.vocab_size,
+                rows,
+                self.dtype,
+                self.device,
+            )
+            logger.debug(
+                "LM head warmed for 1 to %d of up to %d rows a step", self.logits_rows_warmed, rows
+            )
         # The kernel that copies each step's inputs compiles here, not in the first step.
         warm_step_inputs_kernel(self.device)
         if self.device.type == "cuda" and spec is not None:
