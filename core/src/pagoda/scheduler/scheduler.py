@@ -803,10 +803,12 @@ class Scheduler:
                 scheduled_drafts,
                 len(scheduler_output.scheduled_new_reqs),
             )
-            by_request = {r.request_id: 0 for r in self.running}
-            for o in outputs:
-                by_request[o.request_id] = len(o.new_token_ids)
-            emitted = sum(by_request.values())
+            by_request = None
+            if self.spec_governor.counts_requests:
+                by_request = {r.request_id: 0 for r in self.running}
+                for o in outputs:
+                    by_request[o.request_id] = len(o.new_token_ids)
+            emitted = sum(len(o.new_token_ids) for o in outputs)
             self.spec_governor.observe(emitted, len(self.running), clean, accepted, by_request)
         return outputs
 

@@ -244,6 +244,13 @@ class SpeculationGovernor:
             self._begin(b, self._start(b))
         return self.epoch.on
 
+    @property
+    def counts_requests(self) -> bool:
+        """Whether :meth:`observe` reads each request's tokens (``by_request``): in drafting
+        epochs only (plain steps emit a token a request; only drafting's slower requests are
+        measured), so that a plain step at a large batch spares the scheduler building them."""
+        return self.epoch is not None and self.epoch.on
+
     def observe(
         self,
         num_tokens: int,
