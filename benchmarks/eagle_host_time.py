@@ -243,6 +243,7 @@ class _Never:
     """A governor that never drafts (variant ``off``)."""
 
     fixed = False
+    counts_requests = False  # (reads no request's tokens)
 
     def drafting(self, num_running: int) -> bool:
         return False

@@ -23,6 +23,7 @@ class _Switch:
     """A governor stand-in: drafting on for ``on`` steps, then off for the rest."""
 
     fixed = False
+    counts_requests = False  # (reads no request's tokens)
 
     def __init__(self, on: int) -> None:
         self.on, self.steps = on, 0
