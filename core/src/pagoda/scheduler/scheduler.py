@@ -377,7 +377,7 @@ class Scheduler:
             if (
                 num_new <= 0
                 or self._ends_before(req, known)
-                or self._sits_out(req)
+                or (self._alternate and self._sits_out(req))
                 or (self.batch_queue and req.num_output_placeholders)  # its token is in flight
             ):
                 i += 1
@@ -388,7 +388,8 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
-            drafts = self._drafts_to_schedule(req, known, step.budget)
+            # (with drafting off, as the governor has it at large batches, none: no call)
+            drafts = self._drafts_to_schedule(req, known, step.budget) if self._drafting else []
             blocks = kv.allocate_slots(req, num_new + len(drafts))
             if blocks is None and drafts:  # short of blocks: verify no drafts before preempting
                 drafts = []
