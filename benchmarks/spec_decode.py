@@ -542,6 +542,60 @@ def _host_path(llm: LLM, batch: list[dict], params: SamplingParams) -> dict[str,
     }
 
 
+def _plain_overhead(
+    engines: dict[str, LLM], batch: list[dict], params: SamplingParams, passes: int
+) -> dict[str, Any]:
+    """What a plain step costs the speculating engine beyond the plain engine's: ``passes``
+    more passes of ``batch`` on each engine in turn (the order flipped each pass, so that the
+    host's drift between passes falls on both), the speculating engine's drafting held off
+    (``speculative.disable_by_batch_size`` of 1: its governor never drafts), each host part
+    timed per step (:func:`pagoda.bench.timeline.timed`). Each part's median over the steps of
+    every pass but each pass's first 10 (prompts, admissions) and last 5 (a batch draining), in
+    microseconds, and each engine's pass times. Where a large batch is host-bound (a step of
+    1.5 ms at batch 64 on an H200) this is what drafting held off still costs every step."""
+    from pagoda.bench.timeline import timed
+    from pagoda.scheduler.spec_governor import SpeculationGovernor
+
+    scheduler = engines["spec"].engine.engine_core.scheduler
+    kept = scheduler.spec_governor
+    scheduler.spec_governor = SpeculationGovernor(disable_by_batch_size=1, fixed=True)
+    per: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    counted = {name: 0 for name in engines}
+    try:
+        for i in range(passes):
+            for name in ("off", "spec") if i % 2 == 0 else ("spec", "off"):
+                log: list[tuple[str, int, int]] = []
+                with timed(_host_targets(engines[name]), lambda *e, log=log: log.append(e)):
+                    dt, _ = _timed(engines[name], batch, params)
+                seconds[name].append(round(dt, 4))
+                steps = sorted((a, b) for label, a, b in log if label == "engine_step")
+                starts = [a for a, _ in steps]
+                parts: list[dict[str, float]] = [{} for _ in steps]
+                for label, a, b in log:
+                    j = bisect.bisect_right(starts, a) - 1
+                    if label != "engine_step" and j >= 0 and a < steps[j][1]:
+                        parts[j][label] = parts[j].get(label, 0.0) + (b - a) / 1e3
+                for (a, b), got in list(zip(steps, parts))[10:-5]:
+                    got["engine_step"] = (b - a) / 1e3
+                    counted[name] += 1
+                    for label, us in got.items():
+                        per[name].setdefault(label, []).append(us)
+    finally:
+        scheduler.spec_governor = kept
+    med = {name: float(np.median(v)) for name, v in seconds.items()}
+    return {
+        "passes": passes,
+        "pass_seconds": seconds,
+        "spec_over_off_median_pass": round(med["spec"] / med["off"], 4),
+        "steps": counted,
+        "median_us": {
+            name: {k: round(float(np.median(v)), 1) for k, v in sorted(got.items())}
+            for name, got in per.items()
+        },
+    }
+
+
 def run_suite(args: argparse.Namespace) -> None:
     """Each configuration of the suite in a process of its own (this script, with only
     ``--method`` among the speculative options), then one table of the figures."""
@@ -628,6 +682,15 @@ def main() -> None:
         help="after timing, one more pass of the first batch on each engine with a clock "
         "around the host's parts: each part's median a step, and the late-draft cycle (read to "
         "release, release to the next read, the read's wait), in the report",
+    )
+    p.add_argument(
+        "--plain-overhead",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, N more passes of the first batch on each engine in turn, the spec "
+        "engine's drafting held off: each host part's median per step on both (what a plain "
+        "step of the speculating engine costs beyond the plain engine's), in the report",
     )
     p.add_argument(
         "--no-adaptive",
@@ -759,7 +822,7 @@ def main() -> None:
         "accepted_tokens": accepted,
         "greedy_outputs_identical": bool(same),
         "gc_tuned": True,
-        "engine_steps": steps,
+        "engine_steps": {name: dict(c) for name, c in steps.items()},  # (the timed passes')
         "graph_replays": {
             name: {k: v - replays0[name][k] for k, v in _graph_replays(llm).items()}
             for name, llm in engines.items()
@@ -796,13 +859,19 @@ def main() -> None:
         }
     # Why steps with draft slots went without drafts (each slot step waits for the step in
     # flight), and the cost model that decided.
-    report["proposals"] = proposals
+    report["proposals"] = dict(proposals)  # (the timed passes': later passes add to the counts)
     report["draft_cost"] = _draft_cost(_proposer(engines["spec"]), args.batch_size)
     # What a step with draft slots that found no draft cost beyond a plain one (the runner's
     # measure, which pauses requests whose drafts do not pay for it).
     spec_runner = engines["spec"].engine.engine_core.executor.worker.model_runner
     report["slot_cost"] = spec_runner.spec.slot_cost.summary(args.batch_size)
-    if args.host_path:  # (after every count above: the pass adds to them)
+    if args.plain_overhead:  # (after the report's counts: these passes are not in them)
+        report["plain_overhead"] = _plain_overhead(engines, batches[0], params, args.plain_overhead)
+        print(
+            f"--- plain overhead\n{json.dumps(report['plain_overhead'], indent=1)}",
+            file=sys.stderr,
+        )
+    if args.host_path:  # (after the report's counts: this pass is not in them)
         report["host_path"] = {k: _host_path(llm, batches[0], params) for k, llm in engines.items()}
         print(f"--- host path\n{json.dumps(report['host_path'], indent=1)}", file=sys.stderr)
     if args.timeline:

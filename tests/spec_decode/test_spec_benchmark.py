@@ -1,7 +1,8 @@
 """benchmarks/spec_decode.py ``--all-accepted`` on a CPU: random weights whose final norm is zero
 repeat one token, so every n-gram draft is accepted, the outputs equal the plain engine's and
 the speculating engine takes a fraction of its steps (what is left is the cost of speculating,
-which the benchmark then measures), and ``--host-path``'s report of the host's parts."""
+which the benchmark then measures), ``--host-path``'s report of the host's parts, and
+``--plain-overhead``'s of both engines' plain steps."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
     # proposer's own lengths the draft-cost model times the steps, and on a loaded host one slow
     # step read as a dear draft token once cut the drafts to one or two (58 steps where 30 are
     # usual); the harness is tested here, not that model.
-    cmd += ["--num-speculative-tokens", "4", "--no-adaptive", "--host-path"]
+    cmd += [
+        "--num-speculative-tokens",
+        "4",
+        "--no-adaptive",
+        "--host-path",
+        "--plain-overhead",
+        "2",
+    ]
     env = {**os.environ, "PAGODA_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [*cmd, "--output-json", str(out)], capture_output=True, text=True, env=env, timeout=600
@@ -52,4 +60,13 @@ def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
     assert path["spec"]["calls"]["proposer.propose"] > 0
     assert "proposer.propose" not in path["off"]["calls"]
     assert path["spec"]["late_launches"] == 0
+    # --plain-overhead: two more passes on each engine, the spec engine's drafting held off
+    # (every draft would be accepted here: a pass that drafted would take a fraction of the
+    # steps, and its proposer's calls would show).
+    over = report["plain_overhead"]
+    assert over["passes"] == 2 and all(len(v) == 2 for v in over["pass_seconds"].values())
+    for name in ("off", "spec"):
+        assert over["steps"][name] > 0 and over["median_us"][name]["schedule"] > 0
+    assert over["steps"]["spec"] == over["steps"]["off"]
+    assert "proposer.propose" not in over["median_us"]["spec"]
     assert (tmp_path / "cache" / "random-weights" / "tiny-llama-seed0-all-accepted").is_dir()
