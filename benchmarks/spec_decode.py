@@ -561,7 +561,6 @@ def _plain_overhead(
     scheduler.spec_governor = SpeculationGovernor(disable_by_batch_size=1, fixed=True)
     per: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
     seconds: dict[str, list[float]] = {name: [] for name in engines}
-    counted = {name: 0 for name in engines}
     try:
         for i in range(passes):
             for name in ("off", "spec") if i % 2 == 0 else ("spec", "off"):
@@ -578,7 +577,6 @@ def _plain_overhead(
                         parts[j][label] = parts[j].get(label, 0.0) + (b - a) / 1e3
                 for (a, b), got in list(zip(steps, parts))[10:-5]:
                     got["engine_step"] = (b - a) / 1e3
-                    counted[name] += 1
                     for label, us in got.items():
                         per[name].setdefault(label, []).append(us)
     finally:
@@ -588,7 +586,7 @@ def _plain_overhead(
         "passes": passes,
         "pass_seconds": seconds,
         "spec_over_off_median_pass": round(med["spec"] / med["off"], 4),
-        "steps": counted,
+        "steps": {name: len(got.get("engine_step", ())) for name, got in per.items()},
         "median_us": {
             name: {k: round(float(np.median(v)), 1) for k, v in sorted(got.items())}
             for name, got in per.items()

@@ -388,7 +388,6 @@ class Scheduler:
                 if num_new <= 0:
                     i += 1
                     continue
-            # (with drafting off, as the governor has it at large batches, none: no call)
             drafts = self._drafts_to_schedule(req, known, step.budget) if self._drafting else []
             blocks = kv.allocate_slots(req, num_new + len(drafts))
             if blocks is None and drafts:  # short of blocks: verify no drafts before preempting
@@ -502,8 +501,9 @@ class Scheduler:
     def _sits_out(self, req: Request) -> bool:
         """Alternating async speculation: a decoding request whose step in flight verifies
         drafts waits for it; one whose plain step is in flight, and whose last proposal had
-        drafts, waits once so that its next step verifies fresh drafts."""
-        if not self._alternate or not req.num_output_placeholders:
+        drafts, waits once so that its next step verifies fresh drafts. (Asked only where steps
+        alternate: ``schedule`` checks ``_alternate`` first.)"""
+        if not req.num_output_placeholders:
             return False
         if req.num_output_placeholders > 1:
             return True
@@ -522,8 +522,9 @@ class Scheduler:
 
         A request with a step in flight (async scheduling) gets draft slots (``-1``) instead,
         which the runner fills once that step's tokens are known; ``known`` then counts every
-        draft in flight as accepted, so the limits here are conservative."""
-        if known - req.num_computed_tokens != 1 or not self.num_spec_tokens or not self._drafting:
+        draft in flight as accepted, so the limits here are conservative. (Asked only while the
+        batch drafts: ``schedule`` checks ``_drafting`` first.)"""
+        if known - req.num_computed_tokens != 1 or not self.num_spec_tokens:
             return []
         if not self.draft_backoff.allows(req.request_id, len(self.running)):
             return []
