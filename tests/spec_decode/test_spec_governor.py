@@ -355,9 +355,9 @@ def test_disable_by_batch_size_alone_is_a_fixed_threshold() -> None:
 
 
 def test_a_decode_step_is_one_token_a_request_plus_its_drafts() -> None:
-    assert is_decode_step({"a": 1, "b": 4}, {"b": [7, 8, 9]}, 0)
-    assert not is_decode_step({"a": 1, "b": 4}, {}, 0)  # a prompt chunk
-    assert not is_decode_step({"a": 1}, {}, 1)  # a new request
+    assert is_decode_step(5, 2, {"b": [7, 8, 9]}, 0)
+    assert not is_decode_step(5, 2, {}, 0)  # a prompt chunk
+    assert not is_decode_step(1, 1, {}, 1)  # a new request
 
 
 @pytest.mark.parametrize("alternate_from", [1, draft_policy.ALTERNATE_FROM])

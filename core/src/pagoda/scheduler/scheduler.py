@@ -723,7 +723,13 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         accepted = 0  # draft tokens accepted this step (for the speculation governor)
+        step_tokens = 0  # tokens emitted this step (for the speculation governor)
         failed = model_runner_output.failed_requests
+        # (which requests proposed drafts, where steps alternate: nothing to record in a step
+        # that proposed none after one that proposed none)
+        track_proposing = self.spec_alternate_from is not None and bool(
+            proposed or self._proposing
+        )
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -765,12 +771,13 @@ class Scheduler:
                 new_token_ids.append(token)
                 if self._check_stop(req, token):
                     break
+            step_tokens += len(new_token_ids)
             if drafts and not req.is_finished:
                 # Blocks past the known tokens (and the step in flight) held only rejected drafts.
                 self.kv_cache_manager.trim(req, max(req.num_tokens, req.num_computed_tokens))
             if req_id in proposed and not req.is_finished:
                 self.set_drafts(req, proposed[req_id])
-            if self.spec_alternate_from is not None and tokens:
+            if track_proposing and tokens:
                 if req_id in proposed:
                     self._proposing.add(req_id)
                 else:
@@ -801,7 +808,8 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         if self.spec_governor is not None:
             clean = is_decode_step(
-                scheduler_output.num_scheduled_tokens,
+                scheduler_output.total_num_scheduled_tokens,
+                len(scheduler_output.num_scheduled_tokens),
                 scheduled_drafts,
                 len(scheduler_output.scheduled_new_reqs),
             )
@@ -810,8 +818,7 @@ class Scheduler:
                 by_request = {r.request_id: 0 for r in self.running}
                 for o in outputs:
                     by_request[o.request_id] = len(o.new_token_ids)
-            emitted = sum(len(o.new_token_ids) for o in outputs)
-            self.spec_governor.observe(emitted, len(self.running), clean, accepted, by_request)
+            self.spec_governor.observe(step_tokens, len(self.running), clean, accepted, by_request)
         return outputs
 
     def _apply_drafts(

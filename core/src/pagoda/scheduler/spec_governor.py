@@ -483,12 +483,13 @@ class SpeculationGovernor:
         return rates
 
 
-def is_decode_step(num_scheduled: dict[str, int], drafts: dict[str, list[int]], new: int) -> bool:
-    """Whether a step computed only each request's next token and its drafts (no prompt chunk,
-    no new request), so that its time measures decoding."""
-    return not new and sum(num_scheduled.values()) == len(num_scheduled) + sum(
-        len(d) for d in drafts.values()
-    )
+def is_decode_step(
+    num_tokens: int, num_reqs: int, drafts: dict[str, list[int]], new: int
+) -> bool:
+    """Whether a step of ``num_tokens`` tokens over ``num_reqs`` requests computed only each
+    request's next token and its drafts (no prompt chunk, no new request), so that its time
+    measures decoding."""
+    return not new and num_tokens == num_reqs + sum(len(d) for d in drafts.values())
 
 
 def build_governor(

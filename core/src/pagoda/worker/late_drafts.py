@@ -85,6 +85,8 @@ class LateDrafts:
         self.device_drafts = torch.zeros(max_reqs, k, dtype=torch.int64, device=device)
         self._flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        # (their host views, made once: ``check`` runs every step, and a view costs microseconds)
+        self._flag_np, self._error_np = self._flag.numpy(), self._error.numpy()
         self._seq = 0
         self._open: tuple[int, int] | None = None  # (seq, requests) enqueued, not released
         self._launched: set[int] = set()  # request counts launched once (the module's note)
@@ -142,7 +144,7 @@ class LateDrafts:
             self._launched.add(n)
             src[:n] = 0
             written = src[:n].clone()
-            self._flag.numpy()[0] = seq
+            self._flag_np[0] = seq
         else:
             self._open = (seq, n)
         wait_for(self._flag, self._error, seq, _TIMEOUT_S)
@@ -170,13 +172,13 @@ class LateDrafts:
                 rows[i, :m] = got[:m]
             if m < k:  # filler, never compared (see the module's note)
                 rows[i, m:] = rows[i, m - 1] if m else 0
-        self._flag.numpy()[0] = seq  # NOTE: after the rows (stores reach the bus in order)
+        self._flag_np[0] = seq  # NOTE: after the rows (stores reach the bus in order)
 
     def check(self) -> bool:
         """Whether a wait gave up since the last check (the host wrote its drafts too late: the
         verification went on with the region's old drafts, still lossless); logged, counted in
         ``timeouts``."""
-        error = self._error.numpy()
+        error = self._error_np
         if not error[0]:
             return False
         logger.error(
