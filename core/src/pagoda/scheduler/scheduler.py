@@ -362,6 +362,9 @@ class Scheduler:
         gov = self.spec_governor
         self._drafting = gov is None or gov.drafting(len(self.running))
         self._alternate = self._alternates()
+        # (where steps alternate, the placeholders from which a request may sit out: with
+        # drafting off only one whose step in flight verifies drafts does, see ``_sits_out``)
+        sits_from = 1 if self._drafting else 2
 
         i = 0
         while i < len(self.running) and step.budget > 0:
@@ -377,7 +380,11 @@ class Scheduler:
             if (
                 num_new <= 0
                 or self._ends_before(req, known)
-                or (self._alternate and self._sits_out(req))
+                or (
+                    self._alternate
+                    and req.num_output_placeholders >= sits_from
+                    and self._sits_out(req)
+                )
                 or (self.batch_queue and req.num_output_placeholders)  # its token is in flight
             ):
                 i += 1
@@ -502,7 +509,8 @@ class Scheduler:
         """Alternating async speculation: a decoding request whose step in flight verifies
         drafts waits for it; one whose plain step is in flight, and whose last proposal had
         drafts, waits once so that its next step verifies fresh drafts. (Asked only where steps
-        alternate: ``schedule`` checks ``_alternate`` first.)"""
+        alternate, and with drafting off only for a request with a verification in flight:
+        ``schedule`` checks both first.)"""
         if not req.num_output_placeholders:
             return False
         if req.num_output_placeholders > 1:
@@ -727,9 +735,7 @@ class Scheduler:
         failed = model_runner_output.failed_requests
         # (which requests proposed drafts, where steps alternate: nothing to record in a step
         # that proposed none after one that proposed none)
-        track_proposing = self.spec_alternate_from is not None and bool(
-            proposed or self._proposing
-        )
+        track_proposing = self.spec_alternate_from is not None and bool(proposed or self._proposing)
         for req_id in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:

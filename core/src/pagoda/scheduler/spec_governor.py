@@ -483,13 +483,11 @@ class SpeculationGovernor:
         return rates
 
 
-def is_decode_step(
-    num_tokens: int, num_reqs: int, drafts: dict[str, list[int]], new: int
-) -> bool:
+def is_decode_step(num_tokens: int, num_reqs: int, drafts: dict[str, list[int]], new: int) -> bool:
     """Whether a step of ``num_tokens`` tokens over ``num_reqs`` requests computed only each
     request's next token and its drafts (no prompt chunk, no new request), so that its time
     measures decoding."""
-    return not new and num_tokens == num_reqs + sum(len(d) for d in drafts.values())
+    return not new and num_tokens == num_reqs + (sum(map(len, drafts.values())) if drafts else 0)
 
 
 def build_governor(
