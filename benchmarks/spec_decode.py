@@ -551,8 +551,10 @@ def _plain_overhead(
     (``speculative.disable_by_batch_size`` of 1: its governor never drafts), each host part
     timed per step (:func:`pagoda.bench.timeline.timed`). Each part's median over the steps of
     every pass but each pass's first 10 (prompts, admissions) and last 5 (a batch draining), in
-    microseconds, and each engine's pass times. Where a large batch is host-bound (a step of
-    1.5 ms at batch 64 on an H200) this is what drafting held off still costs every step."""
+    microseconds, and each engine's pass times. Then ``passes`` more on each in turn without the
+    clocks (their wrappers cost a microsecond or two a call, more calls on the speculating
+    engine): the ratio of the median passes. Where a large batch is host-bound (a step of 1.5 ms
+    at batch 64 on an H200) this is what drafting held off still costs every step."""
     from pagoda.bench.timeline import timed
     from pagoda.scheduler.spec_governor import SpeculationGovernor
 
@@ -561,6 +563,7 @@ def _plain_overhead(
     scheduler.spec_governor = SpeculationGovernor(disable_by_batch_size=1, fixed=True)
     per: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
     seconds: dict[str, list[float]] = {name: [] for name in engines}
+    untimed: dict[str, list[float]] = {name: [] for name in engines}
     try:
         for i in range(passes):
             for name in ("off", "spec") if i % 2 == 0 else ("spec", "off"):
@@ -579,13 +582,19 @@ def _plain_overhead(
                     got["engine_step"] = (b - a) / 1e3
                     for label, us in got.items():
                         per[name].setdefault(label, []).append(us)
+        for i in range(passes):
+            for name in ("spec", "off") if i % 2 == 0 else ("off", "spec"):
+                untimed[name].append(round(_timed(engines[name], batch, params)[0], 4))
     finally:
         scheduler.spec_governor = kept
     med = {name: float(np.median(v)) for name, v in seconds.items()}
+    bare = {name: float(np.median(v)) for name, v in untimed.items()}
     return {
         "passes": passes,
         "pass_seconds": seconds,
         "spec_over_off_median_pass": round(med["spec"] / med["off"], 4),
+        "untimed_pass_seconds": untimed,
+        "spec_over_off_median_untimed_pass": round(bare["spec"] / bare["off"], 4),
         "steps": {name: len(got.get("engine_step", ())) for name, got in per.items()},
         "median_us": {
             name: {k: round(float(np.median(v)), 1) for k, v in sorted(got.items())}
@@ -688,7 +697,8 @@ def main() -> None:
         metavar="N",
         help="after timing, N more passes of the first batch on each engine in turn, the spec "
         "engine's drafting held off: each host part's median per step on both (what a plain "
-        "step of the speculating engine costs beyond the plain engine's), in the report",
+        "step of the speculating engine costs beyond the plain engine's), then N more without "
+        "the clocks (the ratio of the median passes), in the report",
     )
     p.add_argument(
         "--no-adaptive",

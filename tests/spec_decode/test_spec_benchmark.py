@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).parents[2]
 
 
@@ -65,6 +67,9 @@ def test_all_accepted_drafts_are_every_one_accepted(tmp_path) -> None:
     # steps, and its proposer's calls would show).
     over = report["plain_overhead"]
     assert over["passes"] == 2 and all(len(v) == 2 for v in over["pass_seconds"].values())
+    assert all(len(v) == 2 for v in over["untimed_pass_seconds"].values())
+    untimed = {k: float(np.median(v)) for k, v in over["untimed_pass_seconds"].items()}
+    assert over["spec_over_off_median_untimed_pass"] == round(untimed["spec"] / untimed["off"], 4)
     for name in ("off", "spec"):
         assert over["steps"][name] > 0 and over["median_us"][name]["schedule"] > 0
     assert over["steps"]["spec"] == over["steps"]["off"]
