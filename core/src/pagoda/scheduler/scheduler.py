@@ -362,8 +362,8 @@ class Scheduler:
         gov = self.spec_governor
         self._drafting = gov is None or gov.drafting(len(self.running))
         self._alternate = self._alternates()
-        # (where steps alternate, the placeholders from which a request may sit out: with
-        # drafting off only one whose step in flight verifies drafts does, see ``_sits_out``)
+        # (where steps alternate, the placeholders from which a request may sit out: one with a
+        # step in flight, and with drafting off only one whose step in flight verifies drafts)
         sits_from = 1 if self._drafting else 2
 
         i = 0
@@ -509,19 +509,13 @@ class Scheduler:
         """Alternating async speculation: a decoding request whose step in flight verifies
         drafts waits for it; one whose plain step is in flight, and whose last proposal had
         drafts, waits once so that its next step verifies fresh drafts. (Asked only where steps
-        alternate, and with drafting off only for a request with a verification in flight:
-        ``schedule`` checks both first.)"""
-        if not req.num_output_placeholders:
-            return False
+        alternate, for a request with a step in flight, and with drafting off only for one with
+        a verification in flight: ``schedule`` checks all three first.)"""
         if req.num_output_placeholders > 1:
             return True
         rid = req.request_id
         # NOTE: it sits out only if it may verify drafts in the step after this one.
-        return (
-            self._drafting
-            and rid in self._proposing
-            and self.draft_backoff.allows(rid, len(self.running), ahead=1)
-        )
+        return rid in self._proposing and self.draft_backoff.allows(rid, len(self.running), ahead=1)
 
     def _drafts_to_schedule(self, req: Request, known: int, budget: int) -> list[int]:
         """The part of ``req``'s drafts this step can verify: only for a request whose one
